@@ -1,0 +1,20 @@
+# Set-up and entry points. `make demo` and `make test` each install what they need first.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: install demo test lint bench
+
+# torch 2.13.0 first: it is the CPU wheel on disk; letting pip choose a torch would fetch CUDA wheels.
+install:
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[train,dev]'
+
+demo: install
+	asyncgrpo demo
+
+test: install
+	ruff check .
+	$(PYTHON) -m pytest -q
+
+lint:
+	ruff check .

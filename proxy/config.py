@@ -1,0 +1,250 @@
+"""The run config: one pydantic model, loaded from TOML, every field documented and bounded.
+
+It is validated once by ``asyncgrpo run create`` and stored as ``runs/<run>/config.json``; the proxy and
+every worker read that stored copy, so all processes of a run agree on it.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+
+
+class _Section(BaseModel):
+    # A misspelt field is an error, not a silently ignored default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    base: str = Field(
+        "tiny",
+        description="Base model: a Hugging Face hub id, a local directory in Hugging Face format, or "
+        "'tiny' for the small random-init model that `asyncgrpo model tiny` builds (no download).",
+        min_length=1,
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the base weights. LoRA weights and optimizer state stay float32."
+    )
+    max_prompt_length: int = Field(
+        256, ge=1, le=131072, description="Prompts longer than this many tokens are rejected as bad input."
+    )
+
+
+class LoraConfig(_Section):
+    rank: int = Field(8, ge=1, le=512, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, le=4096, description="LoRA alpha; the update is scaled by alpha/r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout during the optimizer step.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one module name, or 'all-linear'")
+        return value
+
+
+class DatasetConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="Prompt file (.jsonl, .json, .csv or .parquet). Leave empty to use `generator`.",
+    )
+    generator: str | None = Field(
+        "repeat_digit",
+        description="Name of a built-in prompt generator used when `path` is empty (e.g. 'repeat_digit').",
+    )
+    num_prompts: int = Field(
+        512, ge=1, le=10_000_000, description="How many prompts the generator makes (ignored with `path`)."
+    )
+    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
+    answer_column: str | None = Field(
+        "answer", description="Column holding the reference answer passed to rewards (may be empty)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetConfig:
+        if not self.path and not self.generator:
+            raise ValueError("set dataset.path to a prompt file or dataset.generator to a built-in generator")
+        return self
+
+
+class RewardConfig(_Section):
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="A built-in reward ('repeat_digit', 'exact_match', 'format', 'math_verify') or "
+        "'package.module:function' for user code.",
+    )
+    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this reward in the total.")
+
+
+class SamplingConfig(_Section):
+    samples_per_prompt: int = Field(
+        8, ge=2, le=1024, description="G: completions per prompt; advantages are computed within a group."
+    )
+    max_completion_length: int = Field(
+        16, ge=1, le=131072, description="Completions stop at EOS or after this many tokens."
+    )
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; keep 1.0 for exact logprobs.")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Default generation backend; a generate worker flag can override it."
+    )
+
+
+class OptimizerConfig(_Section):
+    learning_rate: float = Field(5e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradient clipping by global norm.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay after warmup, over `total_steps`."
+    )
+    warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Linear warmup steps.")
+    total_steps: int = Field(200, ge=1, le=10_000_000, description="Optimizer steps of the whole run.")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, le=10_000_000, description="Token budget of one forward/backward micro-batch."
+    )
+
+
+class LossConfig(_Section):
+    loss_type: LossType = Field(
+        "dapo",
+        description="dapo: token sum / tokens in the step; grpo: mean of per-sequence means; "
+        "dr_grpo: token sum / (B * max_completion_length); bnpo: token mean per micro-batch.",
+    )
+    epsilon_low: float = Field(0.2, ge=0.0, le=10.0, description="Lower PPO clip: ratio >= 1 - epsilon_low.")
+    epsilon_high: float = Field(
+        0.28, ge=0.0, le=10.0, description="Upper PPO clip: ratio <= 1 + epsilon_high."
+    )
+    beta: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the base model (0: off).")
+    scale_rewards: bool = Field(True, description="Divide group advantages by the group std.")
+    ratio_flag_tolerance: float = Field(
+        0.05,
+        gt=0.0,
+        le=10.0,
+        description="A rollout whose mean rescoring ratio is further than this from 1 is flagged, with "
+        "the worker that made it.",
+    )
+
+
+class AsyncConfig(_Section):
+    groups_per_task: int = Field(4, ge=1, le=4096, description="Prompt groups in one generate task.")
+    groups_per_step: int = Field(8, ge=1, le=65536, description="Prompt groups in one optimizer step.")
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="A sample made with version N trains a step starting from version C only if "
+        "C - N <= max_staleness.",
+    )
+    queue_maxsize: int = Field(
+        16,
+        ge=1,
+        le=100_000,
+        description="Buffer size, in groups: the proxy dispatches generate tasks while in-flight + "
+        "buffered groups stay at or below this.",
+    )
+    publish_every: int = Field(
+        1, ge=1, le=1000, description="Optimizer steps per published version (1: publish every step)."
+    )
+    lease_ttl_s: float = Field(
+        60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed."
+    )
+    generate_task_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=86400.0,
+        description="A generate task not submitted after this long is presumed lost; its prompts go back "
+        "in line and a late submission is refused.",
+    )
+    optimize_task_timeout_s: float = Field(
+        1800.0, gt=0.0, le=86400.0, description="An optimize step not published after this long is re-sent."
+    )
+    keep_every: int = Field(
+        0, ge=0, le=1_000_000, description="Also keep every keep_every-th version forever (0: none)."
+    )
+
+    @model_validator(mode="after")
+    def _buffer_fits_a_step(self) -> AsyncConfig:
+        if self.queue_maxsize < self.groups_per_step:
+            raise ValueError(
+                f"async.queue_maxsize={self.queue_maxsize} is smaller than async.groups_per_step="
+                f"{self.groups_per_step}: no step could ever fill; raise queue_maxsize"
+            )
+        if self.queue_maxsize < self.groups_per_task:
+            raise ValueError(
+                f"async.queue_maxsize={self.queue_maxsize} is smaller than async.groups_per_task="
+                f"{self.groups_per_task}; raise queue_maxsize or lower groups_per_task"
+            )
+        return self
+
+
+class RunConfig(_Section):
+    """A whole run. Sections map to TOML tables: ``[model]``, ``[lora]``, ``[dataset]``, ``[[rewards]]``,
+    ``[sampling]``, ``[optimizer]``, ``[loss]``, ``[async]``."""
+
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompt order, LoRA init and sampling.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    rewards: list[RewardConfig] = Field(
+        default_factory=lambda: [RewardConfig(name="repeat_digit")],
+        min_length=1,
+        description="Rewards summed with their weights.",
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", by_alias=True), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunConfig:
+        return cls.model_validate_json(text)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each field and what to change."""
+
+
+def describe_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"{source} is not a valid run config:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        field = field.replace("async_", "async")
+        lines.append(f"  - {field}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_run_config(data: dict, source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error, source)) from error
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML run config; raise ConfigError naming the bad field."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {path} does not exist") from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from error
+    return parse_run_config(data, str(path))

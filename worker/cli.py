@@ -1,0 +1,97 @@
+"""The ``asyncgrpo`` command line.
+
+Every subcommand imports its role module lazily, so that ``asyncgrpo proxy`` and ``asyncgrpo run create``
+work in an install without torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Asynchronous GRPO with LoRA over Celery, Redis and a bucket."""
+
+
+@main.group()
+def run() -> None:
+    """Create and inspect runs."""
+
+
+@run.command("create")
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--run", "run_name", required=True, help="Run name: the bucket prefix runs/<name>/.")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+def run_create(config_path: Path, run_name: str, bucket: str) -> None:
+    """Validate CONFIG_PATH (TOML) and write the config and the prompts into the bucket."""
+    from proxy.bucket import open_bucket
+    from proxy.config import ConfigError
+    from proxy.run_setup import RunExistsError, create_run
+
+    try:
+        summary = create_run(config_path, run_name, open_bucket(bucket))
+    except (ConfigError, RunExistsError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(summary)
+
+
+@main.command()
+@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to coordinate.")
+@click.option("--host", envvar="ASYNCGRPO_PROXY_HOST", default="127.0.0.1", show_default=True)
+@click.option("--port", envvar="ASYNCGRPO_PROXY_PORT", default=8700, show_default=True, type=int)
+@click.option(
+    "--insecure-loopback",
+    is_flag=True,
+    help="Allow running without ASYNCGRPO_TOKEN; only accepted with a loopback --host.",
+)
+def proxy(run_name: str, host: str, port: int, insecure_loopback: bool) -> None:
+    """Run the coordinator of RUN (HTTP API, dispatch, GC)."""
+    from proxy.server import serve
+
+    serve(run_name=run_name, host=host, port=port, insecure_loopback=insecure_loopback)
+
+
+@main.group()
+def model() -> None:
+    """Build models."""
+
+
+@model.command("tiny")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", default=0, show_default=True, type=int)
+def model_tiny(out_dir: Path, seed: int) -> None:
+    """Build a small random-init causal LM and a locally trained tokenizer in OUT (no download)."""
+    from worker.tiny_model import build_tiny_model
+
+    build_tiny_model(out_dir, seed=seed)
+    click.echo(f"tiny model written to {out_dir}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("role", type=click.Choice(["generate", "optimize"]))
+@click.pass_context
+def worker(ctx: click.Context, role: str) -> None:
+    """Start a Celery worker for ROLE with the right queue, pool and flags (extra args go to celery)."""
+    from worker.launcher import run_worker
+
+    sys.exit(run_worker(role, list(ctx.args)))
+
+
+@main.command()
+@click.option("--steps", default=None, type=int, help="Optimizer steps to run (default: the demo config's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one final JSON line with the run's figures.")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--generate-workers", default=2, show_default=True, type=int)
+def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int) -> None:
+    """Run the whole system locally on a tiny model: Redis, proxy, workers, a file:// bucket."""
+    from worker.demo import run_demo
+
+    sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
+
+
+if __name__ == "__main__":
+    main()
