@@ -1,0 +1,6 @@
+"""Fixtures live in role-named plugin modules; this file only loads them."""
+
+pytest_plugins = [
+    "tests.fixtures_redis",
+    "tests.fixtures_s3",
+]

@@ -1,0 +1,1 @@
+"""Real Redis for tests: a private redis-server on a free port."""

@@ -1,0 +1,1 @@
+"""Real S3-compatible servers for tests."""
