@@ -3,6 +3,7 @@
 Layout of one run (``<run>`` is the run name)::
 
     runs/<run>/config.json                        the run config, written once at creation
+    runs/<run>/RUN_MANIFEST.json                  sha256 of config.json and prompts.jsonl, written last
     runs/<run>/prompts/prompts.jsonl              the dataset as the run saw it
     runs/<run>/adapters/v00000042/<file>          adapter_model.safetensors, adapter_config.json,
                                                   trainer_state.safetensors, trainer_state.json,
@@ -61,6 +62,10 @@ def run_prefix(run: str) -> str:
 
 def config_key(run: str) -> str:
     return run_prefix(run) + "config.json"
+
+
+def run_manifest_key(run: str) -> str:
+    return run_prefix(run) + "RUN_MANIFEST.json"
 
 
 def prompts_key(run: str) -> str:
