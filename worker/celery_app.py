@@ -1,0 +1,59 @@
+"""The Celery application every worker process runs, configured for preemptible machines.
+
+Why each setting (see DESIGN.md, "Celery settings that matter on spot VMs"):
+- JSON only: nothing but JSON crosses the broker (no pickle).
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged only once done, so a worker
+  killed mid-task leaves it unacked and it is delivered again; tasks are idempotent for that reason.
+- ``worker_prefetch_multiplier = 1``: a busy worker never holds a second task that an idle one could run.
+- visibility timeout above the longest task, with kombu's unacked-restore sweep every couple of seconds
+  (interval lowered, throttle 1), so a kill -9'd worker's task comes back soon after the timeout rather
+  than a ~100 s sweep later.
+- ``worker_soft_shutdown_timeout`` with ``REMAP_SIGTERM=SIGQUIT`` (set by ``asyncgrpo worker``): a
+  preempted worker gets a short grace period, then hands its unacked task back to the queue.
+- solo pool (set by the launcher): a forked child hangs on torch once its parent has run a torch op.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from worker.settings import load_worker_settings
+
+GENERATE_QUEUE = "generate"
+OPTIMIZE_QUEUE = "optimize"
+
+
+def build_celery_app() -> Celery:
+    settings = load_worker_settings()
+    celery = Celery("asyncgrpo", broker=settings.redis_url, include=["worker.tasks"])
+    celery.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        worker_pool="solo",
+        worker_soft_shutdown_timeout=settings.soft_shutdown_s,
+        worker_enable_soft_shutdown_on_idle=False,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "unacked_restore_interval": settings.restore_interval_s,
+            "unacked_restore_throttle": 1,
+        },
+        task_routes={
+            "asyncgrpo.generate": {"queue": GENERATE_QUEUE},
+            "asyncgrpo.optimize": {"queue": OPTIMIZE_QUEUE},
+        },
+        task_default_queue=GENERATE_QUEUE,
+    )
+    return celery
+
+
+app = build_celery_app()

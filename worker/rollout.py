@@ -1,0 +1,159 @@
+"""The rollout object: one generate task's samples, as one safetensors file with a JSON header.
+
+Ragged sequences are stored flat with offsets (``prompt_ids`` + ``prompt_offsets``, ``completion_ids`` +
+``completion_offsets``), so one file holds any number of groups without padding. ``behavior_logprobs`` is
+aligned with ``completion_ids``: the logprob of each sampled token under the sampling distribution
+(temperature applied) of the version named in the header. Per-sample arrays (``rewards``, ``advantages``,
+``sample_group``, ``reward/<name>``) have one entry per completion, groups in header order, G per group.
+
+Only numpy and safetensors: no torch needed to read or write one, no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as load_tensors
+from safetensors.numpy import save as save_tensors
+
+ROLLOUT_FORMAT = 1
+_HEADER_FIELD = "asyncgrpo"
+
+
+class RolloutFormatError(ValueError):
+    """A rollout object that cannot be read as this format."""
+
+
+@dataclass
+class RolloutSample:
+    group_index: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behavior_logprobs: list[float]
+    reward: float
+    advantage: float
+    finish_reason: str
+    rewards_by_name: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    run: str
+    task_id: str
+    version: int
+    worker_id: str
+    groups: list[dict[str, Any]]  # [{"group_id": str, "prompt_index": int}], in sample order
+    samples: list[RolloutSample]
+    timings: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "format": ROLLOUT_FORMAT,
+            "run": self.run,
+            "task_id": self.task_id,
+            "version": self.version,
+            "worker_id": self.worker_id,
+            "groups": self.groups,
+            "finish_reasons": [sample.finish_reason for sample in self.samples],
+            "reward_names": sorted({name for s in self.samples for name in s.rewards_by_name}),
+            "rewards": [sample.reward for sample in self.samples],
+            "timings": self.timings,
+            "extra": self.extra,
+        }
+
+
+def _flatten(sequences: list[list[int]] | list[list[float]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
+    offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
+    flat = np.array([value for seq in sequences for value in seq], dtype=dtype)
+    return flat, offsets
+
+
+def _split(flat: np.ndarray, offsets: np.ndarray) -> list[list]:
+    return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+
+
+def encode_rollout(rollout: Rollout) -> bytes:
+    samples = rollout.samples
+    for sample in samples:
+        if len(sample.completion_token_ids) != len(sample.behavior_logprobs):
+            raise RolloutFormatError(
+                f"rollout {rollout.task_id}: a completion has {len(sample.completion_token_ids)} tokens but "
+                f"{len(sample.behavior_logprobs)} logprobs"
+            )
+    prompt_ids, prompt_offsets = _flatten([s.prompt_token_ids for s in samples], np.int64)
+    completion_ids, completion_offsets = _flatten([s.completion_token_ids for s in samples], np.int64)
+    logprobs, _ = _flatten([s.behavior_logprobs for s in samples], np.float32)
+    tensors = {
+        "prompt_ids": prompt_ids,
+        "prompt_offsets": prompt_offsets,
+        "completion_ids": completion_ids,
+        "completion_offsets": completion_offsets,
+        "behavior_logprobs": logprobs,
+        "rewards": np.array([s.reward for s in samples], dtype=np.float32),
+        "advantages": np.array([s.advantage for s in samples], dtype=np.float32),
+        "sample_group": np.array([s.group_index for s in samples], dtype=np.int64),
+    }
+    header = rollout.header()
+    for name in header["reward_names"]:
+        tensors[f"reward/{name}"] = np.array(
+            [s.rewards_by_name.get(name, 0.0) for s in samples], dtype=np.float32
+        )
+    return save_tensors(tensors, metadata={_HEADER_FIELD: json.dumps(header, sort_keys=True)})
+
+
+def read_rollout_header(data: bytes) -> dict[str, Any]:
+    """The JSON header alone, without decoding the tensors (safetensors: u64 length, then JSON)."""
+    if len(data) < 8:
+        raise RolloutFormatError("rollout object is shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", data[:8])
+    try:
+        raw = json.loads(data[8 : 8 + length])
+        header = json.loads(raw["__metadata__"][_HEADER_FIELD])
+    except (ValueError, KeyError, TypeError) as error:
+        raise RolloutFormatError(f"rollout object has no asyncgrpo header: {error}") from error
+    if header.get("format") != ROLLOUT_FORMAT:
+        raise RolloutFormatError(
+            f"rollout format {header.get('format')!r} is not {ROLLOUT_FORMAT}; upgrade the worker that reads it"
+        )
+    return header
+
+
+def decode_rollout(data: bytes) -> Rollout:
+    header = read_rollout_header(data)
+    tensors = load_tensors(data)
+    prompts = _split(tensors["prompt_ids"], tensors["prompt_offsets"])
+    completions = _split(tensors["completion_ids"], tensors["completion_offsets"])
+    logprobs = _split(tensors["behavior_logprobs"], tensors["completion_offsets"])
+    rewards = tensors["rewards"].tolist()
+    advantages = tensors["advantages"].tolist()
+    groups_of = tensors["sample_group"].tolist()
+    by_name = {name: tensors[f"reward/{name}"].tolist() for name in header["reward_names"]}
+    samples = [
+        RolloutSample(
+            group_index=groups_of[i],
+            prompt_token_ids=prompts[i],
+            completion_token_ids=completions[i],
+            behavior_logprobs=logprobs[i],
+            reward=rewards[i],
+            advantage=advantages[i],
+            finish_reason=header["finish_reasons"][i],
+            rewards_by_name={name: values[i] for name, values in by_name.items()},
+        )
+        for i in range(len(completions))
+    ]
+    return Rollout(
+        run=header["run"],
+        task_id=header["task_id"],
+        version=header["version"],
+        worker_id=header["worker_id"],
+        groups=header["groups"],
+        samples=samples,
+        timings=header.get("timings", {}),
+        extra=header.get("extra", {}),
+    )
