@@ -1,0 +1,393 @@
+"""Prometheus metrics of a worker process (generate or optimize), served on its own port.
+
+Every metric lives in ``REGISTRY`` (this module's own registry, with the process, platform and GC collectors),
+so that the endpoint shows exactly the worker's metrics and a test can list what a worker exports. Names
+start with ``asyncgrpo_``, carry their unit, and every label has a small fixed set of values (a status, an
+error kind, a reward function name from the run config): never a task id, step or version.
+
+The tasks call the ``observe_*`` functions with what they already have: ``GenerateResult.summary()`` on the
+generate side and the optimize step record (``runs/<run>/metrics/step-S.json``) on the optimize side.
+
+Reading the bottleneck pair: ``asyncgrpo_trainer_rollout_wait_seconds`` grows when the trainer sits idle for
+want of samples (generation is the bottleneck); ``asyncgrpo_generate_backpressure_seconds`` grows when
+generate workers sit idle because the buffer is full (the trainer is the bottleneck).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+log = structlog.get_logger()
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+# The same process/platform/GC figures the default registry has, on the worker's own registry.
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+GCCollector(registry=REGISTRY)
+
+ROLES = ("generate", "optimize")
+ERROR_KINDS = ("integrity", "stale", "conflict", "proxy", "other")
+GENERATE_STATUSES = ("admitted", "duplicate", "stale", "cancelled", "rejected")
+OPTIMIZE_STATUSES = ("published", "already_published", "republished", "conflict")
+CLIP_BOUNDS = ("low", "high", "region")
+
+# Seconds: from a fast adapter fetch (tens of ms) to a long generate or optimize task (half an hour).
+_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0, 300.0, 900.0, 1800.0)
+# Staleness in versions: max_staleness is at most 64 (RunConfig.async.max_staleness).
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _histogram(name: str, documentation: str, buckets: tuple[float, ...] = _SECONDS_BUCKETS) -> Histogram:
+    return Histogram(name, documentation, buckets=buckets, registry=REGISTRY)
+
+
+def _gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return Gauge(name, documentation, labels, registry=REGISTRY)
+
+
+def _counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(name, documentation, labels, registry=REGISTRY)
+
+
+# ---- worker-wide ---------------------------------------------------------------------------------------
+WORKER_INFO = Info("asyncgrpo_worker", "This worker process: role, worker id, device, generation backend.",
+                   registry=REGISTRY)
+WORKER_ERRORS = _counter(
+    "asyncgrpo_worker_errors", "Errors in tasks, by kind (integrity, stale, conflict, proxy, other).", ("kind",)
+)
+WORKER_TASKS_IN_FLIGHT = _gauge("asyncgrpo_worker_tasks_in_flight", "Tasks this worker is running now.", ("role",))
+
+# ---- generate side ------------------------------------------------------------------------------------
+GENERATE_TASKS = _counter("asyncgrpo_generate_tasks", "Generate tasks finished, by the proxy's answer.", ("status",))
+GENERATE_TASK_SECONDS = _histogram("asyncgrpo_generate_task_seconds", "Wall time of one generate task.")
+GENERATE_ADAPTER_FETCH_SECONDS = _histogram(
+    "asyncgrpo_generate_adapter_fetch_seconds", "Time to get the leased adapter (cache or bucket) and load it."
+)
+GENERATE_SAMPLING_SECONDS = _histogram("asyncgrpo_generate_sampling_seconds", "Time spent sampling completions.")
+GENERATE_SCORING_SECONDS = _histogram("asyncgrpo_generate_scoring_seconds", "Time spent computing rewards.")
+GENERATE_BACKPRESSURE_SECONDS = _histogram(
+    "asyncgrpo_generate_backpressure_seconds",
+    "Time a generate worker sat idle between tasks (the proxy held back work because the buffer was full).",
+)
+GENERATE_TOKENS = _counter("asyncgrpo_generate_tokens", "Completion tokens generated.")
+GENERATE_SAMPLES = _counter("asyncgrpo_generate_samples", "Completions generated.")
+GENERATE_GROUPS = _counter("asyncgrpo_generate_groups", "Prompt groups generated.")
+GENERATE_TOKENS_PER_SECOND = _gauge(
+    "asyncgrpo_generate_tokens_per_second", "Completion tokens per second of sampling, in the last task."
+)
+GENERATE_SAMPLES_PER_SECOND = _gauge(
+    "asyncgrpo_generate_samples_per_second", "Completions per second of task wall time, in the last task."
+)
+GENERATE_VERSION = _gauge("asyncgrpo_generate_version", "Adapter version the last generate task sampled with.")
+GENERATE_REWARD_MEAN = _gauge("asyncgrpo_generate_reward_mean", "Mean total reward of the last generate task.")
+
+# ---- optimize side: trainer ---------------------------------------------------------------------------
+TRAINER_STEPS = _counter("asyncgrpo_trainer_steps", "Optimize tasks finished, by outcome.", ("status",))
+TRAINER_STEP_SECONDS = _histogram("asyncgrpo_trainer_step_seconds", "Wall time of one optimize step.")
+TRAINER_FORWARD_BACKWARD_SECONDS = _histogram(
+    "asyncgrpo_trainer_forward_backward_seconds", "Forward and backward passes of one optimize step."
+)
+TRAINER_OPTIMIZER_SECONDS = _histogram(
+    "asyncgrpo_trainer_optimizer_seconds", "Gradient clipping and optimizer update of one optimize step."
+)
+TRAINER_FETCH_SECONDS = _histogram(
+    "asyncgrpo_trainer_rollout_fetch_seconds", "Time to fetch and verify a step's rollouts from the bucket."
+)
+TRAINER_RESCORE_SECONDS = _histogram(
+    "asyncgrpo_trainer_rescore_seconds", "Time to rescore a step's rollouts under the version they claim."
+)
+TRAINER_PUBLISH_SECONDS = _histogram(
+    "asyncgrpo_trainer_publish_seconds", "Time to upload a new version (files, then manifest)."
+)
+TRAINER_ROLLOUT_WAIT_SECONDS = _histogram(
+    "asyncgrpo_trainer_rollout_wait_seconds",
+    "Time the optimize worker sat idle between steps for want of admitted rollouts (trainer starved).",
+)
+TRAINER_TOKENS = _counter("asyncgrpo_trainer_tokens", "Completion tokens trained on.")
+TRAINER_SAMPLES = _counter("asyncgrpo_trainer_samples", "Completions trained on.")
+TRAINER_GROUPS = _counter("asyncgrpo_trainer_groups", "Prompt groups trained on.")
+TRAINER_TOKENS_PER_SECOND = _gauge(
+    "asyncgrpo_trainer_tokens_per_second", "Completion tokens per second of step wall time, in the last step."
+)
+TRAINER_SAMPLES_PER_STEP = _gauge("asyncgrpo_trainer_samples_per_step", "Completions in the last step.")
+TRAINER_GROUPS_PER_STEP = _gauge("asyncgrpo_trainer_groups_per_step", "Prompt groups in the last step.")
+TRAINER_VERSION = _gauge("asyncgrpo_trainer_version", "Version the trainer last produced.")
+TRAINER_LAST_PUBLISH_TIMESTAMP = _gauge(
+    "asyncgrpo_trainer_last_publish_timestamp_seconds", "Unix time the trainer last produced a version."
+)
+
+# ---- optimize side: lag -------------------------------------------------------------------------------
+SAMPLE_STALENESS_VERSIONS = _histogram(
+    "asyncgrpo_trainer_sample_staleness_versions",
+    "Staleness of each completion trained on: step base version minus the version that generated it.",
+    buckets=_STALENESS_BUCKETS,
+)
+STEP_MAX_STALENESS_VERSIONS = _gauge(
+    "asyncgrpo_trainer_step_max_staleness_versions", "Largest staleness among the last step's rollouts."
+)
+
+# ---- optimize side: policy ----------------------------------------------------------------------------
+POLICY_RATIO = _gauge("asyncgrpo_policy_ratio", "Mean importance ratio pi/pi_behaviour over the last step's tokens.")
+POLICY_RESCORE_RATIO = _gauge(
+    "asyncgrpo_policy_rescore_ratio", "Mean ratio when rescoring rollouts under the version they claim (should be 1)."
+)
+POLICY_KL = _gauge("asyncgrpo_policy_kl", "k3 KL estimate of the policy to the behaviour policy, last step.")
+POLICY_ENTROPY_NATS = _gauge("asyncgrpo_policy_entropy_nats", "Mean token entropy of the policy, last step.")
+POLICY_CLIP_FRACTION = _gauge(
+    "asyncgrpo_policy_clip_fraction", "Share of tokens whose ratio was clipped, last step (low, high, region).",
+    ("bound",),
+)
+POLICY_LOSS = _gauge("asyncgrpo_policy_loss", "GRPO loss of the last step.")
+POLICY_GRAD_NORM = _gauge("asyncgrpo_policy_grad_norm", "Global gradient norm before clipping, last step.")
+POLICY_LEARNING_RATE = _gauge("asyncgrpo_policy_learning_rate", "Learning rate of the last step.")
+POLICY_REWARD_MEAN = _gauge("asyncgrpo_policy_reward_mean", "Mean total reward of the last step's completions.")
+POLICY_REWARD_STD = _gauge("asyncgrpo_policy_reward_std", "Std of the total reward of the last step's completions.")
+POLICY_REWARD_FUNCTION_MEAN = _gauge(
+    "asyncgrpo_policy_reward_function_mean", "Mean reward per reward function, last step.", ("reward",)
+)
+POLICY_REWARD_FUNCTION_STD = _gauge(
+    "asyncgrpo_policy_reward_function_std", "Std of the reward per reward function, last step.", ("reward",)
+)
+POLICY_COMPLETION_LENGTH_TOKENS = _gauge(
+    "asyncgrpo_policy_completion_length_tokens", "Mean completion length of the last step."
+)
+POLICY_TRUNCATED_RATIO = _gauge(
+    "asyncgrpo_policy_truncated_ratio", "Share of the last step's completions cut at max_completion_length."
+)
+POLICY_FLAGGED_ROLLOUTS = _counter(
+    "asyncgrpo_policy_flagged_rollouts", "Rollouts whose rescoring ratio drifted from 1 beyond the tolerance."
+)
+
+# Every labelled series starts at zero, so rate() and absent() work before the first event.
+for _kind in ERROR_KINDS:
+    WORKER_ERRORS.labels(kind=_kind)
+for _role in ROLES:
+    WORKER_TASKS_IN_FLIGHT.labels(role=_role)
+for _status in GENERATE_STATUSES:
+    GENERATE_TASKS.labels(status=_status)
+for _status in OPTIMIZE_STATUSES:
+    TRAINER_STEPS.labels(status=_status)
+for _bound in CLIP_BOUNDS:
+    POLICY_CLIP_FRACTION.labels(bound=_bound)
+
+_server_lock = threading.Lock()
+_server_port: int | None = None
+
+
+def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> None:
+    """Serve ``REGISTRY`` on ``port`` (no-op for None). A second call with the same port does nothing."""
+    global _server_port
+    if port is None:
+        return
+    with _server_lock:
+        if _server_port == port:
+            return
+        if _server_port is not None:
+            raise RuntimeError(
+                f"this process already serves metrics on port {_server_port}; one endpoint per process "
+                f"(ASYNCGRPO_METRICS_PORT={port} asked for a second one)"
+            )
+        try:
+            start_http_server(port, addr=addr, registry=REGISTRY)
+        except OSError as error:
+            raise OSError(
+                f"cannot serve worker metrics on {addr}:{port} ({error}); give each worker process its own "
+                "ASYNCGRPO_METRICS_PORT"
+            ) from error
+        _server_port = port
+    log.info("metrics endpoint started", port=port, addr=addr)
+
+
+def set_worker_info(role: str, worker_id: str, device: str, backend: str) -> None:
+    """Publish what this process is (``asyncgrpo_worker_info``); one label set per process."""
+    if role not in ROLES:
+        raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
+    WORKER_INFO.info({"role": role, "worker_id": worker_id, "device": str(device), "backend": str(backend)})
+
+
+def observe_error(kind: str) -> None:
+    """Count one error of a bounded ``kind``; an unknown kind is counted as "other" (and logged)."""
+    if kind not in ERROR_KINDS:
+        log.warning("unknown error kind counted as 'other'", kind=kind, known=list(ERROR_KINDS))
+        kind = "other"
+    WORKER_ERRORS.labels(kind=kind).inc()
+
+
+def observe_idle(role: str, seconds: float) -> None:
+    """Time a worker sat idle before its next task: rollout wait (optimize) or backpressure (generate)."""
+    if seconds < 0 or not math.isfinite(seconds):
+        raise ValueError(f"idle time must be a finite number of seconds >= 0, got {seconds!r}")
+    if role == "optimize":
+        TRAINER_ROLLOUT_WAIT_SECONDS.observe(seconds)
+    elif role == "generate":
+        GENERATE_BACKPRESSURE_SECONDS.observe(seconds)
+    else:
+        raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
+
+
+@contextmanager
+def task_in_flight(role: str) -> Iterator[None]:
+    """Count a task as in flight on this worker while the block runs."""
+    if role not in ROLES:
+        raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
+    gauge = WORKER_TASKS_IN_FLIGHT.labels(role=role)
+    gauge.inc()
+    try:
+        yield
+    finally:
+        gauge.dec()
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for a missing or non-finite figure (a step with no tokens has no ratio)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _set(gauge: Gauge, value: Any) -> None:
+    number = _number(value)
+    if number is not None:
+        gauge.set(number)
+
+
+def _observe(histogram: Histogram, value: Any) -> None:
+    number = _number(value)
+    if number is not None and number >= 0:
+        histogram.observe(number)
+
+
+def observe_generate_task(summary: dict[str, Any]) -> None:
+    """Record one finished generate task from ``GenerateResult.summary()``."""
+    status = summary.get("status", "other")
+    if status not in GENERATE_STATUSES:
+        log.warning("unknown generate status not counted", status=status)
+    else:
+        GENERATE_TASKS.labels(status=status).inc()
+    if status == "stale":
+        observe_error("stale")
+    timings = summary.get("timings") or {}
+    _observe(GENERATE_TASK_SECONDS, timings.get("task_s"))
+    if summary.get("reused_rollout"):
+        # A redelivered task resubmitted an earlier rollout: nothing was generated this time.
+        return
+    _observe(GENERATE_ADAPTER_FETCH_SECONDS, timings.get("adapter_fetch_s"))
+    _observe(GENERATE_SAMPLING_SECONDS, timings.get("generate_s"))
+    _observe(GENERATE_SCORING_SECONDS, timings.get("score_s"))
+    tokens = int(summary.get("tokens") or 0)
+    samples = int(summary.get("samples") or 0)
+    GENERATE_TOKENS.inc(tokens)
+    GENERATE_SAMPLES.inc(samples)
+    GENERATE_GROUPS.inc(int(summary.get("groups") or 0))
+    sampling_s = _number(timings.get("generate_s"))
+    if sampling_s:
+        GENERATE_TOKENS_PER_SECOND.set(tokens / sampling_s)
+    task_s = _number(timings.get("task_s"))
+    if task_s:
+        GENERATE_SAMPLES_PER_SECOND.set(samples / task_s)
+    _set(GENERATE_VERSION, summary.get("version"))
+    _set(GENERATE_REWARD_MEAN, summary.get("reward_mean"))
+
+
+def _update_seconds(record: dict[str, Any], name: str) -> float | None:
+    """A step's ``name`` seconds: from its timings, else summed over its optimizer updates."""
+    direct = _number((record.get("timings") or {}).get(name))
+    if direct is not None:
+        return direct
+    values = [_number(update.get(name)) for update in record.get("updates") or [] if isinstance(update, dict)]
+    found = [v for v in values if v is not None]
+    return sum(found) if found else None
+
+
+def observe_optimize_step(record: dict[str, Any] | None, status: str) -> None:
+    """Record one finished optimize task: its ``status`` and, when it trained, its step record."""
+    if status not in OPTIMIZE_STATUSES:
+        log.warning("unknown optimize status not counted", status=status)
+    else:
+        TRAINER_STEPS.labels(status=status).inc()
+    if status == "conflict":
+        observe_error("conflict")
+    if record is None:
+        return
+    timings = record.get("timings") or {}
+    step_s = _number(timings.get("step_s"))
+    _observe(TRAINER_STEP_SECONDS, step_s)
+    _observe(TRAINER_FORWARD_BACKWARD_SECONDS, _update_seconds(record, "forward_backward_s"))
+    _observe(TRAINER_OPTIMIZER_SECONDS, _update_seconds(record, "optimizer_s"))
+    _observe(TRAINER_FETCH_SECONDS, timings.get("fetch_s"))
+    _observe(TRAINER_RESCORE_SECONDS, timings.get("rescore_s"))
+    _observe(TRAINER_PUBLISH_SECONDS, timings.get("upload_s"))
+
+    tokens = int(record.get("tokens") or 0)
+    samples = int(record.get("samples") or 0)
+    groups = int(record.get("groups") or 0)
+    TRAINER_TOKENS.inc(tokens)
+    TRAINER_SAMPLES.inc(samples)
+    TRAINER_GROUPS.inc(groups)
+    TRAINER_SAMPLES_PER_STEP.set(samples)
+    TRAINER_GROUPS_PER_STEP.set(groups)
+    if step_s:
+        TRAINER_TOKENS_PER_SECOND.set(tokens / step_s)
+    _set(TRAINER_VERSION, record.get("version"))
+    _set(TRAINER_LAST_PUBLISH_TIMESTAMP, record.get("published_at"))
+
+    _observe_staleness(record)
+    _observe_policy(record)
+
+
+def _observe_staleness(record: dict[str, Any]) -> None:
+    stalenesses = record.get("staleness") or []
+    rollouts = record.get("rollouts") or []
+    if len(rollouts) == len(stalenesses):
+        # One observation per completion: a rollout of 32 samples weighs 32 times one of a single sample.
+        for value, rollout in zip(stalenesses, rollouts, strict=True):
+            for _ in range(int(rollout.get("samples") or 0)):
+                SAMPLE_STALENESS_VERSIONS.observe(value)
+    else:
+        for value in stalenesses:
+            SAMPLE_STALENESS_VERSIONS.observe(value)
+    _set(STEP_MAX_STALENESS_VERSIONS, record.get("max_staleness"))
+
+
+def _observe_policy(record: dict[str, Any]) -> None:
+    _set(POLICY_RATIO, record.get("ratio"))
+    _set(POLICY_RESCORE_RATIO, record.get("rescore_ratio"))
+    _set(POLICY_KL, record.get("kl"))
+    _set(POLICY_ENTROPY_NATS, record.get("entropy"))
+    for bound in CLIP_BOUNDS:
+        _set(POLICY_CLIP_FRACTION.labels(bound=bound), record.get(f"clip_{bound}"))
+    _set(POLICY_LOSS, record.get("loss"))
+    _set(POLICY_GRAD_NORM, record.get("grad_norm"))
+    _set(POLICY_LEARNING_RATE, record.get("lr"))
+    _set(POLICY_REWARD_MEAN, record.get("reward_mean"))
+    _set(POLICY_REWARD_STD, record.get("reward_std"))
+    for name, value in (record.get("rewards_by_name") or {}).items():
+        _set(POLICY_REWARD_FUNCTION_MEAN.labels(reward=name), value)
+    for name, value in (record.get("rewards_std_by_name") or {}).items():
+        _set(POLICY_REWARD_FUNCTION_STD.labels(reward=name), value)
+    _set(POLICY_COMPLETION_LENGTH_TOKENS, record.get("completion_length_mean"))
+    _set(POLICY_TRUNCATED_RATIO, record.get("truncated_fraction"))
+    flagged = record.get("flagged_rollouts") or []
+    if flagged:
+        POLICY_FLAGGED_ROLLOUTS.inc(len(flagged))
