@@ -301,6 +301,33 @@ def _error_code(error: Exception) -> str:
     return str(response.get("Error", {}).get("Code", ""))
 
 
+def make_s3_client(
+    endpoint_url: str | None = None,
+    *,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    region: str | None = None,
+) -> Any:
+    """A boto3 S3 client set up for S3 and S3-compatible stores.
+
+    Credentials and region default to the standard AWS chain (env, profile, instance role).
+    """
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        # S3-compatible stores often reject the newer default CRC checksums.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        retries={"max_attempts": 5, "mode": "standard"},
+        # Custom endpoints rarely have wildcard DNS for virtual-hosted bucket names.
+        s3={"addressing_style": "path"} if endpoint_url else {},
+        max_pool_connections=32,
+    )
+    session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key, region_name=region)
+    return session.client("s3", endpoint_url=endpoint_url, config=config)
+
+
 class S3Bucket(Bucket):
     """A bucket on S3 or an S3-compatible store; every key is stored as ``<prefix><key>``."""
 
@@ -313,9 +340,7 @@ class S3Bucket(Bucket):
         *,
         multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
     ) -> None:
-        import boto3
         from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
 
         if not bucket:
             raise InvalidBucketURL("S3 bucket name is empty; use s3://BUCKET/PREFIX")
@@ -323,18 +348,7 @@ class S3Bucket(Bucket):
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url or os.environ.get("ASYNCGRPO_S3_ENDPOINT_URL") or None
         self.url = f"s3://{bucket}/{self.prefix}"
-        if client is None:
-            config = Config(
-                # S3-compatible stores often reject the newer default CRC checksums.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                retries={"max_attempts": 5, "mode": "standard"},
-                # Custom endpoints rarely have wildcard DNS for virtual-hosted bucket names.
-                s3={"addressing_style": "path"} if self.endpoint_url else {},
-                max_pool_connections=32,
-            )
-            client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
-        self.client = client
+        self.client = client if client is not None else make_s3_client(self.endpoint_url)
         self.multipart_threshold = multipart_threshold
         self.part_size = max(_MIN_PART_SIZE, multipart_threshold // 4)
         self.transfer_config = TransferConfig(
@@ -394,12 +408,17 @@ class S3Bucket(Bucket):
         return sorted(key for key in keys if key and not key.endswith("/"))
 
     def list_dirs(self, prefix: str) -> list[str]:
-        dirs = [
-            self._strip(item["Prefix"])
-            for page in self._pages(prefix, Delimiter="/")
-            for item in page.get("CommonPrefixes", [])
+        full_prefixes = [
+            item["Prefix"] for page in self._pages(prefix, Delimiter="/") for item in page.get("CommonPrefixes", [])
         ]
-        return sorted(dirs)
+        # Stores backed by a real file tree (SeaweedFS) may still report a folder whose objects were all
+        # just deleted; S3 semantics say it is gone, so keep only folders that hold an object.
+        return sorted(self._strip(full) for full in full_prefixes if self._holds_an_object(full))
+
+    def _holds_an_object(self, full_prefix: str) -> bool:
+        with self._translate(self._strip(full_prefix), "list"):
+            response = self.client.list_objects_v2(Bucket=self.bucket, Prefix=full_prefix, MaxKeys=1)
+        return bool(response.get("Contents"))
 
     def delete(self, key: str) -> None:
         with self._translate(key, "delete"):
