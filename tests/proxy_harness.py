@@ -1,0 +1,108 @@
+"""Helpers to drive a real Coordinator (real Redis, FileBucket) in tests without a server or workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from proxy import bucket_keys
+from proxy.bucket import Bucket, open_bucket
+from proxy.config import RunConfig
+from proxy.coordinator import Coordinator
+from proxy.dispatch import RecordingDispatcher
+from proxy.manifest import sha256_hex, write_version
+from proxy.schemas import PublishRequest, RolloutSubmission
+
+
+class ManualClock:
+    """Milliseconds that move only when a test says so."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self.now_ms = start_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    def advance(self, seconds: float) -> None:
+        self.now_ms += int(seconds * 1000)
+
+
+def small_config(seed: int = 0, **async_fields: Any) -> RunConfig:
+    fields = {"groups_per_task": 2, "groups_per_step": 4, "queue_maxsize": 8, "max_staleness": 1}
+    fields.update(async_fields)
+    return RunConfig.model_validate({"seed": seed, "async": fields})
+
+
+def file_bucket(tmp_path: Path) -> Bucket:
+    return open_bucket(f"file://{tmp_path / 'bucket'}")
+
+
+def make_coordinator(
+    redis_client: Redis,
+    bucket: Bucket,
+    *,
+    run: str = "r1",
+    config: RunConfig | None = None,
+    num_prompts: int = 20,
+    clock: ManualClock | None = None,
+    dispatcher: RecordingDispatcher | None = None,
+) -> Coordinator:
+    return Coordinator(
+        redis_client,
+        bucket,
+        run,
+        config or small_config(),
+        num_prompts,
+        dispatcher or RecordingDispatcher(),
+        clock_ms=clock or ManualClock(),
+        config_sha256="0" * 64,
+        prompts_sha256="1" * 64,
+    )
+
+
+def write_fake_version(bucket: Bucket, run: str, version: int, *, worker_id: str = "trainer-1") -> str:
+    """Upload a version (JSON-only files) the way a trainer does; returns its manifest sha256."""
+    files = {"adapter_config.json": json.dumps({"r": 1, "version": version, "by": worker_id}).encode()}
+    metadata = {"step": version, "base_version": version - 1, "worker_id": worker_id}
+    _, sha = write_version(bucket, run, version, files, metadata)
+    return sha
+
+
+def publish_request(version: int, sha: str, worker_id: str = "trainer-1") -> PublishRequest:
+    return PublishRequest(
+        version=version, base_version=version - 1, step=version, worker_id=worker_id, manifest_sha256=sha
+    )
+
+
+def publish_next(coord: Coordinator) -> int:
+    """Write and publish the version of the step in flight (the caller ticked so that it is claimed)."""
+    version = coord.current_version() + 1
+    sha = write_fake_version(coord.bucket, coord.run, version)
+    return coord.publish(publish_request(version, sha)).current_version
+
+
+def submission(
+    coord: Coordinator,
+    task: dict[str, Any],
+    version: int,
+    *,
+    worker_id: str = "gen-1",
+    rejected: dict[str, str] | None = None,
+) -> RolloutSubmission:
+    """A submission of every group of a recorded generate task (minus ``rejected``: group id -> reason)."""
+    rejected = rejected or {}
+    group_ids = [g["group_id"] for g in task["groups"] if g["group_id"] not in rejected]
+    return RolloutSubmission(
+        task_id=task["task_id"],
+        worker_id=worker_id,
+        version=version,
+        key=bucket_keys.rollout_key(coord.run, task["task_id"]),
+        sha256=sha256_hex(task["task_id"].encode()),
+        group_ids=group_ids,
+        num_samples=4 * len(group_ids),
+        rejected_groups=[{"group_id": gid, "reason": reason} for gid, reason in rejected.items()],
+        stats={"reward_mean": 0.5},
+    )
