@@ -35,7 +35,7 @@ class InvalidKeyPart(ValueError):
 
 
 def check_run_name(run: str) -> str:
-    if not _RUN_NAME.match(run):
+    if not _RUN_NAME.fullmatch(run):  # fullmatch: "$" would let a trailing newline in
         raise InvalidKeyPart(
             f"run name {run!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit"
@@ -44,7 +44,7 @@ def check_run_name(run: str) -> str:
 
 
 def check_task_id(task_id: str) -> str:
-    if not _TASK_ID.match(task_id):
+    if not _TASK_ID.fullmatch(task_id):
         raise InvalidKeyPart(
             f"task id {task_id!r} is not allowed: use 1-128 letters, digits, '.', '_', ':' or '-'"
         )
