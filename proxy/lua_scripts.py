@@ -292,16 +292,18 @@ PUBLISH_VERSION = (
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] versions
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] version  ARGV[4] base_version  ARGV[5] step  ARGV[6] manifest_sha256
 -- ARGV[7] worker_id  ARGV[8] record_ttl_s
--- returns {"OK", current} | {"ALREADY", current} (this very manifest is published: a retried request)
+-- returns {"OK", current} | {"ALREADY", current} (this worker already published this very manifest: a retry)
 --   | {"BAD_VERSION", current} | {"CAS_LOST", current} | {"STEP_NOT_CLAIMED", current} | {"NO_STATE"}"""
     + _HELPERS
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, version, base, step, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[8]
 local current = num(KEYS[1], 'current_version', -1)
-if redis.call('HGET', KEYS[3], ARGV[3]) == ARGV[6] then return {'ALREADY', current} end
-local code = nil
 local sk = key(STEP, step)
+if redis.call('HGET', KEYS[3], ARGV[3]) == ARGV[6] and redis.call('HGET', sk, 'worker_id') == ARGV[7] then
+  return {'ALREADY', current}
+end
+local code = nil
 if version ~= base + 1 or step ~= version then code = 'BAD_VERSION'
 elseif current ~= base then code = 'CAS_LOST'
 elseif redis.call('HGET', sk, 'state') ~= 'claimed' or num(sk, 'base_version', -2) ~= base then

@@ -106,3 +106,25 @@ def submission(
         rejected_groups=[{"group_id": gid, "reason": reason} for gid, reason in rejected.items()],
         stats={"reward_mean": 0.5},
     )
+
+
+def submit_pending(coord: Coordinator, submitted: set[str], *, version: int | None = None) -> list[str]:
+    """Submit every dispatched task not yet submitted, made with ``version`` (default: the current one)."""
+    done = []
+    for task in list(coord.dispatcher.generate):
+        if task["task_id"] in submitted:
+            continue
+        submitted.add(task["task_id"])
+        coord.submit(submission(coord, task, coord.current_version() if version is None else version))
+        done.append(task["task_id"])
+    return done
+
+
+def advance_version(coord: Coordinator, submitted: set[str]) -> int:
+    """Drive the run to the next version like a healthy cluster would: submit, claim, publish."""
+    for _ in range(10):
+        coord.tick()
+        if coord.status().step_inflight is not None:
+            return publish_next(coord)
+        submit_pending(coord, submitted)
+    raise AssertionError("no step could be claimed; is the buffer configuration able to fill a step?")
