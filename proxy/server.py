@@ -297,7 +297,6 @@ def serve(run_name: str, host: str, port: int, insecure_loopback: bool = False) 
     from proxy.log_setup import configure_logging
     from proxy.settings import ProxySettings
 
-    configure_logging(role="proxy", run=run_name)
     settings = ProxySettings()
     token = settings.token.get_secret_value() if settings.token else None
     try:
@@ -308,6 +307,7 @@ def serve(run_name: str, host: str, port: int, insecure_loopback: bool = False) 
             )
     except ProxyStartupError as error:
         raise SystemExit(f"asyncgrpo proxy: {error}") from error
+    configure_logging(role="proxy", run=run_name)
     bucket = open_bucket(settings.bucket)
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
     coordinator = Coordinator.from_bucket(
