@@ -1,0 +1,326 @@
+"""The GRPO math of worker/grpo.py: hand-computed values, a naive reference loop, gradients, masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.grpo import LOSS_TYPES, NonFiniteError, group_advantages, policy_loss
+
+# --- a hand-worked batch -----------------------------------------------------------------------------------
+# Row 0: advantage +1, three tokens; row 1: advantage -2, two tokens and one padding position (garbage there).
+LOGPROBS = [[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]]
+BEHAVIOR = [[-1.0, -1.5, -0.5], [-1.0, -0.2, 9.0]]
+MASK = [[1, 1, 1], [1, 1, 0]]
+ADVANTAGES = [1.0, -2.0]
+E_HALF = math.exp(-0.5)  # 0.6065306597: the ratio of the two tokens whose logprob moved by -0.5
+# Per-token losses -min(r*A, clip(r, 0.8, 1.28)*A):
+#   row 0 (A=+1): r = 1, e^-0.5, 1          -> -1, -e^-0.5 (unclipped: r < 0.8 but A > 0), -1
+#   row 1 (A=-2): r = e^-0.5, 1             -> -min(-2e^-0.5, -1.6) = 1.6 (clipped low), 2
+ROW0 = -1.0 - E_HALF - 1.0  # -2.6065306597
+ROW1 = 1.6 + 2.0  # 3.6
+TOTAL = ROW0 + ROW1  # 0.9934693403
+HAND_LOSS = {
+    "grpo": (ROW0 / 3 + ROW1 / 2) / 2,  # mean of per-sequence token means = 0.4655782...
+    "bnpo": TOTAL / 5,  # token mean = 0.1986938...
+    "dr_grpo": TOTAL / (2 * 4),  # with max_completion_length = 4: 0.1241836...
+    "dapo": TOTAL / 5,  # the step is this one micro-batch: 5 tokens
+}
+
+
+def hand_batch(dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    return {
+        "logprobs": torch.tensor(LOGPROBS, dtype=dtype),
+        "behavior_logprobs": torch.tensor(BEHAVIOR, dtype=dtype),
+        "advantages": torch.tensor(ADVANTAGES, dtype=dtype),
+        "mask": torch.tensor(MASK, dtype=torch.bool),
+    }
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_hand_computed_loss(loss_type: str) -> None:
+    loss, _ = policy_loss(
+        **hand_batch(), loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, max_completion_length=4
+    )
+    assert loss.item() == pytest.approx(HAND_LOSS[loss_type], abs=1e-9)
+
+
+def test_hand_computed_stats() -> None:
+    _, stats = policy_loss(**hand_batch(), epsilon_low=0.2, epsilon_high=0.28)
+    assert stats["tokens"] == 5
+    assert stats["ratio"] == pytest.approx((3 + 2 * E_HALF) / 5)
+    # k3 of the behaviour policy: exp(d) - d - 1 with d = beh - logp = 0.5 on two tokens, 0 elsewhere.
+    assert stats["kl"] == pytest.approx(2 * (math.exp(0.5) - 1.5) / 5)
+    assert stats["clip_low"] == pytest.approx(1 / 5)
+    assert stats["clip_high"] == 0.0
+    assert stats["clip_region"] == pytest.approx(1 / 5)
+    assert "entropy" not in stats and "kl_ref" not in stats
+
+
+def test_dapo_normalises_by_the_step_token_count() -> None:
+    loss, _ = policy_loss(**hand_batch(), loss_type="dapo", epsilon_high=0.28, step_tokens=10)
+    assert loss.item() == pytest.approx(TOTAL / 10, abs=1e-9)
+
+
+def test_high_clip_and_symmetric_default() -> None:
+    # One token, r = e^0.5 = 1.6487 with A = +1: clipped to 1 + epsilon_high.
+    batch = {
+        "logprobs": torch.tensor([[0.0]], dtype=torch.float64),
+        "behavior_logprobs": torch.tensor([[-0.5]], dtype=torch.float64),
+        "advantages": torch.tensor([1.0], dtype=torch.float64),
+        "mask": torch.tensor([[1]]),
+    }
+    loss, stats = policy_loss(**batch, epsilon_low=0.2, epsilon_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)
+    assert stats["clip_high"] == 1.0 and stats["clip_low"] == 0.0 and stats["clip_region"] == 1.0
+    loss, _ = policy_loss(**batch, epsilon_low=0.2)  # epsilon_high=None: the same as epsilon_low
+    assert loss.item() == pytest.approx(-1.2)
+
+
+def test_kl_to_reference_is_added_with_beta() -> None:
+    ref = torch.tensor([[-1.0, -2.0, -1.5], [-1.5, -0.2, 0.0]], dtype=torch.float64)
+    # Only row 0 token 2 differs: ref - logp = -1 -> k3 = e^-1 + 1 - 1 = e^-1.
+    loss, stats = policy_loss(**hand_batch(), loss_type="bnpo", epsilon_high=0.28, ref_logprobs=ref, beta=0.1)
+    assert loss.item() == pytest.approx((TOTAL + 0.1 * math.exp(-1)) / 5, abs=1e-9)
+    assert stats["kl_ref"] == pytest.approx(math.exp(-1) / 5)
+
+
+def test_entropy_from_logits() -> None:
+    batch = hand_batch()
+    logits = torch.zeros(2, 3, 4, dtype=torch.float64)  # uniform over 4 tokens: entropy ln 4
+    logits[1, 2] = torch.tensor([100.0, 0.0, 0.0, 0.0])  # padding position: must not count
+    _, stats = policy_loss(**batch, logits=logits)
+    assert stats["entropy"] == pytest.approx(math.log(4))
+
+
+# --- against a naive per-token loop ------------------------------------------------------------------------
+
+
+def naive_loss(lp, beh, adv, mask, loss_type, eps_low, eps_high, max_len, ref=None, beta=0.0) -> float:
+    """The definitions, one token at a time in plain Python."""
+    per_seq_sums, per_seq_counts = [], []
+    for i in range(len(lp)):
+        total, count = 0.0, 0
+        for t in range(len(lp[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(lp[i][t] - beh[i][t])
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            value = -min(ratio * adv[i], clipped * adv[i])
+            if beta:
+                d = ref[i][t] - lp[i][t]
+                value += beta * (math.exp(d) - d - 1)
+            total += value
+            count += 1
+        per_seq_sums.append(total)
+        per_seq_counts.append(count)
+    tokens = sum(per_seq_counts)
+    if loss_type == "grpo":
+        return sum(s / max(c, 1) for s, c in zip(per_seq_sums, per_seq_counts, strict=True)) / len(lp)
+    if loss_type == "dr_grpo":
+        return sum(per_seq_sums) / (len(lp) * max_len)
+    return sum(per_seq_sums) / tokens  # bnpo and dapo agree for a single micro-batch
+
+
+def random_batch(seed: int, rows: int = 6, width: int = 7) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    behavior = -torch.rand(rows, width, generator=generator, dtype=torch.float64) * 3
+    logprobs = behavior + torch.randn(rows, width, generator=generator, dtype=torch.float64) * 0.4
+    lengths = torch.randint(0, width + 1, (rows,), generator=generator)
+    lengths[0] = width  # at least one full row
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    advantages = torch.randn(rows, generator=generator, dtype=torch.float64)
+    return {"logprobs": logprobs, "behavior_logprobs": behavior, "advantages": advantages, "mask": mask}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vectorised_matches_naive_loop(loss_type: str, seed: int) -> None:
+    batch = random_batch(seed)
+    ref = batch["logprobs"] + 0.3
+    beta = 0.05 if seed == 2 else 0.0
+    loss, _ = policy_loss(
+        **batch,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        max_completion_length=9,
+        ref_logprobs=ref if beta else None,
+        beta=beta,
+    )
+    expected = naive_loss(
+        batch["logprobs"].tolist(),
+        batch["behavior_logprobs"].tolist(),
+        batch["advantages"].tolist(),
+        batch["mask"].tolist(),
+        loss_type,
+        0.2,
+        0.28,
+        9,
+        ref.tolist(),
+        beta,
+    )
+    assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+# --- gradients ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_finite_difference_gradient(loss_type: str) -> None:
+    batch = random_batch(3)
+    logprobs = batch.pop("logprobs").clone().requires_grad_(True)
+
+    def loss_of(lp: torch.Tensor) -> torch.Tensor:
+        return policy_loss(lp, **batch, loss_type=loss_type, epsilon_high=0.28, max_completion_length=8)[0]
+
+    assert torch.autograd.gradcheck(loss_of, (logprobs,), eps=1e-6, atol=1e-7)
+
+
+def test_clipped_tokens_carry_no_gradient() -> None:
+    batch = hand_batch()
+    logprobs = batch.pop("logprobs").requires_grad_(True)
+    loss, _ = policy_loss(logprobs, **batch, loss_type="bnpo", epsilon_high=0.28)
+    loss.backward()
+    assert logprobs.grad[1, 0].item() == 0.0  # clipped low with A < 0: min picks the constant
+    assert logprobs.grad[0, 1].item() == pytest.approx(-E_HALF / 5)  # d(-r*A)/dlogp = -r*A, over 5 tokens
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batch_accumulation_equals_whole_batch(loss_type: str) -> None:
+    batch = random_batch(4, rows=7)
+    options = {"loss_type": loss_type, "epsilon_high": 0.28, "max_completion_length": 7}
+    whole = batch["logprobs"].clone().requires_grad_(True)
+    loss, _ = policy_loss(whole, batch["behavior_logprobs"], batch["advantages"], batch["mask"], **options)
+    loss.backward()
+
+    split = batch["logprobs"].clone().requires_grad_(True)
+    step_tokens, step_sequences = int(batch["mask"].sum()), 7
+    accumulated = 0.0
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 7)):
+        part, _ = policy_loss(
+            split[rows],
+            batch["behavior_logprobs"][rows],
+            batch["advantages"][rows],
+            batch["mask"][rows],
+            step_tokens=step_tokens,
+            step_sequences=step_sequences,
+            micro_batches=3,
+            **options,
+        )
+        part.backward()
+        accumulated += part.item()
+    assert accumulated == pytest.approx(loss.item(), rel=1e-12)
+    torch.testing.assert_close(split.grad, whole.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_bnpo_is_the_mean_of_micro_batch_token_means() -> None:
+    batch = random_batch(5, rows=4)
+    accumulated, expected = 0.0, 0.0
+    for rows in (slice(0, 1), slice(1, 4)):
+        part = {key: value[rows] for key, value in batch.items()}
+        loss, _ = policy_loss(**part, loss_type="bnpo", micro_batches=2)
+        accumulated += loss.item()
+        lists = [part[key].tolist() for key in ("logprobs", "behavior_logprobs", "advantages", "mask")]
+        expected += naive_loss(*lists, "bnpo", 0.2, 0.2, 0) / 2
+    assert accumulated == pytest.approx(expected, rel=1e-10)
+    whole, _ = policy_loss(**batch, loss_type="bnpo")
+    assert whole.item() != pytest.approx(accumulated)  # bnpo depends on the split, unlike dapo
+
+
+# --- masks -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_padding_never_counts(loss_type: str) -> None:
+    batch = random_batch(6)
+    padding = ~batch["mask"]
+    assert padding.any()
+    clean = batch["logprobs"].clone().requires_grad_(True)
+    loss_a, stats_a = policy_loss(
+        clean, batch["behavior_logprobs"], batch["advantages"], batch["mask"], loss_type=loss_type
+    )
+    loss_a.backward()
+
+    dirty_lp = batch["logprobs"].clone()
+    dirty_lp[padding] = float("nan")
+    dirty_beh = batch["behavior_logprobs"].clone()
+    dirty_beh[padding] = 1e6
+    dirty = dirty_lp.requires_grad_(True)
+    loss_b, stats_b = policy_loss(dirty, dirty_beh, batch["advantages"], batch["mask"], loss_type=loss_type)
+    loss_b.backward()
+
+    assert loss_b.item() == loss_a.item()
+    assert stats_b == stats_a
+    assert torch.equal(dirty.grad, clean.grad)
+    assert (clean.grad[padding] == 0).all()
+
+
+def test_float_mask_is_accepted_and_checked() -> None:
+    batch = hand_batch()
+    loss_bool, _ = policy_loss(**batch)
+    batch["mask"] = batch["mask"].double()
+    loss_float, _ = policy_loss(**batch)
+    assert loss_float.item() == loss_bool.item()
+    batch["mask"] = batch["mask"] * 0.5
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        policy_loss(**batch)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+
+def test_non_finite_input_raises() -> None:
+    batch = hand_batch()
+    batch["logprobs"][0, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match="logprobs"):
+        policy_loss(**batch)
+    batch = hand_batch()
+    batch["advantages"][1] = float("inf")
+    with pytest.raises(NonFiniteError, match="advantages"):
+        policy_loss(**batch)
+
+
+def test_overflowing_ratio_raises_instead_of_returning_inf() -> None:
+    batch = {
+        "logprobs": torch.tensor([[0.0]]),
+        "behavior_logprobs": torch.tensor([[-1000.0]]),  # r = e^1000 = inf in float32
+        "advantages": torch.tensor([-1.0]),
+        "mask": torch.tensor([[True]]),
+    }
+    with pytest.raises(NonFiniteError, match="loss is"):
+        policy_loss(**batch)
+
+
+def test_shape_and_name_errors() -> None:
+    batch = hand_batch()
+    with pytest.raises(ValueError, match="loss_type='ppo' is unknown"):
+        policy_loss(**batch, loss_type="ppo")
+    with pytest.raises(ValueError, match="advantages has shape"):
+        policy_loss(batch["logprobs"], batch["behavior_logprobs"], batch["advantages"][:1], batch["mask"])
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        policy_loss(**batch, beta=0.1)
+
+
+# --- group advantages --------------------------------------------------------------------------------------
+
+
+def test_group_advantages_hand_values() -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    # Group 1: mean 0.5, sample std sqrt(4 * 0.25 / 3) = sqrt(1/3); group 2: all equal -> 0.
+    scaled = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    expected = [scaled, -scaled, -scaled, scaled, 0.0, 0.0, 0.0, 0.0]
+    assert group_advantages(rewards, 4).tolist() == pytest.approx(expected, rel=1e-6)
+    unscaled = group_advantages(rewards, 4, scale=False).tolist()
+    assert unscaled == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_group_advantages_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_advantages([1.0, 2.0, 3.0, 4.0], 3)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        group_advantages([1.0], 1)
+    with pytest.raises(NonFiniteError, match=r"positions \[1\]"):
+        group_advantages([1.0, float("nan")], 2)
