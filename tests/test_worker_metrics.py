@@ -47,12 +47,12 @@ def _rollout(task_id: str, version: int, samples: list[RolloutSample]) -> Rollou
     )
 
 
-def _update(index: int, fb_s: float, opt_s: float) -> dict:
+def _update(index: int, fb_s: float, opt_s: float) -> StepMetrics:
     return StepMetrics(
         update=index, loss=0.25, ratio=1.01, kl=0.002, clip_low=0.01, clip_high=0.03, clip_region=0.04,
         entropy=1.5, grad_norm=0.7, lr=5e-3, tokens=10, sequences=5, micro_batches=1,
         forward_backward_s=fb_s, optimizer_s=opt_s,
-    ).to_dict()
+    )
 
 
 def step_record() -> dict:

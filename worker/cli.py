@@ -93,5 +93,66 @@ def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_worker
     sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
 
 
+
+@main.command()
+@click.option("--proxy", "proxy_url", envvar="ASYNCGRPO_PROXY_URL", default="http://127.0.0.1:8700", show_default=True,
+              help="Base URL of the run's proxy.")
+@click.option("--token", envvar="ASYNCGRPO_TOKEN", default=None, help="Bearer token (not needed for reading).")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", default=None,
+              help="The run's bucket, for its config and step records (reward trend, staleness).")
+@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
+def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, interval: float) -> None:
+    """Show the run: version, step, reward trend, staleness, buffer, workers and their heartbeats."""
+    from proxy.bucket import open_bucket
+    from proxy.client import ProxyClient, ProxyError
+    from worker.status_view import show_status
+
+    with ProxyClient(proxy_url, token, retries=1) as client:
+        try:
+            show_status(client, open_bucket(bucket) if bucket else None, watch=watch, interval_s=interval)
+        except ProxyError as error:
+            raise click.ClickException(f"cannot read the proxy at {proxy_url}: {error}") from error
+
+
+@main.command()
+@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to plot.")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file.")
+def plot(run_name: str, bucket: str, out_path: Path) -> None:
+    """Plot reward, ratio, staleness and throughput against step, from the run's step records."""
+    from proxy.bucket import open_bucket
+    from worker.plotting import PlotError, plot_run
+
+    try:
+        written = plot_run(open_bucket(bucket), run_name, out_path)
+    except PlotError as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"plot written to {written}")
+
+
+@main.command()
+@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to export from.")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--version", "version", required=True, help="Version number, or 'latest'.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="New or empty folder for the adapter (and merged/ with --merge).")
+@click.option("--merge", is_flag=True, help="Also write the base model with the adapter merged, to OUT/merged.")
+@click.option("--device", default="cpu", show_default=True, help="Device for merging: cpu, cuda, auto.")
+def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool, device: str) -> None:
+    """Export a published version as a PEFT adapter folder (transformers, vLLM), optionally merged."""
+    import json
+
+    from proxy.bucket import ObjectNotFound, open_bucket
+    from proxy.manifest import IntegrityError
+    from worker.export import ExportError, export_version
+
+    try:
+        result = export_version(open_bucket(bucket), run_name, version, out_dir, merge=merge, device=device)
+    except (ExportError, IntegrityError, ObjectNotFound) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(json.dumps(result.summary(), indent=2))
+
+
 if __name__ == "__main__":
     main()

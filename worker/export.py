@@ -23,7 +23,8 @@ import structlog
 from proxy import bucket_keys
 from proxy.bucket import Bucket, ObjectNotFound
 from proxy.config import RunConfig
-from proxy.manifest import RunManifest, latest_complete_version, read_manifest, read_verified, sha256_hex
+from proxy.manifest import latest_complete_version, read_manifest, read_verified, sha256_hex
+from proxy.run_setup import load_run
 
 log = structlog.get_logger()
 
@@ -69,18 +70,6 @@ def resolve_version(bucket: Bucket, run: str, version: int | str) -> int:
     return version
 
 
-def load_verified_run_config(bucket: Bucket, run: str) -> RunConfig:
-    """The run's config, checked against the run manifest."""
-    try:
-        run_manifest = RunManifest.model_validate_json(bucket.get(bucket_keys.run_manifest_key(run)))
-    except ObjectNotFound:
-        raise ExportError(
-            f"run {run!r} does not exist in {bucket!r} (no {bucket_keys.run_manifest_key(run)})"
-        ) from None
-    data = read_verified(bucket, bucket_keys.config_key(run), run_manifest.config.sha256)
-    return RunConfig.from_json(data)
-
-
 def _prepare_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"output folder {out_dir} exists and is not empty; choose a new or empty folder")
@@ -118,7 +107,7 @@ def export_version(
     out_dir = Path(out_dir)
     number = resolve_version(bucket, run, version)
     files = read_adapter_files(bucket, run, number)
-    config = load_verified_run_config(bucket, run) if merge else None
+    config = load_run(bucket, run)[0] if merge else None  # verified against the run manifest
     _prepare_out_dir(out_dir)
     for name, data in files.items():
         (out_dir / name).write_bytes(data)
