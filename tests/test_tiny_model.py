@@ -1,0 +1,72 @@
+"""The tiny offline model (worker/tiny_model.py): built locally, deterministic, loadable by transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests import fixtures_model
+from worker.cli import main
+from worker.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, ensure_tiny_model, resolve_base_model
+
+# Registered here until tests/conftest.py loads the tests.fixtures_model plugin.
+tiny_model_dir = fixtures_model.tiny_model_dir
+
+
+def test_tokenizer_is_character_level_over_the_toy_alphabet(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    vocab = tokenizer.get_vocab()
+    assert set("0123456789=") <= set(vocab)
+    assert len(tokenizer) == len(vocab) == 14
+    assert tokenizer.eos_token == EOS_TOKEN and tokenizer.pad_token == PAD_TOKEN
+    ids = tokenizer("7=", add_special_tokens=True)["input_ids"]
+    assert ids == [vocab["7"], vocab["="]]
+    decoded = tokenizer.decode([vocab["4"], vocab["4"], tokenizer.eos_token_id], skip_special_tokens=True)
+    assert decoded == "44"
+
+
+def test_model_loads_and_matches_the_tokenizer(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    logits = model(input_ids=torch.tensor([tokenizer("3=")["input_ids"]])).logits
+    assert logits.shape == (1, 2, len(tokenizer))
+    assert torch.isfinite(logits).all()
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path) -> None:
+    first = load_file(build_tiny_model(tmp_path / "a", seed=1) / "model.safetensors")
+    second = load_file(build_tiny_model(tmp_path / "b", seed=1) / "model.safetensors")
+    third = load_file(build_tiny_model(tmp_path / "c", seed=2) / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert not all(torch.equal(first[key], third[key]) for key in first)
+    vocab_a = json.loads((tmp_path / "a" / "tokenizer.json").read_text())["model"]["vocab"]
+    vocab_c = json.loads((tmp_path / "c" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab_a == vocab_c
+
+
+def test_ensure_builds_once_and_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ensure_tiny_model(seed=0, cache_dir=tmp_path)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(seed=0, cache_dir=tmp_path) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no staging folder left behind
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
+    assert resolve_base_model("tiny") == str(path)
+    assert resolve_base_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+
+
+def test_cli_builds_the_model(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["model", "tiny", "--out", str(tmp_path / "tiny"), "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    assert (tmp_path / "tiny" / "tokenizer.json").is_file()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").num_parameters() > 0
