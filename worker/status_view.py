@@ -81,11 +81,11 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def _fmt(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.{digits}f}"
+        return f"{value:.{digits}g}"
     return str(value)
 
 

@@ -1,0 +1,150 @@
+"""``asyncgrpo status``: a real coordinator behind a real HTTP server, read with ProxyClient and the bucket."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from click.testing import CliRunner
+from redis import Redis
+from rich.console import Console
+
+from proxy import bucket_keys
+from proxy.bucket import Bucket, open_bucket
+from proxy.client import ProxyClient
+from proxy.coordinator import Coordinator
+from proxy.run_setup import create_run
+from proxy.schemas import HeartbeatRequest
+from proxy.server import create_app
+from tests.fixtures_redis import free_port
+from tests.proxy_harness import ManualClock, advance_version, make_coordinator, small_config
+from worker.cli import main
+from worker.status_view import collect_status, render_status, show_status, sparkline
+
+RUN = "r1"
+CONFIG_TOML = """
+[dataset]
+generator = "repeat_digit"
+num_prompts = 20
+[async]
+groups_per_task = 2
+groups_per_step = 4
+queue_maxsize = 8
+max_staleness = 1
+"""
+
+
+@pytest.fixture
+def run_bucket(tmp_path: Path) -> Bucket:
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    config_path = tmp_path / "run.toml"
+    config_path.write_text(CONFIG_TOML)
+    create_run(config_path, RUN, bucket)
+    return bucket
+
+
+@pytest.fixture
+def coordinator(redis_client: Redis, run_bucket: Bucket) -> Coordinator:
+    # The clock starts a minute ago so that heartbeat ages read naturally against the wall clock.
+    clock = ManualClock(start_ms=int(time.time() * 1000) - 60_000)
+    coord = make_coordinator(redis_client, run_bucket, run=RUN, config=small_config(), clock=clock)
+    coord.heartbeat(_beat("gen-old", "generate"))
+    submitted: set[str] = set()
+    for _ in range(3):  # v0 (init) and two trained versions
+        advance_version(coord, submitted)
+    clock.advance(60)
+    coord.heartbeat(_beat("gen-a", "generate", versions=[1, 2], task="task-7"))
+    coord.heartbeat(_beat("trainer-1", "optimize"))
+    coord.tick()
+    for step in (1, 2):
+        record = {
+            "step": step, "version": step, "reward_mean": 0.25 * step, "ratio": 1.0, "kl": 0.001 * step,
+            "max_staleness": step - 1, "completion_length_mean": 5.0 + step, "timings": {"step_s": 1.5},
+            "published_at": time.time() - 10 * (3 - step), "flagged_rollouts": [],
+        }
+        run_bucket.put(bucket_keys.metrics_key(RUN, step), json.dumps(record).encode())
+    return coord
+
+
+def _beat(worker_id: str, role: str, versions: list[int] | None = None, task: str | None = None) -> HeartbeatRequest:
+    return HeartbeatRequest(
+        worker_id=worker_id, role=role, hostname="host-1", pid=4242, state="busy" if task else "idle",
+        versions_cached=versions or [], current_task=task,
+    )
+
+
+@pytest.fixture
+def proxy_url(coordinator: Coordinator) -> Iterator[str]:
+    """The proxy's real app on a real port (no housekeeping loop: the test drives the coordinator)."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(coordinator, "tok", run_loop=False), host="127.0.0.1", port=port, log_config=None)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _text(renderable) -> str:
+    console = Console(file=io.StringIO(), width=160, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_status_shows_version_buffer_trend_and_workers(proxy_url: str, run_bucket: Bucket) -> None:
+    with ProxyClient(proxy_url, None) as client:
+        snapshot = collect_status(client, run_bucket)
+    assert snapshot.status.current_version == 2
+    assert snapshot.config is not None and snapshot.config.async_.queue_maxsize == 8
+    assert [r["step"] for r in snapshot.records] == [1, 2]
+
+    text = _text(render_status(snapshot))
+    assert "run r1" in text and "v2" in text
+    assert f"{snapshot.status.groups_buffered} admitted" in text and "/ 8" in text
+    assert "max staleness (limit 1)" in text
+    assert "reward mean" in text and "0.25" in text and "0.5" in text
+    rows = [[cell.strip() for cell in line.split("│") if cell.strip()] for line in text.splitlines() if "│" in line]
+    lines = {row[0]: " ".join(row) for row in rows if row and row[0].startswith(("gen-", "trainer-"))}
+    assert set(lines) == {"gen-old", "gen-a", "trainer-1"}
+    assert "(dead)" in lines["gen-old"] and "60s ago" in lines["gen-old"]
+    assert "(dead)" not in lines["gen-a"] and "v1,v2" in lines["gen-a"] and "task-7" in lines["gen-a"]
+    assert "generate: 1" in text and "optimize: 1" in text
+
+
+def test_status_without_bucket_and_in_watch_mode(proxy_url: str) -> None:
+    output = io.StringIO()
+    console = Console(file=output, width=160, color_system=None, force_terminal=False)
+    with ProxyClient(proxy_url, None) as client:
+        show_status(client, None, watch=True, interval_s=0.01, console=console, max_refreshes=2)
+    text = output.getvalue()
+    assert "run r1" in text and "no step records yet" in text
+
+
+def test_status_command(proxy_url: str, run_bucket: Bucket) -> None:
+    answer = CliRunner().invoke(main, ["status", "--proxy", proxy_url, "--bucket", run_bucket.url])
+    assert answer.exit_code == 0, answer.output
+    assert "run r1" in answer.output and "trainer-1" in answer.output
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    answer = CliRunner().invoke(main, ["status", "--proxy", closed])
+    assert answer.exit_code == 1
+    assert f"cannot read the proxy at {closed}" in answer.output
+
+
+def test_sparkline_scales_between_min_and_max() -> None:
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([2.0, 2.0]) == "▅▅"
+    assert sparkline([]) == ""
+
