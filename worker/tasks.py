@@ -1,0 +1,155 @@
+"""The Celery tasks, kept thin: validate the JSON message, bind log context, call a plain function, return
+a small JSON result. All the work is in ``worker.generate_job`` and ``worker.optimize_job``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from celery import signals
+
+import worker.inspect_commands  # noqa: F401  (registers the custom `celery inspect` commands)
+from proxy.bucket import ObjectNotFound
+from proxy.client import Conflict, ProxyError
+from proxy.log_setup import configure_logging
+from proxy.manifest import IntegrityError
+from proxy.schemas import GenerateTaskMessage, OptimizeTaskMessage
+from proxy.staleness import StaleRolloutError
+from worker import worker_metrics
+from worker.celery_app import app
+from worker.generate_job import run_generate_task
+from worker.optimize_job import run_initialize, run_optimize_step
+from worker.runtime import WorkerRuntime, get_runtime, start_heartbeat
+
+log = structlog.get_logger()
+
+_ERROR_KINDS: dict[type[BaseException], str] = {
+    IntegrityError: "integrity",
+    ObjectNotFound: "integrity",
+    StaleRolloutError: "stale",
+    Conflict: "conflict",
+    ProxyError: "proxy",
+}
+_idle_since: float | None = None
+
+
+def _role() -> str:
+    return os.environ.get("ASYNCGRPO_WORKER_ROLE", "generate")
+
+
+@signals.setup_logging.connect
+def _on_setup_logging(**_: Any) -> None:
+    # Replaces Celery's own logging set-up: one structlog configuration for the whole process.
+    configure_logging(role=_role())
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    global _idle_since
+    role = _role()
+    runtime = get_runtime(role)
+    configure_logging(role=role, worker=runtime.settings.worker_id)
+    worker_metrics.start_metrics_server(runtime.settings.metrics_port)
+    worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
+    start_heartbeat(role)
+    _idle_since = time.monotonic()
+
+
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    runtime = get_runtime(_role())
+    if runtime.heartbeat is not None:
+        runtime.heartbeat.stop()
+
+
+@contextmanager
+def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[None]:
+    """Idle time before the task, in-flight gauge, current task for heartbeats, error counting."""
+    global _idle_since
+    if _idle_since is not None:
+        worker_metrics.observe_idle(role, time.monotonic() - _idle_since)
+    runtime.current_task = task_name
+    started = time.perf_counter()
+    try:
+        with worker_metrics.task_in_flight(role):
+            yield
+    except BaseException as error:
+        kind = next((k for t, k in _ERROR_KINDS.items() if isinstance(error, t)), "other")
+        worker_metrics.observe_error(kind)
+        log.exception("task failed", task=task_name, error_kind=kind, seconds=time.perf_counter() - started)
+        raise
+    finally:
+        runtime.current_task = None
+        _idle_since = time.monotonic()
+
+
+def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, Any]], **context: Any) -> dict:
+    runtime = get_runtime(role)
+    with structlog.contextvars.bound_contextvars(worker=runtime.settings.worker_id, **context):
+        started = time.perf_counter()
+        with _task_scope(role, runtime, task_name):
+            summary = body(runtime)
+        log.info(f"{role} task done", seconds=round(time.perf_counter() - started, 4), **summary)
+        return summary
+
+
+@app.task(name="asyncgrpo.generate", acks_late=True, reject_on_worker_lost=True)
+def generate(**payload: Any) -> dict[str, Any]:
+    message = GenerateTaskMessage.model_validate(payload)
+
+    def body(runtime: WorkerRuntime) -> dict[str, Any]:
+        context = runtime.run_context(message.run)
+        result = run_generate_task(
+            run=message.run,
+            task_id=message.task_id,
+            groups=[group.model_dump() for group in message.groups],
+            config=context.config,
+            prompts=context.prompts,
+            bucket=runtime.bucket,
+            client=runtime.client,
+            backend=runtime.generation_backend(context),
+            adapter_cache=runtime.adapter_cache(context),
+            worker_id=runtime.settings.worker_id,
+        )
+        summary = result.summary()
+        worker_metrics.observe_generate_task(summary)
+        return summary
+
+    return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
+
+
+@app.task(name="asyncgrpo.optimize", acks_late=True, reject_on_worker_lost=True)
+def optimize(**payload: Any) -> dict[str, Any]:
+    message = OptimizeTaskMessage.model_validate(payload)
+
+    def body(runtime: WorkerRuntime) -> dict[str, Any]:
+        context = runtime.run_context(message.run)
+        trainer = runtime.run_trainer(context)
+        if message.step == 0:
+            result = run_initialize(
+                run=message.run,
+                trainer=trainer,
+                bucket=runtime.bucket,
+                client=runtime.client,
+                worker_id=runtime.settings.worker_id,
+            )
+        else:
+            result = run_optimize_step(
+                run=message.run,
+                step=message.step,
+                base_version=message.base_version,
+                rollout_refs=[ref.model_dump() for ref in message.rollouts],
+                config=context.config,
+                trainer=trainer,
+                bucket=runtime.bucket,
+                client=runtime.client,
+                worker_id=runtime.settings.worker_id,
+            )
+        worker_metrics.observe_optimize_step(result.record, result.status)
+        return result.summary()
+
+    return _run("optimize", f"step-{message.step}", body, run=message.run, step=message.step)
