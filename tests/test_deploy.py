@@ -137,10 +137,11 @@ def documented_env_vars() -> dict[str, str]:
 
 
 def settings_env_vars() -> set[str]:
-    """Every variable a process reads: the proxy's settings model, the worker settings, logging, the CLI."""
+    """Every variable a process reads: the proxy's settings model (names built from its fields), every name
+    spelled out in the packages (worker settings, logging, CLI, backends), and those the units use."""
     names = {f"ASYNCGRPO_{field.upper()}" for field in ProxySettings.model_fields}
-    for module in ("worker/settings.py", "worker/launcher.py", "worker/cli.py", "proxy/bucket.py"):
-        names |= set(ENV_NAME.findall((ROOT / module).read_text()))
+    for module in sorted((ROOT / "proxy").glob("*.py")) + sorted((ROOT / "worker").glob("*.py")):
+        names |= set(ENV_NAME.findall(module.read_text()))
     names |= {log_setup.LOG_FORMAT_ENV, log_setup.LOG_LEVEL_ENV}
     for unit in UNITS.glob("*.service"):
         names |= set(ENV_NAME.findall(unit.read_text()))

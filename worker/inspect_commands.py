@@ -38,22 +38,36 @@ def adapter_versions_of(runtime: WorkerRuntime) -> dict[str, Any]:
         "worker_id": runtime.settings.worker_id,
         "versions_cached": runtime.versions_cached(),
         "versions_by_run": {run: cache.versions() for run, cache in sorted(runtime.adapter_caches.items())},
+        "adapters_loaded": _loaded_adapters(runtime.backend),
         "trainer_version": getattr(runtime.trainer, "version", None) if runtime.trainer is not None else None,
         "current_task": runtime.current_task,
     }
+
+
+def _loaded_adapters(backend: Any) -> list[str]:
+    """Adapter names the generation backend serves now (``v42``...), when it says."""
+    loaded = getattr(backend, "loaded_adapters", None)
+    return list(loaded()) if callable(loaded) else []
+
+
+def _device_of(holder: Any) -> str | None:
+    """The torch device of a backend or trainer: its own ``device`` or its policy's."""
+    if holder is None:
+        return None
+    device = getattr(holder, "device", None) or getattr(getattr(holder, "policy", None), "device", None)
+    return str(device) if device is not None else None
 
 
 def model_info_of(runtime: WorkerRuntime) -> dict[str, Any]:
     """Which model this process runs, where, and with which backend."""
     backend = runtime.backend
     trainer = runtime.trainer
-    model_device = getattr(backend, "device", None) or getattr(trainer, "device", None)
     return {
         "role": runtime.role,
         "worker_id": runtime.settings.worker_id,
         "models_by_run": {run: context.config.model.base for run, context in sorted(runtime.runs.items())},
         "device_setting": runtime.settings.device,
-        "device": str(model_device) if model_device is not None else None,
+        "device": _device_of(backend) or _device_of(trainer),
         "backend": type(backend).__name__ if backend is not None else None,
         "backend_setting": runtime.settings.generation_backend,
         "backend_run": runtime.backend_run,

@@ -1,0 +1,93 @@
+"""Custom ``celery inspect`` commands answered by a real Celery worker over a private Redis broker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+import worker.inspect_commands  # noqa: F401  (registers the commands, as the worker process does)
+from proxy.bucket import open_bucket
+from proxy.client import ProxyClient
+from proxy.config import RunConfig
+from proxy.manifest import write_version
+from tests.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from worker import runtime as runtime_module
+from worker.adapter_cache import AdapterCache
+from worker.generation_transformers import TransformersBackend
+from worker.runtime import RunContext, WorkerRuntime
+from worker.settings import WorkerSettings
+
+RUN = "inspect-run"
+
+
+@pytest.fixture
+def generate_runtime(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> Iterator[WorkerRuntime]:
+    """The process runtime of a generate worker holding versions 3 and 4 of a run, with a loaded backend."""
+    monkeypatch.setenv("ASYNCGRPO_WORKER_ROLE", "generate")
+    monkeypatch.setenv("ASYNCGRPO_WORKER_ID", "gpu-box-generate-0")
+    monkeypatch.setenv("ASYNCGRPO_DEVICE", "cpu")
+    settings = WorkerSettings()
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    runtime = WorkerRuntime(
+        role="generate", settings=settings, bucket=bucket, client=ProxyClient("http://127.0.0.1:9", None)
+    )
+    config = RunConfig.model_validate({"model": {"base": str(tiny_model_dir)}})
+    runtime.runs[RUN] = RunContext(run=RUN, config=config, prompts=[])
+    runtime.backend = TransformersBackend(str(tiny_model_dir), device="cpu")
+    runtime.backend_run = RUN
+    cache = AdapterCache(bucket, RUN, tmp_path / "cache", capacity=3)
+    for version in (3, 4):
+        _, sha = write_version(bucket, RUN, version, {"adapter_config.json": json.dumps({"v": version}).encode()}, {})
+        cache.get(version, sha)
+    runtime.adapter_caches[RUN] = cache
+    monkeypatch.setattr(runtime_module, "_runtime", runtime)
+    yield runtime
+
+
+@pytest.fixture
+def celery_worker_app(redis_url: str) -> Iterator[Celery]:
+    app = Celery("asyncgrpo-inspect-test", broker=redis_url)
+    app.conf.update(
+        task_serializer="json", accept_content=["json"], result_backend=None, worker_hijack_root_logger=False
+    )
+    with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, shutdown_timeout=10):
+        yield app
+
+
+def _ask(app: Celery, command: str) -> dict:
+    replies = app.control.inspect(timeout=10, limit=1)._request(command)
+    assert replies, f"no worker answered `celery inspect {command}`"
+    (answer,) = replies.values()
+    return answer
+
+
+def test_adapter_versions_and_model_info_answer_from_the_runtime(
+    generate_runtime: WorkerRuntime, celery_worker_app: Celery, tiny_model_dir: Path  # noqa: F811
+) -> None:
+    versions = _ask(celery_worker_app, "adapter_versions")
+    assert versions["role"] == "generate"
+    assert versions["worker_id"] == "gpu-box-generate-0"
+    assert versions["versions_cached"] == [3, 4]
+    assert versions["versions_by_run"] == {RUN: [3, 4]}
+    assert versions["trainer_version"] is None
+
+    info = _ask(celery_worker_app, "model_info")
+    assert info["models_by_run"] == {RUN: str(tiny_model_dir)}
+    assert info["device"] == "cpu" and info["device_setting"] == "cpu"
+    assert info["backend"] == "TransformersBackend"
+    assert info["loaded"] is True
+
+
+def test_commands_say_what_to_fix_without_a_role(
+    generate_runtime: WorkerRuntime, celery_worker_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCGRPO_WORKER_ROLE", "trainer")
+    answer = _ask(celery_worker_app, "model_info")
+    assert "ASYNCGRPO_WORKER_ROLE='trainer' is not a worker role" in answer["error"]
