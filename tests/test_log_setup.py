@@ -1,0 +1,89 @@
+"""configure_logging: JSON off a terminal, console on one; process and task ids on every line, any thread."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from proxy.log_setup import LoggingConfigError, configure_logging
+
+
+class TerminalStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """configure_logging changes process-wide state; put back what pytest and other tests rely on."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    saved = structlog.get_config()
+    yield
+    root.handlers, root.level = handlers, level
+    structlog.reset_defaults()
+    structlog.configure(**saved)
+
+
+def json_lines(stream: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+
+
+def test_json_lines_carry_process_and_task_ids_from_every_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCGRPO_LOG_FORMAT", raising=False)
+    stream = io.StringIO()
+    assert configure_logging(stream=stream, role="generate", worker="host-1-generate-0", run="r1") == "json"
+    log = structlog.get_logger()
+    with structlog.contextvars.bound_contextvars(task_id="gen-r1-0-00000007", version=12):
+        log.info("generate task done", seconds=1.25)
+        logging.getLogger("celery.worker").warning("celery says %s", "hello")
+    thread = threading.Thread(target=lambda: log.warning("heartbeat failed", error="timeout"))
+    thread.start()
+    thread.join()
+    log.debug("hidden at INFO")
+
+    task_line, celery_line, thread_line = json_lines(stream)
+    assert task_line["event"] == "generate task done" and task_line["level"] == "info"
+    assert task_line["task_id"] == "gen-r1-0-00000007" and task_line["version"] == 12 and task_line["seconds"] == 1.25
+    assert celery_line["event"] == "celery says hello" and celery_line["logger"] == "celery.worker"
+    assert celery_line["task_id"] == "gen-r1-0-00000007" and celery_line["level"] == "warning"
+    assert "task_id" not in thread_line  # a task's ids stay with the task...
+    for line in (task_line, celery_line, thread_line):  # ...the process's ids are everywhere
+        assert (line["role"], line["worker"], line["run"]) == ("generate", "host-1-generate-0", "r1")
+        assert line["timestamp"].endswith("Z")
+
+
+def test_console_on_a_terminal_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCGRPO_LOG_FORMAT", raising=False)
+    terminal = TerminalStream()
+    assert configure_logging(stream=terminal, role="proxy") == "console"
+    structlog.get_logger().info("proxy.starting", port=8700)
+    text = terminal.getvalue()
+    assert "proxy.starting" in text and "port=8700" in text and "role=proxy" in text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text.splitlines()[0])
+
+    monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "json")
+    assert configure_logging(stream=TerminalStream()) == "json"
+    monkeypatch.setenv("ASYNCGRPO_LOG_LEVEL", "WARNING")
+    quiet = io.StringIO()
+    configure_logging(stream=quiet)
+    structlog.get_logger().info("not shown")
+    structlog.get_logger().error("shown")
+    assert [line["event"] for line in json_lines(quiet)] == ["shown"]
+
+
+def test_bad_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "xml")
+    with pytest.raises(LoggingConfigError, match="ASYNCGRPO_LOG_FORMAT='xml' is unknown; use one of auto, json"):
+        configure_logging(stream=io.StringIO())
+    monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "json")
+    monkeypatch.setenv("ASYNCGRPO_LOG_LEVEL", "LOUD")
+    with pytest.raises(LoggingConfigError, match="ASYNCGRPO_LOG_LEVEL='LOUD' is not a log level"):
+        configure_logging(stream=io.StringIO())
