@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from proxy.bucket_keys import (
 )
 from proxy.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from tests import fixtures_model
+from tests.train_samples import synthetic_samples
 from worker.generation_transformers import TransformersBackend
 from worker.grpo import NonFiniteError
 from worker.policy import Policy
@@ -38,23 +38,6 @@ def make_config(**sections: dict) -> RunConfig:
 
 def make_trainer(base: Path, config: RunConfig | None = None) -> Trainer:
     return Trainer.initial(Policy.load(str(base)), config or make_config())
-
-
-def synthetic_samples(trainer: Trainer, count: int, seed: int) -> list[TrainSample]:
-    """Random digit prompts and completions, behaviour logprobs from the trainer itself (ratio 1)."""
-    rng = random.Random(seed)
-    vocab = trainer.policy.tokenizer.get_vocab()
-    digits = [vocab[d] for d in "0123456789"]
-    samples = []
-    for _ in range(count):
-        prompt = [rng.choice(digits) for _ in range(rng.randint(1, 3))] + [vocab["="]]
-        completion = [rng.choice(digits) for _ in range(rng.randint(1, 6))]
-        if rng.random() < 0.5:
-            completion.append(trainer.policy.eos_token_id)
-        samples.append(TrainSample(prompt, completion, [0.0] * len(completion), rng.uniform(-1.5, 1.5)))
-    for sample, logprobs in zip(samples, trainer.rescore(samples), strict=True):
-        sample.behavior_logprobs = logprobs
-    return samples
 
 
 def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
