@@ -34,6 +34,17 @@ class LoggingConfigError(ValueError):
     """An unusable logging setting; the message names the variable and the accepted values."""
 
 
+class _AsyncgrpoHandler(logging.StreamHandler):
+    """The root handler configure_logging installs (its own class, so a later call can find its stream)."""
+
+
+def _previous_stream() -> IO[str] | None:
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _AsyncgrpoHandler):
+            return handler.stream
+    return None
+
+
 def _process_fields(fields: dict[str, Any]) -> Processor:
     """A processor that adds fixed fields to every line unless the line already sets them."""
 
@@ -77,9 +88,12 @@ def configure_logging(
     """Configure structlog and the standard library's root logger for this process.
 
     ``process_fields`` (e.g. ``role="generate", worker="host-1234", run="r1"``) are added to every line.
-    Returns the format chosen ("json" or "console"). Calling it again replaces the earlier configuration.
+    Returns the format chosen ("json" or "console"). Calling it again replaces the earlier configuration
+    and, unless ``stream`` is given, keeps writing where the first call did: by then Celery may have replaced
+    ``sys.stdout`` with a proxy that logs what is printed, and writing log lines there would loop.
     """
-    stream = stream if stream is not None else sys.stdout
+    if stream is None:
+        stream = _previous_stream() or sys.stdout
     chosen = _resolve_format(log_format, stream)
     numeric_level = _resolve_level(level)
     fields = {key: value for key, value in process_fields.items() if value is not None}
@@ -107,7 +121,7 @@ def configure_logging(
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     )
-    handler = logging.StreamHandler(stream)
+    handler = _AsyncgrpoHandler(stream)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers = [handler]

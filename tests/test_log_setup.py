@@ -87,3 +87,17 @@ def test_bad_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("ASYNCGRPO_LOG_LEVEL", "LOUD")
     with pytest.raises(LoggingConfigError, match="ASYNCGRPO_LOG_LEVEL='LOUD' is not a log level"):
         configure_logging(stream=io.StringIO())
+
+
+def test_a_second_call_keeps_the_first_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "json")
+    first = io.StringIO()
+    configure_logging(stream=first, role="generate")
+    # Celery's worker replaces sys.stdout with a logging proxy after set-up; the worker then adds its id.
+    replaced = io.StringIO()
+    monkeypatch.setattr("sys.stdout", replaced)
+    configure_logging(role="generate", worker="w-7")
+    structlog.get_logger().info("worker ready")
+    assert replaced.getvalue() == ""
+    (line,) = json_lines(first)
+    assert line["worker"] == "w-7" and line["event"] == "worker ready"
