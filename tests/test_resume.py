@@ -73,3 +73,20 @@ def test_restoring_only_the_adapter_is_not_enough(tiny_model_dir: Path) -> None:
     weights_only.step(batches[1])
     expected, actual = weights(uninterrupted), weights(weights_only)
     assert not all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def test_loading_an_older_version_discards_newer_state(tiny_model_dir: Path) -> None:
+    """A worker whose memory is ahead (a lost CAS, a redelivered step) goes back to version 0 exactly."""
+    reference = fresh_trainer(tiny_model_dir)
+    version_zero = reference.version_files(0)
+    batch = synthetic_samples(reference, 10, seed=0)
+    reference.step(batch)
+
+    ahead = fresh_trainer(tiny_model_dir)
+    ahead.step(synthetic_samples(ahead, 10, seed=9))
+    ahead.step(synthetic_samples(ahead, 10, seed=8))
+    assert ahead.load_version_files(version_zero) == 0
+    assert ahead.updates == 0 and not ahead.optimizer.state
+    ahead.step(batch)
+    expected, actual = weights(reference), weights(ahead)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)

@@ -109,7 +109,7 @@ def policy_loss(
     """The clipped GRPO policy loss of one micro-batch and its diagnostics (see the module docstring).
 
     Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` and ``ref_logprobs`` are (B, T); ``advantages``
-    is (B,); ``logits`` (optional, for the entropy) is (B, T, V) and already divided by the temperature.
+    is (B,) (or (B, 1)); ``logits`` (optional, for the entropy) is (B, T, V) and already divided by the temperature.
     ``logprobs`` carries the gradient. ``max_completion_length`` is needed by ``dr_grpo`` only (default T).
     ``step_tokens`` / ``step_sequences`` are the masked-token / sequence counts of the whole optimizer step
     (default: this micro-batch's); ``micro_batches`` divides ``bnpo`` as TRL's gradient accumulation does.
@@ -122,6 +122,8 @@ def policy_loss(
     for name, tensor in (("behavior_logprobs", behavior_logprobs), ("mask", mask)):
         if tensor.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(logprobs.shape)}")
+    if advantages.shape == (batch, 1):  # TRL-style column of per-sequence advantages
+        advantages = advantages.squeeze(1)
     if advantages.shape != (batch,):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({batch},)")
     if beta > 0.0 and (ref_logprobs is None or ref_logprobs.shape != logprobs.shape):
