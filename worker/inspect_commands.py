@@ -1,9 +1,11 @@
 """Custom ``celery inspect`` commands of asyncgrpo workers.
 
-    celery -A worker.celery_app inspect adapter_versions
-    celery -A worker.celery_app inspect model_info
+    celery -A worker.inspect_commands inspect adapter_versions
+    celery -A worker.inspect_commands inspect model_info
 
-Importing this module registers the commands in the worker process. They read the process runtime
+Importing this module registers the commands, in the worker (which answers them) and in the ``celery``
+command line (which refuses command names it does not know): hence ``-A worker.inspect_commands``, which
+also finds the Celery ``app`` re-exported here. They read the worker's process runtime
 (``worker.runtime.get_runtime``) for the role in ``ASYNCGRPO_WORKER_ROLE`` (set by ``asyncgrpo worker``).
 A solo-pool worker answers only between tasks; the proxy's ``GET /v1/workers`` (heartbeats) is the view
 that also covers busy workers.
@@ -16,10 +18,12 @@ from typing import Any
 
 from celery.worker.control import inspect_command
 
+from worker.celery_app import app
 from worker.launcher import ROLES
 from worker.runtime import WorkerRuntime, get_runtime
 
 ROLE_ENV = "ASYNCGRPO_WORKER_ROLE"
+__all__ = ["adapter_versions", "app", "model_info"]
 
 
 def _role() -> str:

@@ -103,7 +103,7 @@ def _run_table(snapshot: StatusSnapshot) -> Table:
     table.add_row("version", version)
     table.add_row("step in flight", "-" if status.step_inflight is None else str(status.step_inflight))
     if config is not None:
-        table.add_row("progress", f"step {max(status.current_version, 0)} of {config.optimizer.total_steps}")
+        table.add_row("lr schedule", f"{config.optimizer.total_steps} steps ({config.optimizer.lr_schedule})")
     table.add_row("epoch", f"{status.epoch} (position {status.epoch_pos})")
     capacity = f" / {config.async_.queue_maxsize}" if config is not None else ""
     table.add_row(
