@@ -506,6 +506,10 @@ class Coordinator:
 
     def claim_step(self) -> OptimizeTaskMessage | None:
         """Claim the next step if enough fresh groups are buffered (or the init step); None otherwise."""
+        return self._claim()[0]
+
+    def _claim(self) -> tuple[OptimizeTaskMessage | None, int]:
+        """(the claimed step or None, groups dropped as too stale on the way)."""
         cfg = self._async
         now = self.clock_ms()
         reply = self._call(
@@ -514,10 +518,11 @@ class Coordinator:
             [now, cfg.groups_per_step * cfg.publish_every, cfg.max_staleness, self.record_ttl_s],
         )
         if reply[0] == "NOT_READY":
-            if int(reply[2]):
+            dropped = int(reply[2])
+            if dropped:
                 self._changed()
-                log.info("proxy.stale_dropped_at_claim", groups=int(reply[2]))
-            return None
+                log.info("proxy.stale_dropped_at_claim", groups=dropped)
+            return None, dropped
         self._changed()
         step, base = int(reply[1]), int(reply[2])
         for item in filter(None, reply[4].split(",")):
@@ -527,7 +532,8 @@ class Coordinator:
                 self.metrics.time_in_buffer.observe(max(0, now - admitted_ms) / 1000.0)
         rollouts = [RolloutRef(**ref) for ref in json.loads(reply[3])]
         log.info("proxy.step_claimed", step=step, base_version=base, rollouts=len(rollouts), dropped=int(reply[5]))
-        return OptimizeTaskMessage(run=self.run, step=step, base_version=base, rollouts=rollouts)
+        message = OptimizeTaskMessage(run=self.run, step=step, base_version=base, rollouts=rollouts)
+        return message, int(reply[5])
 
     def get_step(self, step: int) -> StepBatch:
         record = self.redis.hgetall(self.keys.step(step))
@@ -795,7 +801,7 @@ class Coordinator:
             report.rebuilt = outcome
         report.leases_expired = self.expire_leases()
         report.tasks_cancelled, _ = self.expire_tasks()
-        claimed = self.claim_step()
+        claimed, report.stale_dropped = self._claim()
         if claimed is not None:
             report.step_claimed = claimed.step
         new_tasks: list[GenerateTaskMessage] = []

@@ -190,6 +190,8 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
                 response: Response = _error(401, "unauthorized", "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
                 response.headers["WWW-Authenticate"] = "Bearer"
+                # Refused before routing: one fixed label, so a scanner cannot grow the label set.
+                metrics.http_seconds.labels("unauthorized", request.method).observe(time.perf_counter() - started)
                 return response
         response = await call_next(request)
         route = request.scope.get("route")

@@ -302,7 +302,7 @@ def test_claim_takes_oldest_and_drops_too_stale(redis_client: Redis, tmp_path: P
     assert batch == coord.get_step(1), "the same batch on every call"
     assert coord.metrics.sample_staleness._sum.get() == 0
     publish_next(coord)
-    coord.tick()  # a (v0) is now 1 behind v1 with max_staleness=0: dropped and requeued
+    assert coord.tick().stale_dropped == 2  # a (v0) is now 1 behind v1 with max_staleness=0: dropped, requeued
     assert coord.group_record(a["groups"][0]["group_id"])["state"] == "stale"
     assert coord.status().counters["groups_stale"] == 2
     for group in x["groups"] + y["groups"]:
