@@ -177,15 +177,20 @@ class AsyncConfig(_Section):
 
     @model_validator(mode="after")
     def _buffer_fits_a_step(self) -> AsyncConfig:
-        if self.queue_maxsize < self.groups_per_step:
-            raise ValueError(
-                f"async.queue_maxsize={self.queue_maxsize} is smaller than async.groups_per_step="
-                f"{self.groups_per_step}: no step could ever fill; raise queue_maxsize"
-            )
         if self.queue_maxsize < self.groups_per_task:
             raise ValueError(
                 f"async.queue_maxsize={self.queue_maxsize} is smaller than async.groups_per_task="
                 f"{self.groups_per_task}; raise queue_maxsize or lower groups_per_task"
+            )
+        # The buffer fills in whole generate tasks, so only a multiple of groups_per_task is reachable.
+        needed = self.groups_per_step * self.publish_every
+        reachable = (self.queue_maxsize // self.groups_per_task) * self.groups_per_task
+        if needed > reachable:
+            raise ValueError(
+                f"a published version needs async.groups_per_step * async.publish_every = "
+                f"{self.groups_per_step} * {self.publish_every} = {needed} groups, but the buffer holds at most "
+                f"{reachable} (async.queue_maxsize={self.queue_maxsize} in tasks of async.groups_per_task="
+                f"{self.groups_per_task}): no step could ever fill; raise queue_maxsize"
             )
         return self
 
@@ -209,6 +214,11 @@ class RunConfig(_Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @property
+    def final_version(self) -> int:
+        """The last version of the run: one version per ``publish_every`` optimizer steps."""
+        return -(-self.optimizer.total_steps // self.async_.publish_every)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json", by_alias=True), indent=2, sort_keys=True)

@@ -134,10 +134,6 @@ class SnapshotFailed(CoordinatorError):
     """The snapshot could not be written to the bucket; the change is in Redis but not yet durable."""
 
 
-class ConfigUnusable(CoordinatorError, ValueError):
-    """A run config with which no step could ever fill."""
-
-
 _PUBLISH_CONFLICTS: dict[str, type[PublishConflict]] = {
     "CAS_LOST": CasLost,
     "BAD_VERSION": BadVersionNumber,
@@ -149,19 +145,6 @@ def normalise_reason(reason: str) -> str:
     """A rejection reason as a bounded metric label: lower-case ``[a-z0-9_]``, at most 40 characters."""
     label = re.sub(r"[^a-z0-9_]+", "_", reason.strip().lower()).strip("_")[:40]
     return label or "unspecified"
-
-
-def check_step_can_fill(config: RunConfig) -> None:
-    """Raise ConfigUnusable when the buffer can never hold the groups one published version needs."""
-    cfg = config.async_
-    needed = cfg.groups_per_step * cfg.publish_every
-    reachable = (cfg.queue_maxsize // cfg.groups_per_task) * cfg.groups_per_task
-    if needed > reachable:
-        raise ConfigUnusable(
-            f"a published version needs async.groups_per_step * async.publish_every = {needed} groups, but "
-            f"the buffer holds at most {reachable} (async.queue_maxsize={cfg.queue_maxsize} in tasks of "
-            f"async.groups_per_task={cfg.groups_per_task}); raise async.queue_maxsize"
-        )
 
 
 @dataclass
@@ -223,7 +206,6 @@ class Coordinator:
             raise ValueError("the coordinator needs a Redis client made with decode_responses=True")
         if num_prompts < 1:
             raise ValueError(f"the run has {num_prompts} prompts; it needs at least one")
-        check_step_can_fill(config)
         self.redis = redis
         self.bucket = bucket
         self.run = run
@@ -722,9 +704,12 @@ class Coordinator:
             if worker.alive:
                 alive[worker.role] = alive.get(worker.role, 0) + 1
         step_inflight = int(state.get("step_inflight", -1))
+        current = int(state.get("current_version", -1))
         return StatusResponse(
             run=self.run,
-            current_version=int(state.get("current_version", -1)),
+            current_version=current,
+            final_version=self.config.final_version,
+            finished=current >= self.config.final_version,
             step_inflight=step_inflight if step_inflight >= 0 else None,
             epoch=int(state.get("epoch", 0)),
             epoch_pos=int(state.get("epoch_pos", 0)),
@@ -801,12 +786,15 @@ class Coordinator:
             report.rebuilt = outcome
         report.leases_expired = self.expire_leases()
         report.tasks_cancelled, _ = self.expire_tasks()
-        claimed, report.stale_dropped = self._claim()
-        if claimed is not None:
-            report.step_claimed = claimed.step
+        # The run ends at its final version (optimizer.total_steps): nothing more is claimed or dispatched.
+        finished = self.current_version() >= self.config.final_version
+        if not finished:
+            claimed, report.stale_dropped = self._claim()
+            if claimed is not None:
+                report.step_claimed = claimed.step
         new_tasks: list[GenerateTaskMessage] = []
         # Generate tasks wait for version 0: a worker could not lease anything before it exists.
-        while self.current_version() >= 0 and len(new_tasks) < MAX_TASKS_PER_TICK:
+        while not finished and self.current_version() >= 0 and len(new_tasks) < MAX_TASKS_PER_TICK:
             message = self.dispatch_one()
             if message is None:
                 break

@@ -179,6 +179,9 @@ class LeaseRecord(_Response):
 class StatusResponse(_Response):
     run: str
     current_version: int
+    final_version: int
+    """The run ends when current_version reaches it (optimizer.total_steps / async.publish_every)."""
+    finished: bool
     step_inflight: int | None
     epoch: int
     epoch_pos: int

@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.fixtures_redis",
     "tests.fixtures_s3",
+    "tests.fixtures_model",
 ]

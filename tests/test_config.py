@@ -50,9 +50,19 @@ def test_bad_field_is_named(data: dict, field: str, hint: str) -> None:
 
 
 def test_queue_smaller_than_a_step_says_what_to_raise() -> None:
-    message = _error({"async": {"queue_maxsize": 4, "groups_per_step": 8}})
-    assert "async.queue_maxsize=4" in message and "async.groups_per_step=8" in message
+    message = _error({"async": {"queue_maxsize": 4, "groups_per_step": 8, "groups_per_task": 4}})
+    assert "async.queue_maxsize=4" in message and "async.groups_per_step" in message
     assert "raise queue_maxsize" in message
+
+
+def test_buffer_that_can_never_fill_a_version_is_refused() -> None:
+    # 10 groups fit, but in tasks of 4 only 8 are reachable.
+    assert "at most 8" in _error({"async": {"groups_per_task": 4, "groups_per_step": 10, "queue_maxsize": 10}})
+    assert "publish_every" in _error({"async": {"groups_per_step": 4, "publish_every": 3, "queue_maxsize": 8}})
+    config = RunConfig.model_validate(
+        {"async": {"groups_per_task": 2, "groups_per_step": 4, "publish_every": 2, "queue_maxsize": 8}}
+    )
+    assert config.final_version == -(-config.optimizer.total_steps // 2)
 
 
 def test_queue_smaller_than_a_task_is_refused() -> None:

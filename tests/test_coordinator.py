@@ -14,7 +14,6 @@ from proxy.coordinator import (
     BadRollout,
     BadVersionNumber,
     CasLost,
-    ConfigUnusable,
     Coordinator,
     LeaseLostError,
     ManifestMismatch,
@@ -25,7 +24,6 @@ from proxy.coordinator import (
     StepNotFound,
     TaskCancelled,
     UnknownTask,
-    check_step_can_fill,
     normalise_reason,
 )
 from proxy.manifest import list_versions, write_version
@@ -86,6 +84,26 @@ def test_init_step_then_generate_tasks_fill_the_buffer(coord: Coordinator) -> No
     assert coord.tick().tasks_sent == [], "buffer full: nothing more dispatched"
 
 
+def test_run_stops_at_its_final_version(redis_client: Redis, tmp_path: Path) -> None:
+    config = small_config().model_copy(
+        update={"optimizer": small_config().optimizer.model_copy(update={"total_steps": 2})}
+    )
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config)
+    started(coord)
+    submitted: set[str] = set()
+    assert advance_version(coord, submitted) == 1
+    assert not coord.status().finished
+    assert advance_version(coord, submitted) == 2
+    status = coord.status()
+    assert status.finished and status.final_version == 2
+    sent_before = len(coord.dispatcher.generate)
+    submit_pending(coord, submitted)
+    for _ in range(3):
+        report = coord.tick()
+        assert report.step_claimed is None and report.tasks_sent == []
+    assert len(coord.dispatcher.generate) == sent_before and coord.current_version() == 2
+
+
 def test_prompt_order_is_a_seeded_permutation_per_epoch(redis_client: Redis, tmp_path: Path) -> None:
     config = small_config(seed=7, groups_per_task=2, groups_per_step=2, queue_maxsize=12)
     coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, num_prompts=5)
@@ -99,14 +117,6 @@ def test_prompt_order_is_a_seeded_permutation_per_epoch(redis_client: Redis, tmp
     assert sent == expected[: len(sent)] and len(sent) == 12
     group_ids = [g["group_id"] for t in coord.dispatcher.generate for g in t["groups"]]
     assert len(set(group_ids)) == len(group_ids)
-
-
-def test_config_that_can_never_fill_a_step_is_refused() -> None:
-    with pytest.raises(ConfigUnusable, match=r"raise async\.queue_maxsize"):
-        check_step_can_fill(small_config(groups_per_task=4, groups_per_step=10, queue_maxsize=10))
-    with pytest.raises(ConfigUnusable, match="publish_every"):
-        check_step_can_fill(small_config(groups_per_step=4, publish_every=3, queue_maxsize=8))
-    check_step_can_fill(small_config(groups_per_task=2, groups_per_step=4, publish_every=2, queue_maxsize=8))
 
 
 # ---- publish: the CAS ----

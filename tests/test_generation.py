@@ -8,15 +8,11 @@ import pytest
 import torch
 
 from proxy.config import LoraConfig
-from tests import fixtures_model
 from worker.generation import GenerationBackend, UnknownAdapter
 from worker.generation_transformers import TransformersBackend
 from worker.policy import Policy, wrap_with_lora
 from worker.trainer_state import adapter_files, write_adapter_folder
 
-# Registered here until tests/conftest.py loads the tests.fixtures_model plugin.
-tiny_model_dir = fixtures_model.tiny_model_dir
-one_torch_thread = fixtures_model.one_torch_thread
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["7=", "3=", "12="]

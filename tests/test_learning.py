@@ -10,16 +10,12 @@ import torch
 
 from proxy.config import RunConfig
 from proxy.datasets import repeat_digit_prompts
-from tests import fixtures_model
 from worker.generation_transformers import sample_completions
 from worker.grpo import group_advantages
 from worker.policy import Policy
 from worker.rewards import score_completions
 from worker.trainer import Trainer, TrainSample
 
-# Registered here until tests/conftest.py loads the tests.fixtures_model plugin.
-tiny_model_dir = fixtures_model.tiny_model_dir
-one_torch_thread = fixtures_model.one_torch_thread
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 STEPS = 80

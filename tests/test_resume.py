@@ -9,15 +9,11 @@ import torch
 
 from proxy.bucket_keys import ADAPTER_WEIGHTS_NAME
 from proxy.config import RunConfig
-from tests import fixtures_model
 from tests.train_samples import synthetic_samples
 from worker.policy import Policy
 from worker.trainer import Trainer
 from worker.trainer_state import load_adapter_weights
 
-# Registered here until tests/conftest.py loads the tests.fixtures_model plugin.
-tiny_model_dir = fixtures_model.tiny_model_dir
-one_torch_thread = fixtures_model.one_torch_thread
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Dropout draws from the trainer's RNG, warmup + cosine depend on the update count, small micro-batches

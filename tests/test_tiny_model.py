@@ -11,12 +11,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests import fixtures_model
 from worker.cli import main
 from worker.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, ensure_tiny_model, resolve_base_model
-
-# Registered here until tests/conftest.py loads the tests.fixtures_model plugin.
-tiny_model_dir = fixtures_model.tiny_model_dir
 
 
 def test_tokenizer_is_character_level_over_the_toy_alphabet(tiny_model_dir: Path) -> None:

@@ -18,7 +18,6 @@ from proxy.bucket_keys import (
     TRAINER_STATE_TENSORS_NAME,
 )
 from proxy.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
-from tests import fixtures_model
 from tests.train_samples import synthetic_samples
 from worker.generation_transformers import TransformersBackend
 from worker.grpo import NonFiniteError
@@ -26,9 +25,6 @@ from worker.policy import Policy
 from worker.trainer import Trainer, TrainSample, learning_rate_at, mean_ratio, pack_micro_batches
 from worker.trainer_state import TrainerStateError, write_adapter_folder
 
-# Registered here until tests/conftest.py loads the tests.fixtures_model plugin.
-tiny_model_dir = fixtures_model.tiny_model_dir
-one_torch_thread = fixtures_model.one_torch_thread
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

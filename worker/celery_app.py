@@ -57,3 +57,8 @@ def build_celery_app() -> Celery:
 
 
 app = build_celery_app()
+
+
+# Registered here, not only in the worker's task modules, so that `celery -A worker.celery_app inspect <name>`
+# knows the custom command names on the client side too.
+import worker.inspect_commands  # noqa: E402, F401

@@ -28,13 +28,14 @@ def run() -> None:
 @click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
 def run_create(config_path: Path, run_name: str, bucket: str) -> None:
     """Validate CONFIG_PATH (TOML) and write the config and the prompts into the bucket."""
-    from proxy.bucket import open_bucket
+    from proxy.bucket import BucketError, open_bucket
     from proxy.config import ConfigError
+    from proxy.manifest import IntegrityError
     from proxy.run_setup import RunExistsError, create_run
 
     try:
         summary = create_run(config_path, run_name, open_bucket(bucket))
-    except (ConfigError, RunExistsError, ValueError) as error:
+    except (ConfigError, RunExistsError, BucketError, IntegrityError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(summary)
 

@@ -27,7 +27,7 @@ from worker.local_cluster import ClusterError, LocalCluster
 from worker.step_records import load_step_records
 
 RUN_NAME = "demo"
-DEFAULT_STEPS = 120
+DEFAULT_STEPS = 200
 SAMPLES_PER_PROMPT = 8
 # The toy task on the tiny model; every other field keeps RunConfig's defaults (see examples/demo.toml).
 DEMO_CONFIG_TOML = """\
@@ -131,7 +131,7 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
                 status = cluster.status()
                 records = load_step_records(bucket, RUN_NAME)
                 live.update(_progress_table(records, status, started))
-                if status.get("current_version", -1) >= steps and len(records) >= steps:
+                if status.get("finished") and len(records) >= status["final_version"]:
                     break
                 time.sleep(1.0)
         summary = summarize(records, status, time.monotonic() - started, SAMPLES_PER_PROMPT)

@@ -344,6 +344,12 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _std(values: list[float]) -> float | None:
+    """Population std (all completions of the step are the population)."""
+    mean = _mean(values)
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / len(values)) if values else None
+
+
 def _step_record(
     run: str,
     step: int,
@@ -362,8 +368,7 @@ def _step_record(
     reward_names = sorted({n for r in rollouts for s in r.samples for n in s.rewards_by_name})
     completion_lengths = [len(s.completion_token_ids) for r in rollouts for s in r.samples]
     truncated = sum(1 for r in rollouts for s in r.samples if s.finish_reason == "length")
-    mean_reward = _mean(rewards)
-    reward_std = math.sqrt(_mean([(x - mean_reward) ** 2 for x in rewards])) if rewards else None
+    by_name = {name: [s.rewards_by_name.get(name, 0.0) for r in rollouts for s in r.samples] for name in reward_names}
 
     def metric_mean(name: str) -> float | None:
         values = [m[name] for m in metrics if m.get(name) is not None]
@@ -379,12 +384,10 @@ def _step_record(
         "samples": samples,
         "groups": sum(len(r.groups) for r in rollouts),
         "tokens": sum(completion_lengths),
-        "reward_mean": mean_reward,
-        "reward_std": reward_std,
-        "rewards_by_name": {
-            name: _mean([s.rewards_by_name.get(name, 0.0) for r in rollouts for s in r.samples])
-            for name in reward_names
-        },
+        "reward_mean": _mean(rewards),
+        "reward_std": _std(rewards),
+        "rewards_by_name": {name: _mean(values) for name, values in by_name.items()},
+        "rewards_std_by_name": {name: _std(values) for name, values in by_name.items()},
         "completion_length_mean": _mean([float(x) for x in completion_lengths]),
         "truncated_fraction": truncated / samples if samples else 0.0,
         "staleness": stalenesses,

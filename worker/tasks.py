@@ -12,7 +12,6 @@ from typing import Any
 import structlog
 from celery import signals
 
-import worker.inspect_commands  # noqa: F401  (registers the custom `celery inspect` commands)
 from proxy.bucket import ObjectNotFound
 from proxy.client import Conflict, ProxyError
 from proxy.log_setup import configure_logging
@@ -103,6 +102,9 @@ def generate(**payload: Any) -> dict[str, Any]:
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
         context = runtime.run_context(message.run)
+        backend = runtime.generation_backend(context)
+        settings = runtime.settings
+        worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
         result = run_generate_task(
             run=message.run,
             task_id=message.task_id,
@@ -111,7 +113,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             prompts=context.prompts,
             bucket=runtime.bucket,
             client=runtime.client,
-            backend=runtime.generation_backend(context),
+            backend=backend,
             adapter_cache=runtime.adapter_cache(context),
             worker_id=runtime.settings.worker_id,
         )
@@ -129,6 +131,8 @@ def optimize(**payload: Any) -> dict[str, Any]:
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
         context = runtime.run_context(message.run)
         trainer = runtime.run_trainer(context)
+        device = str(trainer.policy.device)
+        worker_metrics.set_worker_info("optimize", runtime.settings.worker_id, device, "trainer")
         if message.step == 0:
             result = run_initialize(
                 run=message.run,
