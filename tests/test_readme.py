@@ -1,0 +1,43 @@
+"""README stays true: its config table is the model's, and it names every file, endpoint and variable."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from scripts.config_reference import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_config_reference_table_matches_the_model() -> None:
+    start = README.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
+    end = README.index("<!-- config-reference:end -->")
+    assert README[start:end] == reference(), "regenerate it: python scripts/config_reference.py"
+
+
+def test_layout_table_names_every_tracked_file() -> None:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    skip = {".gitignore", "README.md"}
+    documented = [f for f in files if f not in skip and not f.endswith("__init__.py") and not f.startswith("tests/test_")]
+    missing = [f for f in documented if f"`{f}`" not in README]
+    assert not missing, f"add these to README's layout table: {missing}"
+
+
+def test_every_endpoint_is_documented() -> None:
+    source = (ROOT / "proxy" / "server.py").read_text()
+    routes = re.findall(r'@app\.(get|post|delete)\("([^"]+)"', source)
+    assert routes
+    for method, path in routes:
+        assert f"`{method.upper()} {path}`" in README, f"README's API table lacks {method.upper()} {path}"
+
+
+def test_every_environment_variable_is_documented() -> None:
+    names = set()
+    for folder in ("proxy", "worker"):
+        for path in (ROOT / folder).glob("*.py"):
+            names.update(re.findall(r"ASYNCGRPO_[A-Z0-9_]+", path.read_text()))
+    missing = sorted(name for name in names if f"`{name}`" not in README)
+    assert not missing, f"README's environment table lacks {missing}"
