@@ -21,7 +21,9 @@ def test_config_reference_table_matches_the_model() -> None:
 def test_layout_table_names_every_tracked_file() -> None:
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     skip = {".gitignore", "README.md"}
-    documented = [f for f in files if f not in skip and not f.endswith("__init__.py") and not f.startswith("tests/test_")]
+    documented = [
+        f for f in files if f not in skip and not f.endswith("__init__.py") and not f.startswith("tests/test_")
+    ]
     missing = [f for f in documented if f"`{f}`" not in README]
     assert not missing, f"add these to README's layout table: {missing}"
 
