@@ -6,7 +6,7 @@ aligned with ``completion_ids``: the logprob of each sampled token under the sam
 (temperature applied) of the version named in the header. Per-sample arrays (``rewards``, ``advantages``,
 ``sample_group``, ``reward/<name>``) have one entry per completion, groups in header order, G per group.
 
-Only numpy and safetensors: no torch needed to read or write one, no pickle.
+Only numpy and safetensors: no torch needed to read or write one, and no pickle anywhere.
 """
 
 from __future__ import annotations

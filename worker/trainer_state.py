@@ -1,4 +1,4 @@
-"""A trainer's state <-> bytes: the adapter in plain PEFT format, the rest as safetensors + JSON. No pickle.
+"""A trainer's state <-> bytes: the adapter in plain PEFT format, the rest as safetensors + JSON (no pickle).
 
 Files of one version (names from ``proxy.bucket_keys``):
 
