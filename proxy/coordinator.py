@@ -34,7 +34,7 @@ from proxy.bucket import Bucket, BucketError, ObjectNotFound
 from proxy.config import RunConfig
 from proxy.dispatch import Dispatcher, DispatchError
 from proxy.manifest import IntegrityError, delete_version, list_versions, read_manifest
-from proxy.proxy_metrics import ProxyMetrics
+from proxy.proxy_metrics import ProxyMetrics, RunLimits
 from proxy.redis_keys import RunKeys
 from proxy.schemas import (
     GenerateTaskMessage,
@@ -226,6 +226,10 @@ class Coordinator:
         self._changes = 0
         self._snapshot_changes = -1
         self._last_gc: tuple[int, frozenset[int]] | None = None
+        # Highest version whose first lease this process has seen marked in Redis (saves a round trip).
+        self._first_use_marked = -1
+        # The end of the previous tick and what the proxy saw then: (ms, held back, trainer starved).
+        self._last_tick: tuple[int, bool, bool] | None = None
 
     @classmethod
     def from_bucket(cls, redis: Redis, bucket: Bucket, run: str, dispatcher: Dispatcher, **kwargs: Any) -> Coordinator:
@@ -274,6 +278,14 @@ class Coordinator:
 
     def _count(self, field_name: str, amount: int = 1) -> None:
         self._call("ADD_COUNTER", [self.keys.state, self.keys.counters], [field_name, amount])
+
+    def run_limits(self) -> RunLimits:
+        """The limits of the run as ``/metrics`` exports them."""
+        return RunLimits(
+            max_staleness_versions=self._async.max_staleness,
+            queue_maxsize_groups=self._async.queue_maxsize,
+            groups_per_step=self._async.groups_per_step,
+        )
 
     # ---- state lifecycle ----
 
@@ -328,14 +340,42 @@ class Coordinator:
     def lease(self, worker_id: str, task_id: str) -> LeaseGrant:
         lease_id = uuid.uuid4().hex
         ttl_ms = int(self._async.lease_ttl_s * 1000)
+        now = self.clock_ms()
         reply = self._call(
             "GRANT_LEASE",
             [self.keys.state, self.keys.counters, self.keys.leases, self.keys.versions],
-            [self.clock_ms(), ttl_ms, lease_id, worker_id, task_id],
+            [now, ttl_ms, lease_id, worker_id, task_id],
         )
         if reply[0] == "NO_VERSION":
             raise NoVersionYet(f"run {self.run!r} has no published version yet; the init step is still running")
-        return self._grant(lease_id, int(reply[1]), reply[2], int(reply[3]))
+        version = int(reply[1])
+        if version > self._first_use_marked:
+            self._observe_first_use(version, now)
+        return self._grant(lease_id, version, reply[2], int(reply[3]))
+
+    def _observe_first_use(self, version: int, now_ms: int) -> None:
+        """At the first lease on ``version``, observe the seconds since it was published.
+
+        The publish time is the ``published_ms`` that PUBLISH_VERSION writes, with the CAS, into the record
+        of the step that made the version (step == version); that record expires ``record_ttl_s`` after the
+        publish. The first lease is told apart by HSETNX on the same record, so it is counted once even
+        across proxy restarts. A record without ``published_ms`` (expired, or Redis rebuilt) is left alone.
+        """
+        step_key = self.keys.step(version)
+        published_ms = self.redis.hget(step_key, "published_ms")
+        if published_ms is None:
+            self._first_use_marked = version
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(step_key, "first_lease_ms", now_ms)
+        # Backstop: should the record have expired between the two calls, the stub HSETNX made expires too.
+        pipe.expire(step_key, self.record_ttl_s, nx=True)
+        first, _ = pipe.execute()
+        self._first_use_marked = version
+        if first:
+            seconds = max(0, now_ms - int(published_ms)) / 1000.0
+            self.metrics.version_first_use.observe(seconds)
+            log.info("proxy.version_first_use", version=version, seconds=seconds)
 
     def renew(self, lease_id: str) -> LeaseGrant:
         ttl_ms = int(self._async.lease_ttl_s * 1000)
@@ -519,7 +559,7 @@ class Coordinator:
 
     def get_step(self, step: int) -> StepBatch:
         record = self.redis.hgetall(self.keys.step(step))
-        if not record:
+        if "rollouts" not in record:
             raise StepNotFound(f"step {step} of run {self.run!r} was not claimed (or its record expired)")
         return StepBatch(
             step=int(record["step"]),
@@ -776,6 +816,40 @@ class Coordinator:
         self._last_gc = (current, leased)
         return deleted
 
+    # ---- bottleneck accounting ----
+
+    def _account_waiting(self) -> None:
+        """At the end of a tick: credit the time since the previous tick to what the proxy saw at its end.
+
+        Between two ticks the state stays what the previous tick left (submits and publishes wake a tick at
+        once), so its conditions are credited with the whole gap. The totals are Redis counters in
+        milliseconds (``dispatch_backpressure_ms``, ``trainer_starved_ms``) so they survive a proxy restart;
+        the first tick of a process credits nothing, as the gap before it is unknown.
+        """
+        now = self.clock_ms()
+        if self._last_tick is not None:
+            since_ms, held_back, starved = self._last_tick
+            elapsed_ms = max(0, now - since_ms)
+            if elapsed_ms and held_back:
+                self._count("dispatch_backpressure_ms", elapsed_ms)
+            if elapsed_ms and starved:
+                self._count("trainer_starved_ms", elapsed_ms)
+        self._last_tick = (now, *self._waiting_now())
+
+    def _waiting_now(self) -> tuple[bool, bool]:
+        """(dispatch held back by a full buffer, trainer starved of groups), as the state is now."""
+        cfg = self._async
+        fields = {"current_version": -1, "step_inflight": -1, "groups_inflight": 0, "groups_buffered": 0}
+        raw = self.redis.hmget(self.keys.state, list(fields))
+        current, step_inflight, inflight, buffered = (
+            default if value is None else int(value) for value, default in zip(raw, fields.values(), strict=True)
+        )
+        if current >= self.config.final_version:
+            return False, False
+        held_back = inflight + buffered + cfg.groups_per_task > cfg.queue_maxsize
+        starved = step_inflight < 0 and current >= 0 and buffered < cfg.groups_per_step * cfg.publish_every
+        return held_back, starved
+
     # ---- the loop body ----
 
     def tick(self) -> TickReport:
@@ -805,6 +879,7 @@ class Coordinator:
             # Never hand out work the bucket does not know about: a rebuild would hand it out again.
             log.error("proxy.snapshot_failed", error=str(error))
             self.cancel_tasks([m.task_id for m in new_tasks], force=True)
+            self._account_waiting()
             return report
         unsent = []
         for message in new_tasks:
@@ -820,6 +895,7 @@ class Coordinator:
             report.versions_deleted = self.gc()
         except (BucketError, OSError) as error:
             log.warning("proxy.gc_failed", error=str(error))
+        self._account_waiting()
         if report.busy():
             log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})
         return report

@@ -1,17 +1,21 @@
 """The proxy's Prometheus metrics, in a registry of their own (one per app, so tests can build many).
 
 Totals and gauges are read from Redis at scrape time by a collector, so they survive a proxy restart and
-always agree with ``/v1/status``; the histograms (staleness and time in buffer of the samples a step
-consumed, HTTP latency) are observed by this process. Every label is bounded: routes are route templates,
-roles are ``generate``/``optimize``, rejection reasons are normalised and capped by the coordinator.
+always agree with ``/v1/status``; the run's limits (``RunLimits``) are exported as gauges so that alert rules
+need no hard-coded numbers. The histograms (staleness and time in buffer of the samples a step consumed,
+publish-to-first-lease latency of each version, HTTP latency) and the HTTP error counter are observed by
+this process. Every label is bounded: routes are route templates, roles are ``generate``/``optimize``,
+rejection reasons are normalised and capped by the coordinator, HTTP errors are the stable codes of
+``HTTP_ERROR_CODES``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
@@ -44,17 +48,76 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "versions_deleted": ("asyncgrpo_versions_deleted", "Adapter versions garbage-collected."),
 }
 
+# Redis counter field holding milliseconds -> (metric name in seconds without _total, help)
+MILLISECOND_COUNTERS: dict[str, tuple[str, str]] = {
+    "dispatch_backpressure_ms": (
+        "asyncgrpo_dispatch_backpressure_seconds",
+        "Seconds the proxy held generate dispatch back because in-flight + buffered groups filled "
+        "async.queue_maxsize (run not finished).",
+    ),
+    "trainer_starved_ms": (
+        "asyncgrpo_trainer_starved_seconds",
+        "Seconds with no step in flight for want of buffered groups (a version exists, run not finished).",
+    ),
+}
+
+HTTP_ERROR_CODES = (
+    "stale",
+    "conflict",
+    "not_ready",
+    "lease_lost",
+    "cancelled",
+    "bad_request",
+    "not_found",
+    "unavailable",
+    "unauthorized",
+)
+"""The stable ``error`` codes of the proxy's JSON error bodies; the only values of the ``error`` label."""
+OTHER_HTTP_ERROR = "other"
+
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 BUFFER_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+FIRST_USE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The run's configured limits, exported as gauges (the final version comes with the status)."""
+
+    max_staleness_versions: int
+    queue_maxsize_groups: int
+    groups_per_step: int
+
+    def gauges(self) -> dict[str, tuple[str, int]]:
+        return {
+            "asyncgrpo_max_staleness_versions": (
+                "async.max_staleness: the most versions a sample may lag the step that trains it.",
+                self.max_staleness_versions,
+            ),
+            "asyncgrpo_queue_maxsize_groups": (
+                "async.queue_maxsize: in-flight + buffered groups the proxy allows.",
+                self.queue_maxsize_groups,
+            ),
+            "asyncgrpo_groups_per_step": (
+                "async.groups_per_step: prompt groups in one optimizer step.",
+                self.groups_per_step,
+            ),
+        }
 
 
 class _StateCollector(Collector):
     """Reads the coordinator's status at scrape time."""
 
-    def __init__(self, read_status: Callable[[], StatusResponse]) -> None:
+    def __init__(self, read_status: Callable[[], StatusResponse], limits: RunLimits | None) -> None:
         self.read_status = read_status
+        self.limits = limits
 
     def collect(self) -> Iterator[Metric]:
+        # The limits come from the (frozen) run config, so they are exported even when Redis is down.
+        for name, (help_text, value) in (self.limits.gauges() if self.limits else {}).items():
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], value)
+            yield gauge
         up = GaugeMetricFamily("asyncgrpo_redis_up", "1 if the proxy could read its state from Redis.")
         try:
             status = self.read_status()
@@ -77,6 +140,7 @@ class _StateCollector(Collector):
             "asyncgrpo_groups_requeued": ("Prompts back in line, served first.", status.groups_requeued),
             "asyncgrpo_generate_tasks_inflight": ("Generate tasks not yet submitted.", status.tasks_inflight),
             "asyncgrpo_epoch": ("Current pass over the prompts.", status.epoch),
+            "asyncgrpo_final_version": ("The version at which the run ends.", status.final_version),
         }
         for name, (help_text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, help_text)
@@ -85,6 +149,10 @@ class _StateCollector(Collector):
         for field, (name, help_text) in COUNTERS.items():
             counter = CounterMetricFamily(name, help_text)
             counter.add_metric([], status.counters.get(field, 0))
+            yield counter
+        for field, (name, help_text) in MILLISECOND_COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text)
+            counter.add_metric([], status.counters.get(field, 0) / 1000.0)
             yield counter
         rejected = CounterMetricFamily(
             "asyncgrpo_groups_rejected", "Prompt groups rejected as bad input, by reason.", labels=["reason"]
@@ -121,11 +189,33 @@ class ProxyMetrics:
             labelnames=["route", "method"],
             registry=self.registry,
         )
+        self.version_first_use = Histogram(
+            "asyncgrpo_version_first_use_seconds",
+            "Seconds from the publish of each version to the first lease granted on it.",
+            buckets=FIRST_USE_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.http_errors = Counter(
+            "asyncgrpo_http_errors",
+            "HTTP requests answered with an error body, by its stable error code.",
+            labelnames=["error"],
+            registry=self.registry,
+        )
+        for code in HTTP_ERROR_CODES:
+            # Every code starts at 0, so rate() and increase() see the first error too.
+            self.http_errors.labels(code)
         self._collector: _StateCollector | None = None
 
-    def watch_state(self, read_status: Callable[[], StatusResponse]) -> None:
-        """Expose the coordinator's totals and gauges (read at every scrape)."""
+    def count_http_error(self, code: str) -> None:
+        """Count one error answer; a code outside ``HTTP_ERROR_CODES`` is counted as 'other'."""
+        if code not in HTTP_ERROR_CODES:
+            log.warning("proxy.unknown_http_error_code", error=code)
+            code = OTHER_HTTP_ERROR
+        self.http_errors.labels(code).inc()
+
+    def watch_state(self, read_status: Callable[[], StatusResponse], limits: RunLimits | None = None) -> None:
+        """Expose the coordinator's totals and gauges (read at every scrape) and the run's limits."""
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        self._collector = _StateCollector(read_status)
+        self._collector = _StateCollector(read_status, limits)
         self.registry.register(self._collector)

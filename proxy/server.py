@@ -14,7 +14,10 @@ nothing. Refusals are JSON ``{"error": <code>, "detail": <sentence>, ...}`` with
 404    not_found     no such step
 422    bad_request   the body does not match the schema
 503    unavailable   Redis or the bucket is unreachable right now; retry
+401    unauthorized  missing or wrong bearer token
 =====  ============  =====================================================================
+
+Each refusal is counted in ``asyncgrpo_http_errors_total{error=<code>}``.
 
 The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app's lifespan, every
 ``tick_s`` seconds and right after each submit and publish.
@@ -50,6 +53,7 @@ from proxy.coordinator import (
     StepNotFound,
     TaskCancelled,
 )
+from proxy.proxy_metrics import ProxyMetrics
 from proxy.schemas import (
     ID_PATTERN,
     HeartbeatRequest,
@@ -78,7 +82,7 @@ class ProxyStartupError(Exception):
     """The proxy cannot start as configured; the message says what to change."""
 
 
-def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
+def _error_body(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": error, "detail": detail, **extra})
 
 
@@ -86,7 +90,11 @@ def _snake(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
+    def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
+        metrics.count_http_error(error)
+        return _error_body(status, error, detail, **extra)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(
@@ -178,7 +186,7 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     )
     app.state.coordinator = coordinator
     metrics = coordinator.metrics
-    metrics.watch_state(coordinator.status)
+    metrics.watch_state(coordinator.status, coordinator.run_limits())
     expected = token.encode() if token else None
 
     @app.middleware("http")
@@ -188,7 +196,8 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
             header = request.headers.get("authorization", "")
             scheme, _, given = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-                response: Response = _error(401, "unauthorized", "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
+                metrics.count_http_error("unauthorized")
+                response: Response = _error_body(401, "unauthorized", "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 # Refused before routing: one fixed label, so a scanner cannot grow the label set.
                 metrics.http_seconds.labels("unauthorized", request.method).observe(time.perf_counter() - started)
@@ -200,14 +209,15 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         )
         return response
 
-    _install_error_handlers(app)
+    _install_error_handlers(app, metrics)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
         try:
             current = coordinator.current_version()
         except RedisError as error:
-            return _error(503, "unavailable", f"Redis unreachable: {error}")
+            metrics.count_http_error("unavailable")
+            return _error_body(503, "unavailable", f"Redis unreachable: {error}")
         return JSONResponse({"status": "ok", "run": coordinator.run, "current_version": current})
 
     @app.get("/metrics")

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from proxy import log_setup
-from proxy.proxy_metrics import ProxyMetrics
+from proxy.proxy_metrics import ProxyMetrics, RunLimits
 from proxy.schemas import LeaseRecord, StatusResponse
 from proxy.settings import ProxySettings
 from worker import worker_metrics
@@ -175,12 +175,13 @@ def test_procfile_starts_every_process_with_real_commands() -> None:
 def _proxy_metrics() -> ProxyMetrics:
     metrics = ProxyMetrics()
     status = StatusResponse(
-        run="r1", current_version=3, step_inflight=4, epoch=0, epoch_pos=8, groups_buffered=2, groups_inflight=4,
+        run="r1", current_version=3, final_version=10, finished=False, step_inflight=4, epoch=0, epoch_pos=8,
+        groups_buffered=2, groups_inflight=4,
         groups_requeued=0, tasks_inflight=2, counters={"publish": 3}, rejected_by_reason={"too long": 1},
         leases=[LeaseRecord(lease_id="l1", version=3, worker_id="w1", task_id="t1", expires_at=0.0)],
         workers_alive_by_role={"generate": 2, "optimize": 1},
     )
-    metrics.watch_state(lambda: status)
+    metrics.watch_state(lambda: status, RunLimits(max_staleness_versions=2, queue_maxsize_groups=16, groups_per_step=8))
     metrics.sample_staleness.observe(1)
     metrics.http_seconds.labels("/v1/status", "GET").observe(0.01)
     return metrics

@@ -1,0 +1,271 @@
+"""The proxy's own metrics: run limits, publish-to-first-use latency, the bottleneck pair, HTTP errors by code.
+
+A real coordinator on a private Redis with the ManualClock, so every second counted here is one the test
+moved the clock by. Values are read from the proxy's registry or from the /metrics text the app serves.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
+
+from proxy.coordinator import Coordinator
+from proxy.proxy_metrics import HTTP_ERROR_CODES
+from proxy.server import create_app
+from tests.proxy_harness import (
+    ManualClock,
+    file_bucket,
+    make_coordinator,
+    publish_next,
+    publish_request,
+    small_config,
+    submission,
+    write_fake_version,
+)
+
+TOKEN = "metrics-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def coord(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> Coordinator:
+    return make_coordinator(redis_client, file_bucket(tmp_path), clock=clock)
+
+
+@pytest.fixture
+def http(coord: Coordinator) -> Iterator[TestClient]:
+    with TestClient(create_app(coord, TOKEN, run_loop=False)) as client:
+        yield client
+
+
+def start(coord: Coordinator) -> None:
+    """Init step claimed and published as v0, then the buffer filled with generate tasks."""
+    coord.tick()
+    publish_next(coord)
+    coord.tick()
+
+
+def scraped(http: TestClient) -> dict[str, float]:
+    """Sample name (with labels, if any) -> value, parsed from the /metrics text."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def first_use(coord: Coordinator) -> tuple[float, float]:
+    """(observations, sum of seconds) of asyncgrpo_version_first_use_seconds."""
+    registry = coord.metrics.registry
+    count = registry.get_sample_value("asyncgrpo_version_first_use_seconds_count") or 0.0
+    return count, registry.get_sample_value("asyncgrpo_version_first_use_seconds_sum") or 0.0
+
+
+def waited_ms(coord: Coordinator) -> tuple[int, int]:
+    """(dispatch backpressure, trainer starved) in milliseconds, as /v1/status counts them."""
+    counters = coord.status().counters
+    return counters.get("dispatch_backpressure_ms", 0), counters.get("trainer_starved_ms", 0)
+
+
+# ---- limits ----
+
+
+def test_run_limits_are_gauges(redis_client: Redis, tmp_path: Path) -> None:
+    config = small_config(max_staleness=3, queue_maxsize=12, groups_per_step=6, groups_per_task=3)
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config)
+    with TestClient(create_app(coord, TOKEN, run_loop=False)) as http:
+        metrics = scraped(http)
+    assert metrics["asyncgrpo_max_staleness_versions"] == 3
+    assert metrics["asyncgrpo_queue_maxsize_groups"] == 12
+    assert metrics["asyncgrpo_groups_per_step"] == 6
+    assert metrics["asyncgrpo_final_version"] == config.final_version
+
+
+# ---- publish to first use ----
+
+
+def test_first_lease_on_each_version_observes_seconds_since_its_publish(
+    coord: Coordinator, clock: ManualClock, redis_client: Redis
+) -> None:
+    start(coord)
+    assert first_use(coord) == (0.0, 0.0), "publishing alone observes nothing"
+    clock.advance(3)
+    coord.lease("gen-1", "t1")
+    assert first_use(coord) == (1.0, 3.0)
+    clock.advance(10)
+    coord.lease("gen-2", "t2")
+    assert first_use(coord) == (1.0, 3.0), "only the first lease of a version counts"
+
+    # v1: claimed from a full buffer and published; first leased 1.5 s later.
+    for task in list(coord.dispatcher.generate):
+        coord.submit(submission(coord, task, 0))
+    coord.tick()
+    publish_next(coord)
+    clock.advance(1.5)
+    assert coord.lease("gen-1", "t3").version == 1
+    assert first_use(coord) == (2.0, 4.5)
+
+    # A restarted proxy (a new process on the same Redis) does not count v1's first use again.
+    again = make_coordinator(redis_client, coord.bucket, clock=clock)
+    again.lease("gen-1", "t4")
+    assert first_use(again) == (0.0, 0.0)
+
+
+def test_first_use_is_skipped_when_the_publish_time_is_unknown(coord: Coordinator, clock: ManualClock) -> None:
+    start(coord)
+    coord.redis.delete(coord.keys.step(0))  # the record expired, or Redis was rebuilt without it
+    clock.advance(2)
+    grant = coord.lease("gen-1", "t1")
+    assert grant.version == 0 and first_use(coord) == (0.0, 0.0)
+    assert not coord.redis.exists(coord.keys.step(0)), "no stub record is left behind"
+
+
+# ---- the bottleneck pair ----
+
+
+def test_full_buffer_and_no_step_count_backpressure_and_starvation(coord: Coordinator, clock: ManualClock) -> None:
+    start(coord)
+    cfg = coord.config.async_
+    status = coord.status()
+    assert status.groups_inflight == cfg.queue_maxsize and status.step_inflight is None
+    coord.tick()  # first tick of the window: nothing to credit yet beyond what start() saw
+    before = waited_ms(coord)
+    clock.advance(5)
+    coord.tick()
+    backpressure, starved = waited_ms(coord)
+    # Every generate task is out (the buffer is full) and nothing is buffered: both clocks run.
+    assert backpressure - before[0] == 5000 and starved - before[1] == 5000
+
+
+def test_step_in_flight_with_full_buffer_is_backpressure_only(coord: Coordinator, clock: ManualClock) -> None:
+    start(coord)
+    for task in list(coord.dispatcher.generate):
+        coord.submit(submission(coord, task, 0))
+    coord.tick()  # claims step 1 and refills the buffer
+    assert coord.status().step_inflight == 1
+    before = waited_ms(coord)
+    clock.advance(7)
+    coord.tick()
+    clock.advance(2)
+    coord.tick()
+    after = waited_ms(coord)
+    assert after[0] - before[0] == 9000, "the trainer is the bottleneck: dispatch is held back"
+    assert after[1] == before[1], "a step is in flight, so the trainer is not starved"
+
+
+def test_broker_down_starves_the_trainer_without_backpressure(coord: Coordinator, clock: ManualClock) -> None:
+    coord.tick()
+    publish_next(coord)
+    coord.dispatcher.fail = True  # generate tasks cannot be sent: the buffer stays empty
+    coord.tick()
+    assert coord.status().groups_inflight == 0
+    before = waited_ms(coord)
+    clock.advance(4)
+    coord.tick()
+    after = waited_ms(coord)
+    assert after[1] - before[1] == 4000 and after[0] == before[0]
+
+
+def test_finished_run_counts_neither(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> None:
+    base = small_config()
+    config = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"total_steps": 1})})
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, clock=clock)
+    start(coord)
+    for task in list(coord.dispatcher.generate):
+        coord.submit(submission(coord, task, 0))
+    coord.tick()
+    publish_next(coord)
+    assert coord.status().finished
+    coord.tick()
+    before = waited_ms(coord)
+    clock.advance(60)
+    coord.tick()
+    assert waited_ms(coord) == before
+
+
+def test_waiting_totals_survive_a_proxy_restart_and_show_in_metrics(
+    coord: Coordinator, clock: ManualClock, redis_client: Redis, http: TestClient
+) -> None:
+    start(coord)
+    coord.tick()
+    clock.advance(5)
+    coord.tick()
+    total = waited_ms(coord)
+    assert total[0] >= 5000 and total[1] >= 5000
+    metrics = scraped(http)
+    assert metrics["asyncgrpo_dispatch_backpressure_seconds_total"] == total[0] / 1000
+    assert metrics["asyncgrpo_trainer_starved_seconds_total"] == total[1] / 1000
+
+    restarted = make_coordinator(redis_client, coord.bucket, clock=clock)
+    clock.advance(30)
+    restarted.tick()  # the gap before a process's first tick is unknown: not credited
+    assert waited_ms(restarted) == total
+    clock.advance(2)
+    restarted.tick()
+    assert waited_ms(restarted) == (total[0] + 2000, total[1] + 2000)
+
+
+# ---- HTTP errors ----
+
+
+def test_http_errors_are_counted_by_code(coord: Coordinator, http: TestClient) -> None:
+    def errors() -> dict[str, float]:
+        metrics = scraped(http)
+        return {code: metrics[f'asyncgrpo_http_errors_total{{error="{code}"}}'] for code in HTTP_ERROR_CODES}
+
+    assert set(errors().values()) == {0.0}, "every code is exported from the start"
+    answer = http.post("/v1/leases", json={"worker_id": "w", "task_id": "t"}, headers=AUTH)
+    assert answer.status_code == 409 and answer.json()["error"] == "not_ready"
+    start(coord)
+    sha = write_fake_version(coord.bucket, coord.run, 1)
+    answer = http.post("/v1/versions", json=publish_request(1, sha).model_dump(mode="json"), headers=AUTH)
+    assert answer.status_code == 409 and answer.json()["error"] == "conflict"
+    assert http.post("/v1/versions", json={}, headers=AUTH).status_code == 422
+    assert http.post("/v1/versions", json={}).status_code == 401
+    assert http.get("/v1/steps/42").status_code == 404
+    counted = errors()
+    assert counted == {code: 0.0 for code in HTTP_ERROR_CODES} | {
+        "not_ready": 1.0,
+        "conflict": 1.0,
+        "bad_request": 1.0,
+        "unauthorized": 1.0,
+        "not_found": 1.0,
+    }
+
+
+# ---- exposition format ----
+
+
+def test_promtool_accepts_the_served_metrics(coord: Coordinator, clock: ManualClock, http: TestClient) -> None:
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+    start(coord)
+    clock.advance(1)
+    coord.lease("gen-1", "t1")
+    coord.tick()
+    http.get("/v1/steps/42")
+    text = http.get("/metrics").text
+    for name in (
+        "asyncgrpo_max_staleness_versions",
+        "asyncgrpo_version_first_use_seconds_bucket",
+        "asyncgrpo_dispatch_backpressure_seconds_total",
+        "asyncgrpo_trainer_starved_seconds_total",
+        "asyncgrpo_http_errors_total",
+    ):
+        assert name in text, name
+    check = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
