@@ -269,3 +269,61 @@ def test_promtool_accepts_the_served_metrics(coord: Coordinator, clock: ManualCl
         assert name in text, name
     check = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ---- the staleness alert follows the exported limit ----
+
+RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "asyncgrpo-alerts.yml"
+
+
+def staleness_case(limit: int, staleness: int, fires: bool, description: str) -> dict:
+    """A promtool unit-test group: every consumed sample is ``staleness`` versions old for an hour."""
+    bucket = 'asyncgrpo_sample_staleness_versions_bucket{job="asyncgrpo-proxy",le="%s"}'
+    bounds = [b for b in (0, 1, 2, 3, 4) if b < staleness] + [staleness]
+    series = [{"series": bucket % f"{b:.1f}", "values": "0x60" if b < staleness else "0+10x60"} for b in bounds]
+    series.append({"series": bucket % "+Inf", "values": "0+10x60"})
+    series.append({"series": 'asyncgrpo_max_staleness_versions{job="asyncgrpo-proxy"}', "values": f"{limit}x60"})
+    # Prometheus interpolates inside the bucket (staleness - 1, staleness]: the 90th percentile is s - 0.1.
+    p90 = 0.0 if staleness == 0 else staleness - 0.1
+    expected = (
+        [
+            {
+                "exp_labels": {"severity": "warning"},
+                "exp_annotations": {
+                    "summary": f"90th percentile of consumed staleness is at the limit ({p90:.1f} versions)",
+                    "description": description,
+                },
+            }
+        ]
+        if fires
+        else []
+    )
+    return {
+        "interval": "1m",
+        "name": f"limit {limit}, samples {staleness} behind",
+        "input_series": series,
+        "alert_rule_test": [{"eval_time": "40m", "alertname": "AsyncgrpoStalenessNearMax", "exp_alerts": expected}],
+    }
+
+
+def test_staleness_alert_uses_the_exported_limit(tmp_path: Path) -> None:
+    yaml = pytest.importorskip("yaml")
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+    rules = yaml.safe_load(RULES.read_text())
+    (rule,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "AsyncgrpoStalenessNearMax"]
+    assert "asyncgrpo_max_staleness_versions" in rule["expr"]
+    description = rule["annotations"]["description"]
+    cases = [
+        staleness_case(2, 2, True, description),  # at the limit
+        staleness_case(2, 1, False, description),  # one version inside it
+        staleness_case(1, 1, True, description),  # the limit comes from the gauge, not a fixed number
+        staleness_case(3, 2, False, description),
+        staleness_case(0, 0, False, description),  # max_staleness = 0: every sample is "at" the limit
+    ]
+    spec = {"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": cases}
+    spec_path = tmp_path / "staleness_test.yml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    check = subprocess.run([tool, "test", "rules", str(spec_path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
