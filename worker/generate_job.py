@@ -111,8 +111,9 @@ def run_generate_task(
         # A redelivery after the first attempt wrote its rollout: submit that object, generate nothing.
         data = bucket.get(key)
         header = read_rollout_header(data)
+        rejected = header.get("extra", {}).get("rejected_groups", [])
         return _submit(
-            client, run, task_id, worker_id, header["version"], key, data, header["groups"], [], {},
+            client, run, task_id, worker_id, header["version"], key, data, header["groups"], rejected, {},
             len(header["rewards"]), reused=True, started=started,
         )
 
