@@ -415,3 +415,102 @@ def test_generate_path_imports_in_this_environment_without_vllm() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ)
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# --- a whole run with a vLLM generate worker -----------------------------------------------------------------
+
+E2E_STEPS = 60
+E2E_CONFIG_TOML = """\
+seed = 1
+
+[model]
+base = "tiny"
+
+[dataset]
+generator = "repeat_digit"
+num_prompts = 256
+
+[[rewards]]
+name = "repeat_digit"
+
+[sampling]
+samples_per_prompt = 8
+max_completion_length = 8
+backend = "vllm"
+
+[optimizer]
+learning_rate = 0.005
+total_steps = 10000
+
+[async]
+max_staleness = 2
+groups_per_task = 4
+groups_per_step = 8
+queue_maxsize = 16
+generate_task_timeout_s = 300
+"""
+CHANCE = 1 / 14  # one character of the tiny model's 14-token vocabulary
+
+
+def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]:
+    """Run E2E_STEPS steps with one generate worker on ``backend`` and one optimize worker, as real processes
+    on this interpreter; returns the step records and the generate worker's log."""
+    import time
+
+    from proxy.bucket import open_bucket
+    from proxy.run_setup import create_run
+    from worker.local_cluster import LocalCluster
+    from worker.step_records import load_step_records
+
+    threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCGRPO_HEARTBEAT_S": "0.5"}
+    cluster = LocalCluster(workdir=workdir, run=f"e2e-{backend}", extra_env=threads)
+    try:
+        config_path = workdir / "run.toml"
+        config_path.write_text(E2E_CONFIG_TOML)
+        create_run(config_path, cluster.run, open_bucket(cluster.bucket_url))
+        cluster.ensure_redis()
+        cluster.start_proxy()
+        cluster.start_worker("optimize", name="opt-1")
+        cluster.start_worker("generate", name="gen-1", env={"ASYNCGRPO_GENERATION_BACKEND": backend})
+        bucket = open_bucket(cluster.bucket_url)
+        deadline = time.monotonic() + 400
+        records: list[dict[str, Any]] = []
+        while len(records) < E2E_STEPS:
+            cluster.check_children()
+            assert time.monotonic() < deadline, f"{backend}: only {len(records)} steps in 400 s: {cluster.status()}"
+            time.sleep(1.0)
+            records = load_step_records(bucket, cluster.run)
+        return records[:E2E_STEPS], (workdir / "logs" / "gen-1.log").read_text(errors="replace")
+    finally:
+        cluster.stop()
+
+
+def reward_per_10_steps(records: list[dict[str, Any]]) -> list[float]:
+    rewards = [r["reward_mean"] for r in records]
+    return [round(sum(rewards[i : i + 10]) / len(rewards[i : i + 10]), 3) for i in range(0, len(rewards), 10)]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_run_with_a_vllm_generate_worker_learns_like_one_with_transformers(tmp_path: Path) -> None:
+    """The same short run twice: a vLLM generate worker, then a transformers one; the usual optimize worker."""
+    vllm_records, vllm_log = run_locally(tmp_path / "vllm", "vllm")
+    transformers_records, _ = run_locally(tmp_path / "transformers", "transformers")
+    assert "generation.vllm_ready" in vllm_log, "the generate worker did not run the vLLM backend"
+
+    vllm_curve, transformers_curve = reward_per_10_steps(vllm_records), reward_per_10_steps(transformers_records)
+    ratios = [r["rescore_ratio"] for r in vllm_records]
+    print(
+        f"\nreward per 10 steps: vLLM {vllm_curve}, transformers {transformers_curve}; "
+        f"vLLM rescore ratio in [{min(ratios):.7f}, {max(ratios):.7f}]"
+    )
+    # The trainer rescored every vLLM rollout under the version it claims: the served policy is the trained one.
+    assert all(abs(ratio - 1.0) < RATIO_TOLERANCE for ratio in ratios), ratios
+    assert not any(r["flagged_rollouts"] for r in vllm_records)
+    assert all(r["max_staleness"] <= 2 for r in vllm_records)
+    # The bar of the transformers backend's learning test (tests/test_learning.py), and close to its run here.
+    first, last = vllm_curve[0], vllm_curve[-1]
+    assert last >= 2 * first, f"vLLM run: mean reward went from {first:.3f} to only {last:.3f}"
+    assert last >= 4 * CHANCE, f"vLLM run: mean reward {last:.3f} of the last 10 steps is not well above chance"
+    assert last >= transformers_curve[-1] - 0.15, f"vLLM run reached {last:.3f}, transformers {transformers_curve}"

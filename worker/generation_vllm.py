@@ -142,6 +142,16 @@ def check_servable_adapter(path: Path, max_lora_rank: int, name: str = "adapter"
     return config
 
 
+def model_max_positions(base: str) -> int | None:
+    """The longest sequence ``base``'s config allows (max_position_embeddings), or None when it names none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base)
+    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int | float) and limit > 0 else None
+
+
 @dataclass(frozen=True)
 class _LoadedAdapter:
     version: int
@@ -185,6 +195,17 @@ class VLLMBackend:
 
         self.max_loras = max_loras
         self.max_lora_rank = round_up_lora_rank(max_lora_rank, get_args(MaxLoRARanks))
+        model_limit = model_max_positions(base)
+        if model_limit is not None and max_model_len > model_limit:
+            # vLLM refuses a context longer than the model's positions; prompts that would not fit are
+            # refused by generate() with the limit named.
+            log.warning(
+                "generation.vllm_context_clamped",
+                asked=max_model_len,
+                model_max_positions=model_limit,
+                hint="model.max_prompt_length + sampling.max_completion_length exceeds the model's context",
+            )
+            max_model_len = model_limit
         self.max_model_len = max_model_len
         on_cpu = current_platform.is_cpu()
         arguments: dict[str, Any] = {
@@ -303,7 +324,8 @@ class VLLMBackend:
                 raise ValueError(
                     f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
                     f"engine's max_model_len={self.max_model_len} (model.max_prompt_length + "
-                    "sampling.max_completion_length); shorten the prompt or raise those limits"
+                    "sampling.max_completion_length, at most the model's positions); shorten the prompt or lower "
+                    "model.max_prompt_length so that such prompts are rejected before generation"
                 )
         params = [
             SamplingParams(
