@@ -102,7 +102,7 @@ class SamplingConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    learning_rate: float = Field(5e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(2e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")

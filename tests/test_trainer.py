@@ -99,7 +99,7 @@ def test_step_updates_only_lora_and_reports_metrics(tiny_model_dir: Path) -> Non
     assert metrics.tokens == sum(len(s.completion_token_ids) for s in samples)
     assert metrics.sequences == 12 and metrics.micro_batches == 1
     assert metrics.ratio == pytest.approx(1.0, abs=1e-5) and metrics.kl == pytest.approx(0.0, abs=1e-5)
-    assert metrics.lr == pytest.approx(5e-3)
+    assert metrics.lr == pytest.approx(trainer.optimizer_cfg.learning_rate)
     assert 0.0 < metrics.entropy <= math.log(len(trainer.policy.tokenizer)) + 1e-6
     assert metrics.grad_norm > 0 and metrics.forward_backward_s > 0 and metrics.optimizer_s > 0
     assert metrics.kl_ref is None

@@ -12,8 +12,8 @@ from typing import Any
 import structlog
 from celery import signals
 
-from proxy.bucket import ObjectNotFound
-from proxy.client import Conflict, ProxyError
+from proxy.bucket import BucketError, ObjectNotFound
+from proxy.client import Conflict, NotReady, ProxyError, ProxyUnavailable
 from proxy.log_setup import configure_logging
 from proxy.manifest import IntegrityError
 from proxy.schemas import GenerateTaskMessage, OptimizeTaskMessage
@@ -34,6 +34,18 @@ _ERROR_KINDS: dict[type[BaseException], str] = {
     ProxyError: "proxy",
 }
 _idle_since: float | None = None
+
+# Transient failures: the proxy restarting, no version published yet, the bucket briefly unreachable. The
+# task is sent again under the same id (every task is idempotent by id) instead of being dropped; the
+# proxy's own timeouts cover a task that keeps failing.
+TRANSIENT_ERRORS = (ProxyUnavailable, NotReady, BucketError)
+RETRY_OPTIONS = {
+    "autoretry_for": TRANSIENT_ERRORS,
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+    "max_retries": 30,
+}
 
 
 def _role() -> str:
@@ -96,7 +108,7 @@ def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, An
         return summary
 
 
-@app.task(name="asyncgrpo.generate", acks_late=True, reject_on_worker_lost=True)
+@app.task(name="asyncgrpo.generate", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def generate(**payload: Any) -> dict[str, Any]:
     message = GenerateTaskMessage.model_validate(payload)
 
@@ -124,7 +136,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
 
 
-@app.task(name="asyncgrpo.optimize", acks_late=True, reject_on_worker_lost=True)
+@app.task(name="asyncgrpo.optimize", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def optimize(**payload: Any) -> dict[str, Any]:
     message = OptimizeTaskMessage.model_validate(payload)
 
