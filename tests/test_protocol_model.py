@@ -267,7 +267,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def renew(self, data: st.DataObject) -> None:
         if not self.leases:
             return
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))  # insertion order: lease ids are random
         version, expires = self.leases[lease_id]
         if expires > self.clock():
             grant = self.coord.renew(lease_id)
@@ -282,7 +282,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         if not self.leases:
             return
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))  # insertion order: lease ids are random
         self.coord.release(lease_id)
         del self.leases[lease_id]
 
