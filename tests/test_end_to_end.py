@@ -18,12 +18,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from proxy.bucket import open_bucket
 from proxy.manifest import latest_complete_version, read_manifest
+from proxy.redis_keys import RunKeys
 from proxy.run_setup import create_run
 from tests.fixtures_s3 import S3Endpoint
-from worker.local_cluster import LocalCluster, free_port
+from worker.local_cluster import ChildProcess, LocalCluster, free_port
 from worker.step_records import load_step_records
 
 pytestmark = pytest.mark.slow
@@ -134,6 +136,34 @@ def busy_task(cluster: LocalCluster, worker_id: str) -> str | None:
     return None
 
 
+def generate_task_unsubmitted(cluster: LocalCluster) -> Callable[[str], bool]:
+    redis_client = redis.Redis.from_url(cluster.redis_url)
+    in_flight_key = RunKeys(cluster.run).tasks_inflight
+    return lambda task_id: redis_client.zscore(in_flight_key, task_id) is not None
+
+
+def step_unpublished(cluster: LocalCluster) -> Callable[[str], bool]:
+    return lambda task: cluster.status()["current_version"] < int(task.split("-")[1])
+
+
+def pause_mid_task(
+    cluster: LocalCluster, child: ChildProcess, worker_id: str, unfinished: Callable[[str], bool], attempts: int = 20
+) -> str:
+    """SIGSTOP the worker while its task's result has not reached the proxy; return the task's name.
+
+    The heartbeat names the task until the task returns, so a pause can land just after the submit or
+    publish: then resume and try again with its next task.
+    """
+    for _ in range(attempts):
+        task = wait_for(lambda: busy_task(cluster, worker_id), 60, f"{worker_id} busy", cluster)
+        os.kill(child.pid, signal.SIGSTOP)
+        if unfinished(task):
+            return task
+        os.kill(child.pid, signal.SIGCONT)
+        wait_for(lambda done=task: busy_task(cluster, worker_id) != done, 30, f"{worker_id} done with {task}", cluster)
+    raise AssertionError(f"could not pause {worker_id} mid-task in {attempts} attempts")
+
+
 def assert_run_invariants(records: list[dict[str, Any]]) -> None:
     """Versions contiguous, nothing staler than allowed, no group trained twice, ratio near 1."""
     steps = [r["step"] for r in records]
@@ -196,9 +226,9 @@ def test_kill_generate_worker_mid_task_redelivers_it(make_cluster: Callable[...,
     cluster.start_worker("optimize", name="opt-1")
     victim = cluster.start_worker("generate", name="gen-a")
     wait_for(version_reached(cluster, 1), 180, "version 1", cluster)
-    task_id = wait_for(lambda: busy_task(cluster, "gen-a"), 60, "gen-a busy with a task", cluster)
+    task_id = pause_mid_task(cluster, victim, "gen-a", generate_task_unsubmitted(cluster))
     cluster.expect_dead(victim)
-    victim.kill_hard()
+    victim.kill_hard()  # kill -9 while its task is still unsubmitted
     killed_at = cluster.status()["current_version"]
 
     cluster.start_worker("generate", name="gen-b")
@@ -219,9 +249,9 @@ def test_kill_optimize_worker_mid_step_continues_from_bucket(make_cluster: Calla
     cluster.start_worker("generate", name="gen-1")
     cluster.start_worker("generate", name="gen-2")
     wait_for(version_reached(cluster, 2), 180, "version 2", cluster)
-    task = wait_for(lambda: busy_task(cluster, "opt-a"), 60, "opt-a busy with a step", cluster)
+    task = pause_mid_task(cluster, victim, "opt-a", step_unpublished(cluster))
     cluster.expect_dead(victim)
-    victim.kill_hard()
+    victim.kill_hard()  # kill -9 while its step is still unpublished
     killed_step = int(task.split("-")[1])
 
     cluster.start_worker("optimize", name="opt-b")
@@ -246,8 +276,7 @@ def test_paused_generate_worker_submits_stale_rollout_and_its_prompts_are_redone
     sleeper = cluster.start_worker("generate", name="gen-sleepy")
     cluster.start_worker("generate", name="gen-1")
     wait_for(version_reached(cluster, 1), 180, "version 1", cluster)
-    task_id = wait_for(lambda: busy_task(cluster, "gen-sleepy"), 60, "gen-sleepy busy", cluster)
-    os.kill(sleeper.pid, signal.SIGSTOP)
+    task_id = pause_mid_task(cluster, sleeper, "gen-sleepy", generate_task_unsubmitted(cluster))
     try:
         paused_at = cluster.status()["current_version"]
         wait_for(version_reached(cluster, paused_at + MAX_STALENESS + 2), 240, "versions past the window", cluster)
