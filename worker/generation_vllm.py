@@ -53,6 +53,7 @@ from worker.generation import (
     GenerationTimings,
     PromptResult,
     UnknownAdapter,
+    check_sampling_arguments,
 )
 
 log = structlog.get_logger()
@@ -302,12 +303,7 @@ class VLLMBackend:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> GenerationResult:
-        if samples_per_prompt < 1 or max_new_tokens < 1:
-            raise ValueError(
-                f"samples_per_prompt={samples_per_prompt} and max_new_tokens={max_new_tokens} must be >= 1"
-            )
-        if not temperature > 0.0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
+        check_sampling_arguments(samples_per_prompt, max_new_tokens, temperature, top_p)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
