@@ -76,6 +76,8 @@ log = structlog.get_logger()
 
 LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
 _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Polled by dashboards and people: their request lines are logged at debug level only.
+_QUIET_ROUTES = frozenset({"/metrics", "/healthz", "/v1/status", "/v1/workers"})
 
 
 class ProxyStartupError(Exception):
@@ -203,10 +205,12 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
                 metrics.http_seconds.labels("unauthorized", request.method).observe(time.perf_counter() - started)
                 return response
         response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.http_seconds.labels(getattr(route, "path", "unmatched"), request.method).observe(
-            time.perf_counter() - started
-        )
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        seconds = time.perf_counter() - started
+        metrics.http_seconds.labels(route, request.method).observe(seconds)
+        # One line per request with its duration; scrapes and health checks only at debug level.
+        log_line = log.debug if route in _QUIET_ROUTES else log.info
+        log_line("proxy.request", method=request.method, route=route, status=response.status_code, seconds=seconds)
         return response
 
     _install_error_handlers(app, metrics)

@@ -245,3 +245,18 @@ def test_serve_exits_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("ASYNCGRPO_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="only allowed with a loopback"):
         serve("r1", "0.0.0.0", 8700, insecure_loopback=True)
+
+
+def test_every_request_gets_one_log_line_with_its_duration(http: TestClient) -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as lines:
+        http.post("/v1/leases", json={"worker_id": "gen-1", "task_id": "t-1"}, headers=AUTH)
+        http.get("/v1/status")
+    requests = [line for line in lines if line["event"] == "proxy.request"]
+    assert [(r["method"], r["route"], r["status"]) for r in requests] == [
+        ("POST", "/v1/leases", 200),
+        ("GET", "/v1/status", 200),
+    ]
+    assert requests[0]["log_level"] == "info" and requests[1]["log_level"] == "debug"
+    assert all(r["seconds"] > 0 for r in requests)
