@@ -174,6 +174,15 @@ class AsyncConfig(_Section):
     keep_every: int = Field(
         0, ge=0, le=1_000_000, description="Also keep every keep_every-th version forever (0: none)."
     )
+    rollout_retention_versions: int = Field(
+        2,
+        ge=-1,
+        le=1_000_000,
+        description="Rollout objects in the bucket are deleted this many versions after they stop being "
+        "needed: after the version their step produced if trained, after the current version when dropped "
+        "as stale, rejected or cancelled. Buffered and claimed rollouts are never deleted. -1 keeps every "
+        "rollout forever (for audits).",
+    )
 
     @model_validator(mode="after")
     def _buffer_fits_a_step(self) -> AsyncConfig:

@@ -3,8 +3,8 @@
 One ``Coordinator`` serves one run. The HTTP layer (``proxy.server``) calls its request methods
 (``lease``, ``renew``, ``release``, ``submit``, ``get_step``, ``publish``, ``heartbeat``); a background loop
 calls ``tick()`` which expires leases and lost tasks, claims a step, keeps the generate queue fed, re-sends
-timed-out steps, writes the snapshot and garbage-collects old versions. Tests call ``tick()`` directly and
-pass their own clock (milliseconds), so no test sleeps.
+timed-out steps, writes the snapshot and garbage-collects old versions and rollout objects past their
+retention. Tests call ``tick()`` directly and pass their own clock (milliseconds), so no test sleeps.
 
 The rules it enforces are DESIGN.md's invariants 1-4 and 6: versions move by CAS ``N -> N+1`` only;
 nothing staler than ``async.max_staleness`` is admitted or claimed; versions under a live lease or in the
@@ -65,6 +65,8 @@ OMITTED_GROUP_REASON = "missing_from_rollout"
 WORKER_FORGET_S = 3600.0
 """A worker silent this long disappears from ``/v1/workers``."""
 MAX_TASKS_PER_TICK = 256
+MAX_ROLLOUT_DELETES_PER_TICK = 256
+"""Rollout objects deleted by one tick at most; the rest wait for the next (a tick must stay short)."""
 
 
 # ---- exceptions: one per non-OK return code of the scripts ----
@@ -158,6 +160,7 @@ class TickReport:
     step_sent: int | None = None
     tasks_sent: list[str] = field(default_factory=list)
     versions_deleted: list[int] = field(default_factory=list)
+    rollouts_deleted: list[str] = field(default_factory=list)
     rebuilt: str | None = None
 
     def busy(self) -> bool:
@@ -170,6 +173,7 @@ class TickReport:
                 self.step_sent is not None,
                 self.tasks_sent,
                 self.versions_deleted,
+                self.rollouts_deleted,
                 self.rebuilt,
             )
         )
@@ -275,6 +279,11 @@ class Coordinator:
     def _changed(self) -> None:
         with self._state_lock:
             self._changes += 1
+
+    @property
+    def _track_rollouts(self) -> str:
+        """The scripts' ``track`` argument: "0" when ``rollout_retention_versions = -1`` keeps every rollout."""
+        return "0" if self._async.rollout_retention_versions < 0 else "1"
 
     def _count(self, field_name: str, amount: int = 1) -> None:
         self._call("ADD_COUNTER", [self.keys.state, self.keys.counters], [field_name, amount])
@@ -447,8 +456,14 @@ class Coordinator:
             return 0, 0
         reply = self._call(
             "CANCEL_TASKS",
-            [self.keys.state, self.keys.counters, self.keys.requeue, self.keys.tasks_inflight],
-            [self.clock_ms(), self.record_ttl_s, "1" if force else "0", *task_ids],
+            [
+                self.keys.state,
+                self.keys.counters,
+                self.keys.requeue,
+                self.keys.tasks_inflight,
+                self.keys.rollout_retention,
+            ],
+            [self.clock_ms(), self.record_ttl_s, "1" if force else "0", self._track_rollouts, *task_ids],
         )
         tasks, groups = int(reply[1]), int(reply[2])
         if tasks:
@@ -490,6 +505,7 @@ class Coordinator:
                 self.keys.requeue,
                 self.keys.tasks_inflight,
                 self.keys.buffer,
+                self.keys.rollout_retention,
             ],
             [
                 self.clock_ms(),
@@ -502,6 +518,7 @@ class Coordinator:
                 json.dumps(submission.group_ids),
                 json.dumps(rejected),
                 OMITTED_GROUP_REASON,
+                self._track_rollouts,
             ],
         )
         code = reply[0]
@@ -510,6 +527,7 @@ class Coordinator:
             self.write_snapshot()
             raise StaleRolloutError(submission.version, int(reply[1]), self._async.max_staleness)
         if code == "CANCELLED":
+            self._changed()  # its rollout went (back) under retention
             raise TaskCancelled(
                 f"task {submission.task_id} was cancelled (not submitted within async.generate_task_timeout_s="
                 f"{self._async.generate_task_timeout_s}, or lost in a proxy rebuild); its prompts were requeued"
@@ -518,8 +536,8 @@ class Coordinator:
             raise UnknownTask(f"task {submission.task_id} was never dispatched by the proxy of run {self.run!r}")
         if code == "BAD_ROLLOUT":
             raise BadRollout(f"rollout of task {submission.task_id} refused: {reply[1]}")
-        if code == "OK":
-            self._changed()
+        # A duplicate may have put a finished rollout back under retention.
+        self._changed()
         # Admitted (or admitted before): durable in the bucket before the worker hears so.
         self.write_snapshot()
         return SubmitResult(status="admitted" if code == "OK" else "duplicate")
@@ -536,8 +554,8 @@ class Coordinator:
         now = self.clock_ms()
         reply = self._call(
             "CLAIM_STEP",
-            [self.keys.state, self.keys.counters, self.keys.requeue, self.keys.buffer],
-            [now, cfg.groups_per_step * cfg.publish_every, cfg.max_staleness, self.record_ttl_s],
+            [self.keys.state, self.keys.counters, self.keys.requeue, self.keys.buffer, self.keys.rollout_retention],
+            [now, cfg.groups_per_step * cfg.publish_every, cfg.max_staleness, self.record_ttl_s, self._track_rollouts],
         )
         if reply[0] == "NOT_READY":
             dropped = int(reply[2])
@@ -639,7 +657,7 @@ class Coordinator:
                 )
         reply = self._call(
             "PUBLISH_VERSION",
-            [self.keys.state, self.keys.counters, self.keys.versions],
+            [self.keys.state, self.keys.counters, self.keys.versions, self.keys.rollout_retention],
             [
                 self.clock_ms(),
                 request.version,
@@ -648,6 +666,7 @@ class Coordinator:
                 request.manifest_sha256,
                 request.worker_id,
                 self.record_ttl_s,
+                self._track_rollouts,
             ],
         )
         code, current = reply[0], int(reply[1])
@@ -816,6 +835,59 @@ class Coordinator:
         self._last_gc = (current, leased)
         return deleted
 
+    def collect_rollouts(self) -> list[str]:
+        """Delete rollout objects whose retention is over; returns the task ids whose objects went.
+
+        The scripts queue a rollout in ``rollout_retention`` once it can never be trained (again): trained in
+        the step that produced version S (score S), or dropped as stale, rejected or cancelled (score: the
+        current version then). Its object goes once ``current >= score + async.rollout_retention_versions``.
+        Buffered and claimed rollouts are never queued, and DUE_ROLLOUTS checks that again, so invariant 4
+        holds and a redelivered optimize task of an unpublished step finds its rollouts. A snapshot is written
+        before anything is deleted, so a rebuild never resurrects a finished rollout as buffered or claimed.
+        Deleting is idempotent; a failed delete stays queued for the next tick.
+        """
+        retention = self._async.rollout_retention_versions
+        current = self.current_version()
+        if retention < 0 or current < 0:
+            return []
+        max_version = current - retention
+        reply = self._call(
+            "DUE_ROLLOUTS",
+            [self.keys.state, self.keys.rollout_retention],
+            [max_version, MAX_ROLLOUT_DELETES_PER_TICK],
+        )
+        due, protected = list(reply[1]), list(reply[2])
+        if protected:
+            # A bug elsewhere queued a rollout that may still be trained: never delete it.
+            log.error("proxy.rollout_retention_skipped_needed", task_ids=protected)
+            self._changed()
+        if not due:
+            return []
+        try:
+            self.write_snapshot(force=True)
+        except SnapshotFailed as error:
+            log.warning("proxy.rollout_gc_postponed", error=str(error))
+            return []
+        deleted: list[str] = []
+        for task_id in due:
+            key = bucket_keys.rollout_key(self.run, task_id)
+            try:
+                self.bucket.delete(key)
+            except (BucketError, OSError) as error:
+                # The rest stay queued; the bucket is probably unreachable, so stop for this tick.
+                log.warning("proxy.rollout_delete_failed", key=key, error=str(error))
+                break
+            deleted.append(task_id)
+        if deleted:
+            self._call(
+                "FORGET_ROLLOUTS",
+                [self.keys.state, self.keys.counters, self.keys.rollout_retention],
+                [max_version, *deleted],
+            )
+            self._changed()
+            log.info("proxy.rollouts_collected", count=len(deleted), current=current, retention=retention)
+        return deleted
+
     # ---- bottleneck accounting ----
 
     def _account_waiting(self) -> None:
@@ -895,6 +967,7 @@ class Coordinator:
             report.versions_deleted = self.gc()
         except (BucketError, OSError) as error:
             log.warning("proxy.gc_failed", error=str(error))
+        report.rollouts_deleted = self.collect_rollouts()
         self._account_waiting()
         if report.busy():
             log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})

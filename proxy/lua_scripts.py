@@ -10,6 +10,12 @@ Group states: ``inflight`` (in a generate task) -> ``buffered`` (admitted) -> ``
 ``trained``; or one of the other terminal states ``stale`` (requeued as a new group), ``rejected``
 (bad input, with a reason) or ``cancelled`` (its task was lost; requeued). Terminal records expire after
 ``record_ttl_s`` so that Redis does not grow with the length of the run.
+
+Rollout retention: when a rollout can never be trained (again) -- its step was published, or it was dropped as
+stale, rejected, or its task was cancelled -- its task id goes into the ``rollout_retention`` sorted set,
+scored with the version after which its bucket object may go (the version its step produced, else the
+current one). Scripts that do so take a ``track`` argument: "0" (``async.rollout_retention_versions = -1``)
+keeps every rollout and records nothing. DUE_ROLLOUTS and FORGET_ROLLOUTS serve the proxy's collection.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ local function num(k, field, default)
   return default
 end
 local function retire(k, ttl) redis.call('EXPIRE', k, ttl) end
+-- the rollout of task tid will never be trained (again): its object may go once `version` is old enough
+local function retain_until(zkey, track, tid, version)
+  if track == '1' then redis.call('ZADD', zkey, version, tid) end
+end
 -- a group leaves the line for good with this fate; stale and cancelled ones put their prompt back in line
 local function end_group(gid, fate, now, ttl, requeue_key)
   local gk = key(GROUP, gid)
@@ -90,16 +100,18 @@ return {'OK', task_id, '[' .. table.concat(parts, ',') .. ']'}
 
 CANCEL_TASKS = (
     """-- cancel_tasks: generate tasks presumed lost; their groups are cancelled and their prompts requeued.
--- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] tasks_inflight
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] tasks_inflight  KEYS[5] rollout_retention
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] record_ttl_s  ARGV[4] force ("1": even before the deadline)
--- ARGV[5..] task ids (only tasks still in flight, and past their deadline unless forced, are cancelled)
+-- ARGV[5] track rollouts for retention ("1") or keep them all ("0")
+-- ARGV[6..] task ids (only tasks still in flight, and past their deadline unless forced, are cancelled)
 -- returns {"OK", tasks_cancelled, groups_requeued} | {"NO_STATE"}"""
     + _HELPERS
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
-local now, ttl, force = tonumber(ARGV[2]), ARGV[3], ARGV[4] == '1'
+local now, ttl, force, track = tonumber(ARGV[2]), ARGV[3], ARGV[4] == '1', ARGV[5]
+local current = num(KEYS[1], 'current_version', -1)
 local tasks, groups = 0, 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   local tid = ARGV[i]
   local tk = key(TASK, tid)
   if redis.call('HGET', tk, 'state') == 'inflight' and (force or num(tk, 'deadline_ms', 0) <= now) then
@@ -113,6 +125,8 @@ for i = 5, #ARGV do
     redis.call('HSET', tk, 'state', 'cancelled', 'ended_ms', now)
     retire(tk, ttl)
     redis.call('ZREM', KEYS[4], tid)
+    -- the worker may have written its rollout before it was lost
+    retain_until(KEYS[5], track, tid, current)
     tasks = tasks + 1
   end
 end
@@ -125,27 +139,39 @@ return {'OK', tasks, groups}
 SUBMIT_ROLLOUT = (
     """-- submit_rollout: admit a generate task's rollout iff current - version <= max_staleness.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] requeue  KEYS[5] tasks_inflight
--- KEYS[6] buffer
+-- KEYS[6] buffer  KEYS[7] rollout_retention
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] max_staleness  ARGV[4] record_ttl_s  ARGV[5] task_id
 -- ARGV[6] worker_id  ARGV[7] version  ARGV[8] rollout ref json (as the optimize task will carry it)
 -- ARGV[9] admitted group ids json  ARGV[10] rejected json [[group_id, reason], ...]
 -- ARGV[11] reason recorded for groups of the task the submission does not mention
+-- ARGV[12] track rollouts for retention ("1") or keep them all ("0")
+-- a refused late or repeated submission (STALE, CANCELLED, DUPLICATE of a finished rollout) puts its
+-- rollout object, possibly written again just now, back under retention
 -- returns {"OK", current} | {"DUPLICATE", current} | {"STALE", current} (groups requeued)
 --   | {"CANCELLED"} | {"UNKNOWN_TASK"} | {"BAD_ROLLOUT", message} (nothing changed) | {"NO_STATE"}"""
     + _HELPERS
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, max_staleness, ttl, tid = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local track = ARGV[12]
 local tk = key(TASK, tid)
 local tstate = redis.call('HGET', tk, 'state')
 local current = num(KEYS[1], 'current_version', -1)
 if not tstate then return {'UNKNOWN_TASK'} end
 if tstate == 'admitted' then
   redis.call('HINCRBY', KEYS[2], 'rollouts_duplicate', 1)
+  local rstate = redis.call('HGET', key(ROLLOUT, tid), 'state')
+  if rstate ~= 'buffered' and rstate ~= 'claimed' then retain_until(KEYS[7], track, tid, current) end
   return {'DUPLICATE', current}
 end
-if tstate == 'stale' then return {'STALE', current} end
-if tstate ~= 'inflight' then return {'CANCELLED'} end
+if tstate == 'stale' then
+  retain_until(KEYS[7], track, tid, current)
+  return {'STALE', current}
+end
+if tstate ~= 'inflight' then
+  retain_until(KEYS[7], track, tid, current)
+  return {'CANCELLED'}
+end
 local version = tonumber(ARGV[7])
 if version > current then
   return {'BAD_ROLLOUT', 'rollout version v' .. version .. ' is newer than the current version v' .. current}
@@ -191,6 +217,7 @@ if stale then
   retire(tk, ttl)
   redis.call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
   redis.call('HINCRBY', KEYS[2], 'groups_stale', dropped)
+  retain_until(KEYS[7], track, tid, current)
   return {'STALE', current}
 end
 redis.call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'ended_ms', now)
@@ -200,7 +227,9 @@ if #admitted > 0 then
   redis.call('RPUSH', KEYS[6], tid)
   redis.call('HINCRBY', KEYS[1], 'groups_buffered', #admitted)
 else
+  -- every group rejected: nothing of this rollout will be trained
   retire(tk, ttl)
+  retain_until(KEYS[7], track, tid, current)
 end
 redis.call('HINCRBY', KEYS[2], 'rollouts_admitted', 1)
 redis.call('HINCRBY', KEYS[2], 'groups_admitted', #admitted)
@@ -211,8 +240,9 @@ return {'OK', current}
 CLAIM_STEP = (
     """-- claim_step: drop too-stale buffered rollouts, then claim the oldest ones for step current+1
 -- (or claim the init step 0 from base -1 when no version exists yet).
--- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] buffer
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] buffer  KEYS[5] rollout_retention
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] groups_needed  ARGV[4] max_staleness  ARGV[5] record_ttl_s
+-- ARGV[6] track rollouts for retention ("1") or keep them all ("0")
 -- returns {"OK", step, base_version, rollouts_json, claimed "version:admitted_ms:groups,...", dropped}
 --   | {"NOT_READY", why, dropped} | {"NO_STATE"}"""
     + _HELPERS
@@ -241,6 +271,7 @@ for _, tid in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
     redis.call('HSET', rk, 'state', 'stale')
     retire(rk, ttl)
     retire(key(TASK, tid), ttl)
+    retain_until(KEYS[5], ARGV[6], tid, current)
     dropped = dropped + #gids
   end
 end
@@ -289,9 +320,9 @@ return {'OK'}
 
 PUBLISH_VERSION = (
     """-- publish_version: compare-and-set current == base_version -> version (the fencing token).
--- KEYS[1] state  KEYS[2] counters  KEYS[3] versions
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] versions  KEYS[4] rollout_retention
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] version  ARGV[4] base_version  ARGV[5] step  ARGV[6] manifest_sha256
--- ARGV[7] worker_id  ARGV[8] record_ttl_s
+-- ARGV[7] worker_id  ARGV[8] record_ttl_s  ARGV[9] track rollouts for retention ("1") or keep them all ("0")
 -- returns {"OK", current} | {"ALREADY", current} (this worker already published this very manifest: a retry)
 --   | {"BAD_VERSION", current} | {"CAS_LOST", current} | {"STEP_NOT_CLAIMED", current} | {"NO_STATE"}"""
     + _HELPERS
@@ -326,6 +357,7 @@ for _, ref in ipairs(cjson.decode(redis.call('HGET', sk, 'rollouts'))) do
   redis.call('HSET', key(ROLLOUT, ref['task_id']), 'state', 'trained')
   retire(key(ROLLOUT, ref['task_id']), ttl)
   retire(key(TASK, ref['task_id']), ttl)
+  retain_until(KEYS[4], ARGV[9], ref['task_id'], version)
 end
 redis.call('HINCRBY', KEYS[2], 'publish', 1)
 redis.call('HINCRBY', KEYS[2], 'groups_trained', trained)
@@ -460,11 +492,13 @@ return {'OK', #ops}
 READ_SNAPSHOT = (
     """-- read_snapshot: read, atomically, everything a rebuild needs (no writes).
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] versions  KEYS[5] requeue  KEYS[6] buffer
--- KEYS[7] tasks_inflight  KEYS[8] leases
+-- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention
 -- ARGV[1] prefix
--- returns {"OK", state, counters, reasons, versions, requeue, buffer, tasks, step, leases} | {"NO_STATE"}
+-- returns {"OK", state, counters, reasons, versions, requeue, buffer, tasks, step, leases, retention}
+--   | {"NO_STATE"}
 --   where hashes are flat [field, value, ...]; buffer = [[task_id, rollout, [[group_id, group], ...]], ...];
---   tasks = [[task_id, task, groups], ...]; step = [] or [step, groups]; leases = [[lease_id, lease], ...]"""
+--   tasks = [[task_id, task, groups], ...]; step = [] or [step, groups]; leases = [[lease_id, lease], ...];
+--   retention = flat [task_id, version, ...]"""
     + _HELPERS
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
@@ -498,6 +532,61 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[8], 0, -1)) do
   leases[#leases + 1] = {id, redis.call('HGETALL', key(LEASE, id))}
 end
 return {'OK', redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('HGETALL', KEYS[3]),
-  redis.call('HGETALL', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1), buffer, tasks, step, leases}
+  redis.call('HGETALL', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1), buffer, tasks, step, leases,
+  redis.call('ZRANGE', KEYS[9], 0, -1, 'WITHSCORES')}
+"""
+)
+
+DUE_ROLLOUTS = (
+    """-- due_rollouts: rollouts whose retention is over (score <= max_version), minus any still needed.
+-- KEYS[1] state  KEYS[2] rollout_retention
+-- ARGV[1] prefix  ARGV[2] max_version (current - async.rollout_retention_versions)  ARGV[3] at most this many
+-- returns {"OK", due task ids, protected task ids} | {"NO_STATE"}
+--   protected: buffered, claimed or in the step in flight; they leave the queue and are never deleted
+--   (a publish puts them back once trained). A correct run has none."""
+    + _HELPERS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local in_step = {}
+local inflight = num(KEYS[1], 'step_inflight', -1)
+if inflight >= 0 then
+  local refs = redis.call('HGET', key(STEP, inflight), 'rollouts')
+  if refs then
+    for _, ref in ipairs(cjson.decode(refs)) do in_step[ref['task_id']] = true end
+  end
+end
+local due, protected = {}, {}
+for _, tid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])) do
+  local rstate = redis.call('HGET', key(ROLLOUT, tid), 'state')
+  if in_step[tid] or rstate == 'buffered' or rstate == 'claimed' then
+    redis.call('ZREM', KEYS[2], tid)
+    protected[#protected + 1] = tid
+  else
+    due[#due + 1] = tid
+  end
+end
+return {'OK', due, protected}
+"""
+)
+
+FORGET_ROLLOUTS = (
+    """-- forget_rollouts: drop deleted rollouts from the retention queue and count them.
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] rollout_retention
+-- ARGV[1] prefix  ARGV[2] max_version the deletion was decided under  ARGV[3..] task ids whose objects are gone
+-- returns {"OK", forgotten} | {"NO_STATE"}
+--   an entry re-scored above max_version meanwhile (its object was written again) stays queued"""
+    + _HELPERS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local max_version, forgotten = tonumber(ARGV[2]), 0
+for i = 3, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[3], ARGV[i])
+  if score and tonumber(score) <= max_version then
+    redis.call('ZREM', KEYS[3], ARGV[i])
+    forgotten = forgotten + 1
+  end
+end
+redis.call('HINCRBY', KEYS[2], 'rollouts_deleted', forgotten)
+return {'OK', forgotten}
 """
 )

@@ -16,6 +16,8 @@ Fixed keys:
 - ``tasks_inflight`` sorted set: generate task id -> deadline (ms)
 - ``leases``     sorted set: lease id -> expiry (ms)
 - ``workers``    sorted set: worker id -> last heartbeat (ms)
+- ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
+  from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ class RunKeys:
     @property
     def workers(self) -> str:
         return self.prefix + "workers"
+
+    @property
+    def rollout_retention(self) -> str:
+        return self.prefix + "rollout_retention"
 
     def _item(self, kind: str, item_id: str | int) -> str:
         return f"{self.prefix}{kind}:{item_id}"

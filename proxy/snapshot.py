@@ -17,6 +17,13 @@ Rebuild, when Redis holds nothing for the run:
   cancelled and their prompts requeued (their broker messages may be gone with Redis); leases that have not
   expired are restored. Task ids carry an incarnation number bumped by every rebuild, so a task handed out
   before the crash never shares its id with one handed out after.
+
+Rollout retention survives a rebuild: the snapshot carries the ``rollout_retention`` queue, and a rebuild
+(from a snapshot or from the versions alone) also lists ``runs/<run>/rollouts/`` and queues every object
+that is neither in the restored buffer nor in the restored step in flight, at the restored current version
+(their tasks are finished, cancelled by the rebuild, or unknown to it: none of them can be trained any more).
+So a flushed Redis leaks no rollout object, except one a worker writes after the rebuild for a task the
+rebuilt proxy does not know (its submission is refused). A brand-new run lists nothing.
 """
 
 from __future__ import annotations
@@ -64,12 +71,13 @@ def read_state_document(coord: Coordinator) -> dict[str, Any] | None:
             keys.buffer,
             keys.tasks_inflight,
             keys.leases,
+            keys.rollout_retention,
         ],
         args=[keys.prefix],
     )
     if reply[0] == "NO_STATE":
         return None
-    _, state, counters, reasons, versions, requeue, buffer, tasks, step, leases = reply
+    _, state, counters, reasons, versions, requeue, buffer, tasks, step, leases, retention = reply
     return {
         "format": SNAPSHOT_FORMAT,
         "run": coord.run,
@@ -87,6 +95,8 @@ def read_state_document(coord: Coordinator) -> dict[str, Any] | None:
         ],
         "step": {"record": _pairs(step[0]), "groups": _groups(step[1])} if step else None,
         "leases": [{"lease_id": lease_id, "lease": _pairs(lease)} for lease_id, lease in leases if lease],
+        # task id -> version after which its rollout object may be deleted
+        "rollout_retention": {tid: int(float(score)) for tid, score in _pairs(retention).items()},
     }
 
 
@@ -129,6 +139,37 @@ class _Ops:
         for start in range(0, len(values), _MAX_ARGS_PER_OP):
             self.ops.append(["RPUSH", key, *(str(v) for v in values[start : start + _MAX_ARGS_PER_OP])])
 
+    def zadd(self, key: str, scores: dict[str, int]) -> None:
+        flat = [str(part) for member, score in scores.items() for part in (score, member)]
+        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
+            self.ops.append(["ZADD", key, *flat[start : start + _MAX_ARGS_PER_OP]])
+
+
+def _rollout_retention(coord: Coordinator, current: int, known: dict[str, int], needed: set[str]) -> dict[str, int]:
+    """The retention queue of a rebuilt run: every rollout object in the bucket but the ``needed`` ones.
+
+    ``known`` (the snapshot's queue) keeps its versions; any other object is queued at ``current``.
+    Nothing is queued when the run keeps every rollout (``rollout_retention_versions = -1``).
+    """
+    if coord.config.async_.rollout_retention_versions < 0:
+        return {}
+    prefix = bucket_keys.rollouts_prefix(coord.run)
+    queue: dict[str, int] = {}
+    for key in coord.bucket.list(prefix):
+        task_id = key.removeprefix(prefix).removesuffix(".safetensors")
+        # Only objects named exactly as the proxy names rollouts; anything else in the folder is left alone.
+        if "/" in task_id or task_id in needed or not _is_rollout_key(coord.run, task_id, key):
+            continue
+        queue[task_id] = min(known.get(task_id, current), current)
+    return queue
+
+
+def _is_rollout_key(run: str, task_id: str, key: str) -> bool:
+    try:
+        return bucket_keys.rollout_key(run, task_id) == key
+    except ValueError:
+        return False
+
 
 def _adoptable(coord: Coordinator, latest: int | None, step: int, base: int) -> str | None:
     """The manifest sha256 of version ``step`` if the bucket holds it as the result of that very step."""
@@ -157,6 +198,8 @@ def _fresh_ops(coord: Coordinator, latest: int | None, now: int) -> tuple[_Ops, 
     if latest is not None:
         _, sha = read_manifest(coord.bucket, coord.run, latest)
         ops.hset(coord.keys.versions, {str(latest): sha})
+        # No buffer and no step survive without a snapshot: every rollout in the bucket is finished.
+        ops.zadd(coord.keys.rollout_retention, _rollout_retention(coord, latest, {}, set()))
     ops.hset(coord.keys.state, state)
     return ops, "fresh" if latest is None else "rebuilt_from_versions"
 
@@ -195,6 +238,9 @@ def _rebuild_ops(coord: Coordinator, document: dict[str, Any], latest: int | Non
     state["groups_buffered"] = buffered
 
     current = int(state["current_version"])
+    # Rollouts of the buffer and of a step kept in flight are still needed; a retention queue never holds them.
+    needed = {item["task_id"] for item in document["buffer"]}
+    known = {tid: int(version) for tid, version in document.get("rollout_retention", {}).items()}
     step_doc = document.get("step")
     state["step_inflight"] = -1
     if step_doc:
@@ -212,6 +258,7 @@ def _rebuild_ops(coord: Coordinator, document: dict[str, Any], latest: int | Non
                 ops.hset(keys.task(tid), {"state": "admitted"}, retire=True)
             count("groups_trained", len(step_doc["groups"]))
             count("publish")
+            known.update({tid: step for tid in task_ids})  # trained into version ``step``
             log.warning("proxy.rebuild_adopted_version", version=step, base_version=base)
         else:
             ops.hset(keys.step(step), {**record, "sent_ms": 0})
@@ -220,6 +267,8 @@ def _rebuild_ops(coord: Coordinator, document: dict[str, Any], latest: int | Non
             for tid in task_ids:
                 ops.hset(keys.task(tid), {"state": "admitted"})
             state["step_inflight"] = step
+            needed.update(task_ids)
+    ops.zadd(keys.rollout_retention, _rollout_retention(coord, current, known, needed))
     if latest is not None and latest > current:
         log.error(
             "proxy.rebuild_version_not_adopted",
