@@ -217,3 +217,16 @@ def test_endpoint_serves_the_worker_registry_and_promtool_accepts_it(tmp_path) -
         pytest.skip("promtool not installed (Debian: apt-get install prometheus); endpoint served fine")
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_each_role_endpoint_shows_only_its_families() -> None:
+    from prometheus_client import generate_latest
+
+    generate_text = generate_latest(wm.role_registry("generate")).decode()
+    optimize_text = generate_latest(wm.role_registry("optimize")).decode()
+    assert "asyncgrpo_generate_tokens_total" in generate_text and "asyncgrpo_worker_errors_total" in generate_text
+    assert "asyncgrpo_policy_ratio" not in generate_text and "asyncgrpo_trainer_" not in generate_text
+    assert "asyncgrpo_policy_ratio" in optimize_text and "asyncgrpo_trainer_samples_total" in optimize_text
+    assert "asyncgrpo_generate_" not in optimize_text and "asyncgrpo_worker_errors_total" in optimize_text
+    with pytest.raises(ValueError, match="role"):
+        wm.role_registry("trainer")

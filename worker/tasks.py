@@ -64,7 +64,7 @@ def _on_worker_ready(**_: Any) -> None:
     role = _role()
     runtime = get_runtime(role)
     configure_logging(role=role, worker=runtime.settings.worker_id)
-    worker_metrics.start_metrics_server(runtime.settings.metrics_port)
+    worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     start_heartbeat(role)
     _idle_since = time.monotonic()

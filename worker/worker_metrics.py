@@ -30,9 +30,11 @@ from prometheus_client import (
     Info,
     start_http_server,
 )
+from prometheus_client.core import Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 log = structlog.get_logger()
 
@@ -187,12 +189,42 @@ for _status in OPTIMIZE_STATUSES:
 for _bound in CLIP_BOUNDS:
     POLICY_CLIP_FRACTION.labels(bound=_bound)
 
+# A generate worker's endpoint leaves out the trainer's and policy families, an optimize worker's the
+# generation families: a dashboard averaging asyncgrpo_policy_ratio must not see zeros from generators.
+_FAMILIES_OF_OTHER_ROLE: dict[str, tuple[str, ...]] = {
+    "generate": ("asyncgrpo_trainer_", "asyncgrpo_policy_"),
+    "optimize": ("asyncgrpo_generate_",),
+}
+
+
+class _RoleView(Collector):
+    """``REGISTRY`` as one role's endpoint shows it."""
+
+    def __init__(self, role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
+        self.hidden = _FAMILIES_OF_OTHER_ROLE[role]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if not family.name.startswith(self.hidden):
+                yield family
+
+
+def role_registry(role: str) -> CollectorRegistry:
+    """The registry one role's endpoint serves: every family of ``REGISTRY`` that applies to the role."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_RoleView(role))
+    return registry
+
+
 _server_lock = threading.Lock()
 _server_port: int | None = None
 
 
-def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> None:
-    """Serve ``REGISTRY`` on ``port`` (no-op for None). A second call with the same port does nothing."""
+def start_metrics_server(port: int | None, addr: str = "0.0.0.0", role: str | None = None) -> None:
+    """Serve ``REGISTRY`` (only ``role``'s families when given) on ``port`` (no-op for None). A second call
+    with the same port does nothing."""
     global _server_port
     if port is None:
         return
@@ -205,7 +237,7 @@ def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> None:
                 f"(ASYNCGRPO_METRICS_PORT={port} asked for a second one)"
             )
         try:
-            start_http_server(port, addr=addr, registry=REGISTRY)
+            start_http_server(port, addr=addr, registry=role_registry(role) if role else REGISTRY)
         except OSError as error:
             raise OSError(
                 f"cannot serve worker metrics on {addr}:{port} ({error}); give each worker process its own "
