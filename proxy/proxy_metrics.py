@@ -46,6 +46,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "publish": ("asyncgrpo_publish", "Versions published."),
     "conflicts": ("asyncgrpo_publish_conflicts", "Publish requests refused (CAS lost, bad manifest, ...)."),
     "versions_deleted": ("asyncgrpo_versions_deleted", "Adapter versions garbage-collected."),
+    "rollouts_deleted": ("asyncgrpo_rollouts_deleted", "Rollout objects deleted by retention."),
 }
 
 # Redis counter field holding milliseconds -> (metric name in seconds without _total, help)

@@ -7,10 +7,14 @@ README's "Run config" table is this script's output; tests/test_readme.py fails 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+
+# This checkout's proxy package, not whichever asyncgrpo happens to be installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.config import RunConfig
 

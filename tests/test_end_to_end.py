@@ -20,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from proxy import bucket_keys
 from proxy.bucket import open_bucket
 from proxy.manifest import latest_complete_version, read_manifest
 from proxy.redis_keys import RunKeys
@@ -210,6 +211,14 @@ def test_short_run_publishes_contiguous_versions_within_staleness(make_cluster: 
     assert_run_invariants(records)
     status = cluster.status()
     assert status["counters"].get("publish", 0) >= 5  # version 0 and at least 4 steps
+    # Retention (async.rollout_retention_versions = 2): rollouts of the first steps are gone from the bucket.
+    bucket = open_bucket(cluster.bucket_url)
+    first_steps = {ro["task_id"] for r in records[:2] for ro in r["rollouts"]}
+    wait_for(
+        lambda: not first_steps & {k.rsplit("/", 1)[1].removesuffix(".safetensors")
+                                   for k in bucket.list(bucket_keys.rollouts_prefix(cluster.run))},
+        30, "rollouts of steps 1-2 to be deleted", cluster,
+    )
     assert sum(r["samples"] for r in records) == sum(
         r["groups"] for r in records
     ) * SAMPLES_PER_PROMPT
