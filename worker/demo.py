@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -22,6 +23,7 @@ from rich.table import Table
 
 from proxy import bucket_keys
 from proxy.bucket import open_bucket
+from proxy.log_setup import configure_logging
 from proxy.run_setup import create_run
 from worker.local_cluster import ClusterError, LocalCluster
 from worker.step_records import load_step_records
@@ -102,13 +104,28 @@ def _progress_table(records: list[dict[str, Any]], status: dict[str, Any], start
     return table
 
 
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C, SIGTERM and SIGHUP all end the demo through its clean-up path (children live in their own
+    sessions, so they would outlive a demo killed by a default signal action). SIGINT is set explicitly: a
+    shell that starts a background job leaves it ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+
+
 def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int) -> int:
     steps = steps or DEFAULT_STEPS
+    # Log lines go to stderr: with --json, stdout carries the one summary line and nothing else.
+    configure_logging(stream=sys.stderr, role="demo")
     console = Console(stderr=as_json)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="asyncgrpo-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     redis_url = os.environ.get("REDIS_URL") or os.environ.get("ASYNCGRPO_REDIS_URL")
     cluster = LocalCluster(workdir=workdir, run=RUN_NAME, redis_url=redis_url)
+    _stop_on_signals()
     started = time.monotonic()
     try:
         cluster.ensure_redis()
