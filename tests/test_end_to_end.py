@@ -252,6 +252,28 @@ def test_kill_generate_worker_mid_task_redelivers_it(make_cluster: Callable[...,
     assert counters.get("tasks_cancelled", 0) == 0, "the proxy gave up on a task Celery should have redelivered"
 
 
+def test_sigterm_hands_the_running_task_back_at_once(make_cluster: Callable[..., LocalCluster]) -> None:
+    # A visibility timeout far longer than the test: only the hand-back can bring the task back in time.
+    cluster = make_cluster(visibility_timeout_s=600, max_len=32)
+    cluster.start_worker("optimize", name="opt-1")
+    victim = cluster.start_worker("generate", name="gen-a", env={"ASYNCGRPO_SOFT_SHUTDOWN_S": "0"})
+    wait_for(version_reached(cluster, 1), 180, "version 1", cluster)
+    task_id = pause_mid_task(cluster, victim, "gen-a", generate_task_unsubmitted(cluster))
+    cluster.expect_dead(victim)
+    victim.popen.send_signal(signal.SIGTERM)  # to the worker process only, as systemd's KillMode=mixed does
+    os.kill(victim.pid, signal.SIGCONT)
+    assert victim.popen.wait(timeout=60) == 0, victim.log_tail()
+
+    cluster.start_worker("generate", name="gen-b")
+
+    def handed_back_task_trained() -> bool:
+        return any(task_id == ro["task_id"] for r in records_of(cluster) for ro in r["rollouts"])
+
+    wait_for(handed_back_task_trained, 120, f"the handed-back task {task_id} to be trained", cluster)
+    assert_run_invariants(records_of(cluster))
+    assert cluster.status()["counters"].get("tasks_cancelled", 0) == 0
+
+
 def test_kill_optimize_worker_mid_step_continues_from_bucket(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster()
     victim = cluster.start_worker("optimize", name="opt-a")

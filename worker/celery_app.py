@@ -8,8 +8,8 @@ Why each setting (see DESIGN.md, "Celery settings that matter on spot VMs"):
 - visibility timeout above the longest task, with kombu's unacked-restore sweep every couple of seconds
   (interval lowered, throttle 1), so a kill -9'd worker's task comes back soon after the timeout rather
   than a ~100 s sweep later.
-- ``worker_soft_shutdown_timeout`` with ``REMAP_SIGTERM=SIGQUIT`` (set by ``asyncgrpo worker``): a
-  preempted worker gets a short grace period, then hands its unacked task back to the queue.
+- SIGTERM: a preempted worker gets a short grace period (ASYNCGRPO_SOFT_SHUTDOWN_S), then hands its task
+  back to the queue (``worker.preemption``; Celery's own cold shutdown cannot stop a solo-pool task).
 - solo pool (set by the launcher): a forked child hangs on torch once its parent has run a torch op.
 """
 
@@ -38,8 +38,6 @@ def build_celery_app() -> Celery:
         worker_prefetch_multiplier=1,
         worker_concurrency=1,
         worker_pool="solo",
-        worker_soft_shutdown_timeout=settings.soft_shutdown_s,
-        worker_enable_soft_shutdown_on_idle=False,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={

@@ -41,9 +41,8 @@ def run_worker(role: str, extra_args: list[str]) -> int:
     """Replace this process with the celery worker (so systemd's signals reach it directly)."""
     argv = celery_worker_argv(role, extra_args)
     env = dict(os.environ)
-    # SIGTERM (spot preemption, systemctl stop) starts Celery's cold shutdown with the soft timeout, which
-    # hands the unacked task back to the queue instead of waiting for it to finish.
-    env["REMAP_SIGTERM"] = "SIGQUIT"
+    # SIGTERM (spot preemption, systemctl stop) is handled by worker.preemption: a short grace period, then
+    # the running task goes back to the queue.
     env["ASYNCGRPO_WORKER_ROLE"] = role
     os.execvpe(argv[0], argv, env)
     return 0  # not reached: execvpe replaces the process

@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 from celery import signals
+from celery.exceptions import Reject
 
 from proxy.bucket import BucketError, ObjectNotFound
 from proxy.client import Conflict, NotReady, ProxyError, ProxyUnavailable
@@ -18,7 +19,7 @@ from proxy.log_setup import configure_logging
 from proxy.manifest import IntegrityError
 from proxy.schemas import GenerateTaskMessage, OptimizeTaskMessage
 from proxy.staleness import StaleRolloutError
-from worker import worker_metrics
+from worker import preemption, worker_metrics
 from worker.celery_app import app
 from worker.generate_job import run_generate_task
 from worker.optimize_job import run_initialize, run_optimize_step
@@ -65,6 +66,7 @@ def _on_worker_ready(**_: Any) -> None:
     runtime = get_runtime(role)
     configure_logging(role=role, worker=runtime.settings.worker_id)
     worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
+    preemption.install(runtime.settings.soft_shutdown_s)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     start_heartbeat(role)
     _idle_since = time.monotonic()
@@ -86,8 +88,12 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
     runtime.current_task = task_name
     started = time.perf_counter()
     try:
-        with worker_metrics.task_in_flight(role):
+        with worker_metrics.task_in_flight(role), preemption.task_running():
             yield
+    except preemption.WorkerPreempted as error:
+        # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
+        log.warning("task handed back to the queue", task=task_name, reason=str(error))
+        raise Reject(str(error), requeue=True) from error
     except BaseException as error:
         kind = next((k for t, k in _ERROR_KINDS.items() if isinstance(error, t)), "other")
         worker_metrics.observe_error(kind)
