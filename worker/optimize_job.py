@@ -142,8 +142,12 @@ def run_optimize_step(
     current = client.run_info().current_version
     if current >= step:
         log.info("step already published; redelivery is a no-op", step=step, current=current)
-        if bucket.head(bucket_keys.metrics_key(run, step)) is None and current == step:
-            _copy_step_record(bucket, run, step)
+        if bucket.head(bucket_keys.metrics_key(run, step)) is None:
+            # The first attempt died between publish and copy; the version may be collected by now.
+            try:
+                _copy_step_record(bucket, run, step)
+            except ObjectNotFound:
+                log.warning("step record lost with its collected version", step=step)
         return OptimizeResult(step=step, status="already_published", version=current)
 
     manifest_sha = _uploaded_attempt(bucket, run, step, base_version)
