@@ -223,6 +223,10 @@ def test_short_run_publishes_contiguous_versions_within_staleness(make_cluster: 
         r["groups"] for r in records
     ) * SAMPLES_PER_PROMPT
 
+    # Invariant 7: only safetensors and JSON sit in the bucket.
+    kinds = {key.rsplit(".", 1)[-1] for key in bucket.list(bucket_keys.run_prefix(cluster.run))}
+    assert kinds <= {"json", "jsonl", "safetensors"}, kinds
+
     # Metrics move on every endpoint during a real run.
     assert metric_value(scrape(gen_port), "asyncgrpo_generate_tokens_total") > 0
     assert metric_value(scrape(opt_port), "asyncgrpo_trainer_samples_total") > 0
@@ -272,6 +276,28 @@ def test_sigterm_hands_the_running_task_back_at_once(make_cluster: Callable[...,
     wait_for(handed_back_task_trained, 120, f"the handed-back task {task_id} to be trained", cluster)
     assert_run_invariants(records_of(cluster))
     assert cluster.status()["counters"].get("tasks_cancelled", 0) == 0
+
+
+def test_kill_proxy_and_lose_redis_the_run_goes_on_from_the_bucket(make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster()
+    proxy = next(c for c in cluster.children if c.name == "proxy")
+    cluster.start_worker("optimize", name="opt-1")
+    cluster.start_worker("generate", name="gen-1")
+    cluster.start_worker("generate", name="gen-2")
+    wait_for(version_reached(cluster, 2), 180, "version 2", cluster)
+
+    cluster.expect_dead(proxy)
+    proxy.kill_hard()
+    before = records_of(cluster)
+    redis.Redis.from_url(cluster.redis_url).flushall()  # Redis comes back empty: state and queues gone
+    cluster.start_proxy()  # same port; rebuilds its state from the snapshot and the manifests
+    rebuilt_at = cluster.status()["current_version"]
+    assert rebuilt_at >= len(before), "the rebuilt proxy went back to an older version"
+
+    wait_for(version_reached(cluster, rebuilt_at + 3), 240, "versions after the rebuild", cluster)
+    records = records_of(cluster)
+    assert_run_invariants(records)
+    assert records[: len(before)] == before, "published history changed"
 
 
 def test_kill_optimize_worker_mid_step_continues_from_bucket(make_cluster: Callable[..., LocalCluster]) -> None:

@@ -93,7 +93,7 @@ class LocalCluster:
     children: list[ChildProcess] = field(default_factory=list)
     proxy_url: str = ""
     _worker_count: int = 0
-    _expected_dead: set[str] = field(default_factory=set)
+    _expected_dead: set[int] = field(default_factory=set)  # pids
 
     def __post_init__(self) -> None:
         self.workdir = self.workdir.resolve()
@@ -173,13 +173,13 @@ class LocalCluster:
 
     def check_children(self) -> None:
         for child in self.children:
-            if not child.alive() and child.name not in self._expected_dead:
+            if not child.alive() and child.pid not in self._expected_dead:
                 raise ClusterError(
                     f"{child.name} exited with code {child.popen.returncode}; last log lines:\n{child.log_tail()}"
                 )
 
     def expect_dead(self, child: ChildProcess) -> None:
-        self._expected_dead.add(child.name)
+        self._expected_dead.add(child.pid)
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> ChildProcess:
