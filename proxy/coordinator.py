@@ -6,7 +6,7 @@ calls ``tick()`` which expires leases and lost tasks, claims a step, keeps the g
 timed-out steps, writes the snapshot and garbage-collects old versions and rollout objects past their
 retention. Tests call ``tick()`` directly and pass their own clock (milliseconds), so no test sleeps.
 
-The rules it enforces are DESIGN.md's invariants 1-4 and 6: versions move by CAS ``N -> N+1`` only;
+The rules it enforces are the invariants 1-4 and 6 of README.md: versions move by CAS ``N -> N+1`` only;
 nothing staler than ``async.max_staleness`` is admitted or claimed; versions under a live lease or in the
 staleness window are kept; every dispatched group ends exactly once (trained, stale, rejected or
 cancelled) and the prompt of a stale or cancelled one goes back in line; an empty Redis is rebuilt from the

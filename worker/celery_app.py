@@ -1,6 +1,6 @@
 """The Celery application every worker process runs, configured for preemptible machines.
 
-Why each setting (see DESIGN.md, "Celery settings that matter on spot VMs"):
+Why each setting, for workers on preemptible machines:
 - JSON only: nothing but JSON crosses the broker (no pickle).
 - ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged only once done, so a worker
   killed mid-task leaves it unacked and it is delivered again; tasks are idempotent for that reason.
