@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from proxy import bucket_keys
 from proxy.bucket import Bucket, open_bucket
+from proxy.client import Conflict
 from proxy.config import RunConfig
 from proxy.manifest import fetch_version, sha256_hex, write_version
 from proxy.staleness import StaleRolloutError
@@ -158,3 +159,29 @@ def test_redelivered_step_that_is_published_is_a_no_op(setup: tuple[Trainer, Buc
         bucket=bucket, client=proxy, worker_id="opt-2",
     )
     assert result.status == "already_published" and proxy.published == []
+
+
+@dataclass
+class ProxyThatAdoptedOurUpload(RecordingProxy):
+    """A rebuilt proxy that already adopted the uploaded version from the bucket: the publish is a conflict."""
+
+    def publish(self, **request: Any) -> None:
+        self.current_version = request["version"]
+        raise Conflict("409 conflict: the current version is already v1")
+
+
+def test_conflict_on_our_own_adopted_upload_still_records_the_step(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
+) -> None:
+    trainer, bucket, adapter_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, adapter_dir)
+    ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
+    proxy = ProxyThatAdoptedOurUpload(current_version=0)
+
+    result = run_optimize_step(
+        run=RUN, step=1, base_version=0, rollout_refs=[ref], config=config(), trainer=trainer,
+        bucket=bucket, client=proxy, worker_id="opt-1",
+    )
+    assert result.status == "published" and trainer.version == 1
+    assert bucket.head(bucket_keys.metrics_key(RUN, 1)) is not None, "the step record must reach metrics/"

@@ -142,12 +142,7 @@ def run_optimize_step(
     current = client.run_info().current_version
     if current >= step:
         log.info("step already published; redelivery is a no-op", step=step, current=current)
-        if bucket.head(bucket_keys.metrics_key(run, step)) is None:
-            # The first attempt died between publish and copy; the version may be collected by now.
-            try:
-                _copy_step_record(bucket, run, step)
-            except ObjectNotFound:
-                log.warning("step record lost with its collected version", step=step)
+        _ensure_step_record(bucket, run, step)
         return OptimizeResult(step=step, status="already_published", version=current)
 
     manifest_sha = _uploaded_attempt(bucket, run, step, base_version)
@@ -168,12 +163,40 @@ def run_optimize_step(
             version=step, base_version=base_version, step=step, worker_id=worker_id, manifest_sha256=manifest_sha
         )
     except Conflict as error:
-        # Someone else published this version (we were a zombie or a redelivery): drop our work.
-        log.warning("publish lost the compare-and-set; dropping this step's work", step=step, error=str(error))
-        trainer.version = None  # force a reload from the bucket next time
-        return OptimizeResult(step=step, status="conflict", version=step)
+        if not _published_is_ours(bucket, run, step, manifest_sha, client):
+            # Someone else published this version (we were a zombie or a redelivery): drop our work.
+            log.warning("publish lost the compare-and-set; dropping this step's work", step=step, error=str(error))
+            trainer.version = None  # force a reload from the bucket next time
+            _ensure_step_record(bucket, run, step)
+            return OptimizeResult(step=step, status="conflict", version=step)
+        # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
+        # publish went through and only its answer was lost.
+        log.info("our upload was already published", step=step)
     record = _copy_step_record(bucket, run, step) or record
     return OptimizeResult(step=step, status=status, version=step, record=record)
+
+
+def _published_is_ours(bucket: Bucket, run: str, step: int, manifest_sha: str, client: ProxyClient) -> bool:
+    if client.run_info().current_version < step:
+        return False
+    try:
+        _, published_sha = read_manifest(bucket, run, step)
+    except ObjectNotFound:
+        return False
+    return published_sha == manifest_sha
+
+
+def _ensure_step_record(bucket: Bucket, run: str, step: int) -> None:
+    """Copy a published version's step record to metrics/ if an earlier attempt died before doing so.
+
+    Manifests are create-only, so the version folder's record is the published version's, whoever made it.
+    """
+    if bucket.head(bucket_keys.metrics_key(run, step)) is not None:
+        return
+    try:
+        _copy_step_record(bucket, run, step)
+    except ObjectNotFound:
+        log.warning("step record lost with its collected version", step=step)
 
 
 def _fetch_rollouts(bucket: Bucket, refs: list[dict[str, Any]]) -> list[Rollout]:
