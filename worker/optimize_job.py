@@ -167,6 +167,7 @@ def run_optimize_step(
             # Someone else published this version (we were a zombie or a redelivery): drop our work.
             log.warning("publish lost the compare-and-set; dropping this step's work", step=step, error=str(error))
             trainer.version = None  # force a reload from the bucket next time
+            _recent_adapter_weights.pop((run, step), None)
             _ensure_step_record(bucket, run, step)
             return OptimizeResult(step=step, status="conflict", version=step)
         # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
@@ -273,8 +274,15 @@ def _train_and_upload(
         "rollouts": [r.task_id for r in rollouts],
     }
     _, manifest_sha = write_version(bucket, run, step, files, metadata)
+    _recent_adapter_weights[(run, step)] = files[bucket_keys.ADAPTER_WEIGHTS_NAME]
     record["timings"]["upload_s"] = time.perf_counter() - publish_started
     return record, manifest_sha
+
+
+# Adapter weights of recent versions, by (run, version): the versions this process published or fetched
+# for rescoring. Versions are immutable, so a copy is as good as the bucket's, and steady-state rescoring
+# of stale rollouts reads nothing from the bucket.
+_recent_adapter_weights: dict[tuple[str, int], bytes] = {}
 
 
 @contextmanager
@@ -305,6 +313,9 @@ def rescore_under_claimed_versions(
     rollout whose ratio drifts is flagged. Versions inside the staleness window are never collected
     (invariant 3), so their adapters are still in the bucket; each is checked against its manifest.
     """
+    # Only versions inside the window can be claimed again: forget older weights.
+    for stale_key in [k for k in _recent_adapter_weights if k[0] != run or k[1] < min(r.version for r in rollouts)]:
+        del _recent_adapter_weights[stale_key]
     indices_by_version: dict[int, list[int]] = {}
     for index, owner in enumerate(sample_rollout):
         indices_by_version.setdefault(rollouts[owner].version, []).append(index)
@@ -314,9 +325,12 @@ def rescore_under_claimed_versions(
         if version == base_version:
             scored = trainer.rescore(subset)
         else:
-            manifest, _ = read_manifest(bucket, run, version)
-            key = bucket_keys.adapter_file_key(run, version, bucket_keys.ADAPTER_WEIGHTS_NAME)
-            weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
+            weights = _recent_adapter_weights.get((run, version))
+            if weights is None:
+                manifest, _ = read_manifest(bucket, run, version)
+                key = bucket_keys.adapter_file_key(run, version, bucket_keys.ADAPTER_WEIGHTS_NAME)
+                weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
+                _recent_adapter_weights[(run, version)] = weights
             with _weights_of_version(trainer, weights):
                 scored = trainer.rescore(subset)
         for index, values in zip(indices, scored, strict=True):
