@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from proxy.config import RunConfig
-from worker.policy import Policy
-from worker.tiny_model import ensure_tiny_model
-from worker.trainer import Trainer, TrainSample, mean_ratio
-from worker.trainer_state import write_adapter_folder
+from proxy.run.config import RunConfig
+from worker.model.policy import Policy
+from worker.model.tiny_model import ensure_tiny_model
+from worker.optimize.trainer import Trainer, TrainSample, mean_ratio
+from worker.optimize.trainer_state import write_adapter_folder
 
 TEMPERATURE = 1.0
 # (name, prompts, samples per prompt, max new tokens): the demo's generate task, and a larger batch.
@@ -138,14 +138,14 @@ def main() -> None:
         base = ensure_tiny_model(cache_dir=Path(tmp) / "cache")
         trainer, files, folders = make_versions(base, 8, Path(tmp) / "adapters")
 
-        from worker.generation_transformers import TransformersBackend
+        from worker.generate.transformers_backend import TransformersBackend
 
         transformers_backend = TransformersBackend(str(base), device="cpu")
         summary["transformers"] = bench_backend("transformers", transformers_backend, folders, args.repeats)
         del transformers_backend
 
         if have_vllm:
-            from worker.generation_vllm import VLLMBackend
+            from worker.generate.vllm_backend import VLLMBackend
 
             vllm_backend = VLLMBackend(str(base), max_loras=4, max_lora_rank=8, max_model_len=128)
             summary["vllm_engine_start_s"] = vllm_backend.engine_start_s

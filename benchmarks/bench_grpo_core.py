@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from proxy.config import RunConfig
-from worker.generation_transformers import TransformersBackend
-from worker.grpo import group_advantages
-from worker.policy import Policy
-from worker.rewards import repeat_digit
-from worker.tiny_model import ensure_tiny_model
-from worker.trainer import Trainer, TrainSample
-from worker.trainer_state import write_adapter_folder
+from proxy.run.config import RunConfig
+from worker.algo.grpo import group_advantages
+from worker.algo.rewards import repeat_digit
+from worker.generate.transformers_backend import TransformersBackend
+from worker.model.policy import Policy
+from worker.model.tiny_model import ensure_tiny_model
+from worker.optimize.trainer import Trainer, TrainSample
+from worker.optimize.trainer_state import write_adapter_folder
 
 
 def _timed(action: Callable[[int], object], reps: int) -> tuple[float, float]:

@@ -18,15 +18,15 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from proxy import bucket_keys
-from proxy.bucket import open_bucket
-from worker import worker_metrics
-from worker.generate_job import GenerateResult
-from worker.optimize_job import _step_record
-from worker.plotting import plot_run
-from worker.rollout import Rollout, RolloutSample
-from worker.step_records import load_step_records
-from worker.trainer import StepMetrics
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import open_bucket
+from worker.algo.rollout import Rollout, RolloutSample
+from worker.generate.job import GenerateResult
+from worker.optimize.job import _step_record
+from worker.optimize.trainer import StepMetrics
+from worker.process import metrics as worker_metrics
+from worker.tools.plot import plot_run
+from worker.tools.step_records import load_step_records
 
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:

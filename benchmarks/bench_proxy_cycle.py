@@ -32,15 +32,15 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy import bucket_keys
-from proxy.bucket import open_bucket
-from proxy.client import ProxyClient
-from proxy.config import RunConfig
-from proxy.coordinator import Coordinator
-from proxy.dispatch import RecordingDispatcher
-from proxy.manifest import sha256_hex, write_version
-from proxy.schemas import PublishRequest, RolloutSubmission
-from proxy.server import create_app
+from proxy.api.app import create_app
+from proxy.coordinator.dispatch import RecordingDispatcher
+from proxy.coordinator.service import Coordinator
+from proxy.protocol.client import ProxyClient
+from proxy.protocol.schemas import PublishRequest, RolloutSubmission
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import open_bucket
+from proxy.storage.manifest import sha256_hex, write_version
 
 TOKEN = "bench-token"
 

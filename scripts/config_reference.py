@@ -16,7 +16,7 @@ from pydantic.fields import FieldInfo
 # This checkout's proxy package, not whichever asyncgrpo happens to be installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.config import RunConfig
+from proxy.run.config import RunConfig
 
 
 def _bounds(info: FieldInfo) -> str:

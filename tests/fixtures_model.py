@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_model import ensure_tiny_model
+    from worker.model.tiny_model import ensure_tiny_model
 
     # ensure_tiny_model is idempotent, so a second registration of this fixture costs nothing.
     return ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.getbasetemp() / "asyncgrpo-cache")

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from proxy.bucket import Bucket, FileBucket, S3Bucket, make_s3_client
+from proxy.storage.bucket import Bucket, FileBucket, S3Bucket, make_s3_client
 
 _STARTUP_TIMEOUT_S = 60.0
 

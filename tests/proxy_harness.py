@@ -8,13 +8,13 @@ from typing import Any
 
 from redis import Redis
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, open_bucket
-from proxy.config import RunConfig
-from proxy.coordinator import Coordinator
-from proxy.dispatch import RecordingDispatcher
-from proxy.manifest import sha256_hex, write_version
-from proxy.schemas import PublishRequest, RolloutSubmission
+from proxy.coordinator.dispatch import RecordingDispatcher
+from proxy.coordinator.service import Coordinator
+from proxy.protocol.schemas import PublishRequest, RolloutSubmission
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, open_bucket
+from proxy.storage.manifest import sha256_hex, write_version
 
 
 class ManualClock:

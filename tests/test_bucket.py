@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.bucket import (
+from proxy.storage.bucket import (
     Bucket,
     BucketError,
     FileBucket,

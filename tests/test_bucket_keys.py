@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import bucket_keys
-from proxy.bucket import check_key
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import check_key
 
 
 def test_layout_of_one_run() -> None:

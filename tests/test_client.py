@@ -13,7 +13,9 @@ import pytest
 import uvicorn
 from redis import Redis
 
-from proxy.client import (
+from proxy.api.app import create_app
+from proxy.coordinator.service import Coordinator
+from proxy.protocol.client import (
     BadRequest,
     Cancelled,
     Conflict,
@@ -26,8 +28,6 @@ from proxy.client import (
     StaleRollout,
     Unauthorized,
 )
-from proxy.coordinator import Coordinator
-from proxy.server import create_app
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import (
     ManualClock,

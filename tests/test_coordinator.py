@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from proxy import bucket_keys
-from proxy.coordinator import (
+from proxy.coordinator.errors import (
     BadRollout,
     BadVersionNumber,
     CasLost,
-    Coordinator,
     LeaseLostError,
     ManifestMismatch,
     ManifestMissing,
@@ -24,11 +22,12 @@ from proxy.coordinator import (
     StepNotFound,
     TaskCancelled,
     UnknownTask,
-    normalise_reason,
 )
-from proxy.manifest import list_versions, write_version
-from proxy.schemas import HeartbeatRequest
-from proxy.staleness import StaleRolloutError
+from proxy.coordinator.service import Coordinator, normalise_reason
+from proxy.protocol.schemas import HeartbeatRequest
+from proxy.protocol.staleness import StaleRolloutError
+from proxy.storage import bucket_keys
+from proxy.storage.manifest import list_versions, write_version
 from tests.proxy_harness import (
     ManualClock,
     advance_version,

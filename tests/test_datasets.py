@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import DatasetConfig
-from proxy.datasets import (
+from proxy.run.config import DatasetConfig
+from proxy.run.datasets import (
     PromptFileError,
     build_dataset,
     dump_prompts_jsonl,

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from proxy import log_setup
-from proxy.proxy_metrics import ProxyMetrics, RunLimits
-from proxy.schemas import LeaseRecord, StatusResponse
-from proxy.settings import ProxySettings
-from worker import worker_metrics
-from worker.cli import main as cli_main
-from worker.settings import WorkerSettings
+from proxy.api.settings import ProxySettings
+from proxy.coordinator.metrics import ProxyMetrics, RunLimits
+from proxy.protocol import log_setup
+from proxy.protocol.schemas import LeaseRecord, StatusResponse
+from worker.process import metrics as worker_metrics
+from worker.process.settings import WorkerSettings
+from worker.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

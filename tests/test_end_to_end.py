@@ -20,14 +20,14 @@ import httpx
 import pytest
 import redis
 
-from proxy import bucket_keys
-from proxy.bucket import open_bucket
-from proxy.manifest import latest_complete_version, read_manifest
-from proxy.redis_keys import RunKeys
-from proxy.run_setup import create_run
+from proxy.coordinator.redis_keys import RunKeys
+from proxy.run.store import create_run
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import open_bucket
+from proxy.storage.manifest import latest_complete_version, read_manifest
 from tests.fixtures_s3 import S3Endpoint
-from worker.local_cluster import ChildProcess, LocalCluster, free_port
-from worker.step_records import load_step_records
+from worker.tools.local_cluster import ChildProcess, LocalCluster, free_port
+from worker.tools.step_records import load_step_records
 
 pytestmark = pytest.mark.slow
 

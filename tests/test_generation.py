@@ -1,4 +1,4 @@
-"""The transformers generation backend (worker/generation_transformers.py) on the tiny model."""
+"""The transformers generation backend (worker/generate/transformers_backend.py) on the tiny model."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.config import LoraConfig
-from worker.generation import GenerationBackend, UnknownAdapter
-from worker.generation_transformers import TransformersBackend
-from worker.policy import Policy, wrap_with_lora
-from worker.trainer_state import adapter_files, write_adapter_folder
+from proxy.run.config import LoraConfig
+from worker.generate.backend import GenerationBackend, UnknownAdapter
+from worker.generate.transformers_backend import TransformersBackend
+from worker.model.policy import Policy, wrap_with_lora
+from worker.optimize.trainer_state import adapter_files, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""The vLLM generation backend (worker/generation_vllm.py) and the backend factory.
+"""The vLLM generation backend (worker/generate/vllm_backend.py) and the backend factory.
 
 Two groups of tests:
 
@@ -23,20 +23,20 @@ from typing import Any
 
 import pytest
 
-from proxy.config import RunConfig, load_run_config
-from worker.generation_factory import (
+from proxy.run.config import RunConfig, load_run_config
+from worker.generate.factory import (
     VLLM_ENGINE_ARGS_ENV,
     chosen_backend,
     vllm_engine_args_from_env,
     vllm_engine_settings,
 )
-from worker.generation_vllm import (
+from worker.generate.vllm_backend import (
     UnservableAdapter,
     adapter_lora_id,
     check_servable_adapter,
     round_up_lora_rank,
 )
-from worker.settings import WorkerSettings
+from worker.process.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_RECIPE = REPO / "examples" / "gpu-qwen2.5-math-1.5b.toml"
@@ -188,13 +188,13 @@ def vllm_test_config(tiny_dir: Path) -> RunConfig:
 class VLLMSetup:
     config: RunConfig
     backend: Any  # VLLMBackend
-    trainer: Any  # worker.trainer.Trainer
+    trainer: Any  # worker.optimize.trainer.Trainer
     versions: list[dict[str, bytes]]  # the files of version 0, 1, ... as the trainer published them
 
 
 def favour_digit(trainer: Any, digit: str, other: str, updates: int = 3) -> None:
     """A few GRPO updates that reward repeating ``digit`` and punish ``other``: a clearly different policy."""
-    from worker.trainer import TrainSample
+    from worker.optimize.trainer import TrainSample
 
     tokenizer = trainer.policy.tokenizer
     eos = trainer.policy.eos_token_id
@@ -215,10 +215,10 @@ def favour_digit(trainer: Any, digit: str, other: str, updates: int = 3) -> None
 @pytest.fixture(scope="module")
 def vllm_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMSetup]:
     """One vLLM engine (max_loras = max_staleness + 2) and six trained versions of the tiny model's LoRA."""
-    from worker.generation_factory import build_generation_backend
-    from worker.policy import Policy
-    from worker.tiny_model import ensure_tiny_model
-    from worker.trainer import Trainer
+    from worker.generate.factory import build_generation_backend
+    from worker.model.policy import Policy
+    from worker.model.tiny_model import ensure_tiny_model
+    from worker.optimize.trainer import Trainer
 
     tiny_dir = ensure_tiny_model(seed=0, cache_dir=tmp_path_factory.mktemp("asyncgrpo-cache"))
     config = vllm_test_config(tiny_dir)
@@ -232,7 +232,7 @@ def vllm_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMSetup]:
 
 
 def adapter_folder(setup: VLLMSetup, version: int, root: Path) -> Path:
-    from worker.trainer_state import write_adapter_folder
+    from worker.optimize.trainer_state import write_adapter_folder
 
     return write_adapter_folder(setup.versions[version], root / f"v{version}")
 
@@ -251,7 +251,7 @@ def sample(setup: VLLMSetup, adapter: str | None, seed: int = 11) -> Any:
 
 def rescore_under(setup: VLLMSetup, version: int, result: Any) -> tuple[list[list[float]], list[list[float]]]:
     """(vLLM's behaviour logprobs, the trainer's logprobs of the same tokens under ``version``'s weights)."""
-    from worker.trainer import TrainSample
+    from worker.optimize.trainer import TrainSample
 
     samples = [
         TrainSample(prompt.prompt_token_ids, completion.token_ids, completion.logprobs, 0.0, version)
@@ -281,7 +281,7 @@ def token_ids(result: Any) -> list[list[int]]:
 def test_versions_sample_differently_and_match_the_trainers_rescoring(
     vllm_setup: VLLMSetup, tmp_path: Path
 ) -> None:
-    from worker.trainer import mean_ratio
+    from worker.optimize.trainer import mean_ratio
 
     backend = vllm_setup.backend
     for version in (1, 2):
@@ -317,10 +317,10 @@ def test_versions_sample_differently_and_match_the_trainers_rescoring(
 @pytest.mark.vllm
 def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setup: VLLMSetup, tmp_path: Path) -> None:
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
-    from proxy.bucket import FileBucket
-    from proxy.manifest import write_version
-    from worker.adapter_cache import AdapterCache
-    from worker.generation import UnknownAdapter
+    from proxy.storage.bucket import FileBucket
+    from proxy.storage.manifest import write_version
+    from worker.generate.adapter_cache import AdapterCache
+    from worker.generate.backend import UnknownAdapter
 
     backend = vllm_setup.backend
     run = "vllm-cache"
@@ -365,7 +365,7 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
 @needs_vllm
 @pytest.mark.vllm
 def test_loading_past_the_lora_slots_is_refused(vllm_setup: VLLMSetup, tmp_path: Path) -> None:
-    from worker.generation_vllm import AdapterSlotsFull
+    from worker.generate.vllm_backend import AdapterSlotsFull
 
     backend = vllm_setup.backend
     slots = backend.max_loras
@@ -406,8 +406,8 @@ def test_generate_path_imports_in_this_environment_without_vllm() -> None:
     """What a generate or optimize worker imports works here, and only building a vLLM backend imports vLLM."""
     code = (
         "import sys\n"
-        "import worker.tasks, worker.generate_job, worker.optimize_job, worker.runtime\n"
-        "import worker.generation_factory, worker.generation_vllm, worker.generation_transformers\n"
+        "import worker.process.tasks, worker.generate.job, worker.optimize.job, worker.process.runtime\n"
+        "import worker.generate.factory, worker.generate.vllm_backend, worker.generate.transformers_backend\n"
         "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))[:5]\n"
         "print('ok')\n"
     )
@@ -457,10 +457,10 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
     on this interpreter; returns the step records and the generate worker's log."""
     import time
 
-    from proxy.bucket import open_bucket
-    from proxy.run_setup import create_run
-    from worker.local_cluster import LocalCluster
-    from worker.step_records import load_step_records
+    from proxy.run.store import create_run
+    from proxy.storage.bucket import open_bucket
+    from worker.tools.local_cluster import LocalCluster
+    from worker.tools.step_records import load_step_records
 
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCGRPO_HEARTBEAT_S": "0.5"}
     cluster = LocalCluster(workdir=workdir, run=f"e2e-{backend}", extra_env=threads)

@@ -1,4 +1,4 @@
-"""The GRPO math of worker/grpo.py: hand-computed values, a naive reference loop, gradients, masks."""
+"""The GRPO math of worker/algo/grpo.py: hand-computed values, a naive reference loop, gradients, masks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.grpo import LOSS_TYPES, NonFiniteError, group_advantages, policy_loss
+from worker.algo.grpo import LOSS_TYPES, NonFiniteError, group_advantages, policy_loss
 
 # --- a hand-worked batch -----------------------------------------------------------------------------------
 # Row 0: advantage +1, three tokens; row 1: advantage -2, two tokens and one padding position (garbage there).

@@ -10,17 +10,17 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-import worker.inspect_commands  # noqa: F401  (registers the commands, as the worker process does)
-from proxy.bucket import open_bucket
-from proxy.client import ProxyClient
-from proxy.config import RunConfig
-from proxy.manifest import write_version
+import worker.process.inspect_commands  # noqa: F401  (registers the commands, as the worker process does)
+from proxy.protocol.client import ProxyClient
+from proxy.run.config import RunConfig
+from proxy.storage.bucket import open_bucket
+from proxy.storage.manifest import write_version
 from tests.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from worker import runtime as runtime_module
-from worker.adapter_cache import AdapterCache
-from worker.generation_transformers import TransformersBackend
-from worker.runtime import RunContext, WorkerRuntime
-from worker.settings import WorkerSettings
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.transformers_backend import TransformersBackend
+from worker.process import runtime as runtime_module
+from worker.process.runtime import RunContext, WorkerRuntime
+from worker.process.settings import WorkerSettings
 
 RUN = "inspect-run"
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.config import RunConfig
-from proxy.datasets import repeat_digit_prompts
-from worker.generation_transformers import sample_completions
-from worker.grpo import group_advantages
-from worker.policy import Policy
-from worker.rewards import score_completions
-from worker.trainer import Trainer, TrainSample
+from proxy.run.config import RunConfig
+from proxy.run.datasets import repeat_digit_prompts
+from worker.algo.grpo import group_advantages
+from worker.algo.rewards import score_completions
+from worker.generate.transformers_backend import sample_completions
+from worker.model.policy import Policy
+from worker.optimize.trainer import Trainer, TrainSample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, FileBucket, ObjectExists, ObjectNotFound
-from proxy.manifest import (
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, FileBucket, ObjectExists, ObjectNotFound
+from proxy.storage.manifest import (
     IntegrityError,
     delete_version,
     fetch_version,

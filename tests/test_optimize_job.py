@@ -13,18 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, open_bucket
-from proxy.client import Conflict
-from proxy.config import RunConfig
-from proxy.manifest import fetch_version, sha256_hex, write_version
-from proxy.staleness import StaleRolloutError
-from worker.generation_transformers import TransformersBackend
-from worker.grpo import group_advantages
-from worker.optimize_job import run_optimize_step
-from worker.policy import Policy
-from worker.rollout import Rollout, RolloutSample, encode_rollout
-from worker.trainer import Trainer
+from proxy.protocol.client import Conflict
+from proxy.protocol.staleness import StaleRolloutError
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, open_bucket
+from proxy.storage.manifest import fetch_version, sha256_hex, write_version
+from worker.algo.grpo import group_advantages
+from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
+from worker.generate.transformers_backend import TransformersBackend
+from worker.model.policy import Policy
+from worker.optimize.job import run_optimize_step
+from worker.optimize.trainer import Trainer
 
 RUN = "opt-job"
 G = 4

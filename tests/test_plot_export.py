@@ -13,17 +13,17 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, open_bucket
-from proxy.manifest import IntegrityError, write_version
-from proxy.run_setup import create_run
-from worker.cli import main
-from worker.export import ADAPTER_FILES, ExportError, export_version
-from worker.optimize_job import _step_record
-from worker.plotting import PlotError, plot_run
-from worker.policy import Policy, peft_lora_config
-from worker.rollout import Rollout, RolloutSample
-from worker.trainer import StepMetrics, Trainer
+from proxy.run.store import create_run
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, open_bucket
+from proxy.storage.manifest import IntegrityError, write_version
+from worker.algo.rollout import Rollout, RolloutSample
+from worker.model.policy import Policy, peft_lora_config
+from worker.optimize.job import _step_record
+from worker.optimize.trainer import StepMetrics, Trainer
+from worker.tools.cli import main
+from worker.tools.export import ADAPTER_FILES, ExportError, export_version
+from worker.tools.plot import PlotError, plot_run
 
 RUN = "export-run"
 CONFIG_TOML = """
@@ -55,7 +55,7 @@ def published(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     config_path.write_text(CONFIG_TOML)
     bucket = open_bucket(f"file://{root / 'bucket'}")
     create_run(config_path, RUN, bucket)
-    from proxy.run_setup import load_run
+    from proxy.run.store import load_run
 
     config, _, _ = load_run(bucket, RUN)
     trainer = Trainer.initial(Policy.load(config.model.base, device="cpu"), config)

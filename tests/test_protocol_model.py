@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from redis import Redis
 
-from proxy.coordinator import Coordinator, LeaseLostError, NoVersionYet, PublishConflict, TaskCancelled
-from proxy.manifest import list_versions
-from proxy.staleness import StaleRolloutError
+from proxy.coordinator.errors import LeaseLostError, NoVersionYet, PublishConflict, TaskCancelled
+from proxy.coordinator.service import Coordinator
+from proxy.protocol.staleness import StaleRolloutError
+from proxy.storage.manifest import list_versions
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

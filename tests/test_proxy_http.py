@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from proxy.coordinator import Coordinator
-from proxy.server import ProxyStartupError, check_can_serve, create_app, is_loopback, serve
+from proxy.api.app import ProxyStartupError, check_can_serve, create_app, is_loopback, serve
+from proxy.coordinator.service import Coordinator
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
-from proxy.coordinator import Coordinator
-from proxy.proxy_metrics import HTTP_ERROR_CODES
-from proxy.server import create_app
+from proxy.api.app import create_app
+from proxy.coordinator.metrics import HTTP_ERROR_CODES
+from proxy.coordinator.service import Coordinator
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket
-from proxy.coordinator import Coordinator, TaskCancelled
-from proxy.dispatch import RecordingDispatcher
-from proxy.snapshot import SnapshotCorrupt
+from proxy.coordinator.dispatch import RecordingDispatcher
+from proxy.coordinator.errors import TaskCancelled
+from proxy.coordinator.service import Coordinator
+from proxy.coordinator.snapshot import SnapshotCorrupt
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket
 from tests.proxy_harness import (
     ManualClock,
     advance_version,
@@ -135,7 +136,7 @@ def test_version_not_from_the_claimed_step_is_not_adopted(
     pending = [t for t in coord.dispatcher.generate if t["task_id"] not in submitted]
     coord.submit(submission(coord, pending[0], 2))
     coord.tick()
-    from proxy.manifest import write_version
+    from proxy.storage.manifest import write_version
 
     write_version(bucket, "r1", 3, {"adapter_config.json": b"{}"}, {"step": 3, "base_version": 1})
     redis_client.flushall()

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.bucket_keys import ADAPTER_WEIGHTS_NAME
-from proxy.config import RunConfig
+from proxy.run.config import RunConfig
+from proxy.storage.bucket_keys import ADAPTER_WEIGHTS_NAME
 from tests.train_samples import synthetic_samples
-from worker.policy import Policy
-from worker.trainer import Trainer
-from worker.trainer_state import load_adapter_weights
+from worker.model.policy import Policy
+from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import load_adapter_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

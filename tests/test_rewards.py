@@ -1,4 +1,4 @@
-"""Reward registry and built-in rewards (worker/rewards.py)."""
+"""Reward registry and built-in rewards (worker/algo/rewards.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from proxy.config import RewardConfig
-from worker.rewards import (
+from proxy.run.config import RewardConfig
+from worker.algo.rewards import (
     BUILTIN_REWARDS,
     RewardError,
     exact_match,

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, BucketError
-from proxy.coordinator import Coordinator, TaskCancelled
-from proxy.dispatch import RecordingDispatcher
-from proxy.staleness import StaleRolloutError
+from proxy.coordinator.dispatch import RecordingDispatcher
+from proxy.coordinator.errors import TaskCancelled
+from proxy.coordinator.service import Coordinator
+from proxy.protocol.staleness import StaleRolloutError
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, BucketError
 from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, publish_next, small_config, submission
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, FileBucket
-from proxy.config import ConfigError, RunConfig
-from proxy.datasets import PromptFileError
-from proxy.manifest import IntegrityError, sha256_hex
-from proxy.run_setup import RunExistsError, RunNotFound, create_run, load_run
+from proxy.run.config import ConfigError, RunConfig
+from proxy.run.datasets import PromptFileError
+from proxy.run.store import RunExistsError, RunNotFound, create_run, load_run
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, FileBucket
+from proxy.storage.manifest import IntegrityError, sha256_hex
 
 CONFIG = """\
 seed = 3
@@ -152,7 +152,7 @@ def test_load_missing_run_says_how_to_create_it(tmp_path: Path) -> None:
 
 
 def test_cli_run_create(tmp_path: Path) -> None:
-    from worker.cli import main
+    from worker.tools.cli import main
 
     url = f"file://{tmp_path / 'bucket'}"
     runner = CliRunner()

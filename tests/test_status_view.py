@@ -16,17 +16,17 @@ from click.testing import CliRunner
 from redis import Redis
 from rich.console import Console
 
-from proxy import bucket_keys
-from proxy.bucket import Bucket, open_bucket
-from proxy.client import ProxyClient
-from proxy.coordinator import Coordinator
-from proxy.run_setup import create_run
-from proxy.schemas import HeartbeatRequest
-from proxy.server import create_app
+from proxy.api.app import create_app
+from proxy.coordinator.service import Coordinator
+from proxy.protocol.client import ProxyClient
+from proxy.protocol.schemas import HeartbeatRequest
+from proxy.run.store import create_run
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, open_bucket
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, advance_version, make_coordinator, small_config
-from worker.cli import main
-from worker.status_view import collect_status, render_status, show_status, sparkline
+from worker.tools.cli import main
+from worker.tools.status import collect_status, render_status, show_status, sparkline
 
 RUN = "r1"
 CONFIG_TOML = """

@@ -1,4 +1,4 @@
-"""The tiny offline model (worker/tiny_model.py): built locally, deterministic, loadable by transformers."""
+"""The tiny offline model (worker/model/tiny_model.py): built locally, deterministic, loadable by transformers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.cli import main
-from worker.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, ensure_tiny_model, resolve_base_model
+from worker.model.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, ensure_tiny_model, resolve_base_model
+from worker.tools.cli import main
 
 
 def test_tokenizer_is_character_level_over_the_toy_alphabet(tiny_model_dir: Path) -> None:

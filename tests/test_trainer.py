@@ -1,4 +1,4 @@
-"""The trainer (worker/trainer.py): rescoring, one optimizer update, packing, LR schedule, version files."""
+"""The trainer (worker/optimize/trainer.py): rescoring, one optimizer update, packing, LR schedule, version files."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load as load_tensors
 
-from proxy.bucket_keys import (
+from proxy.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
+from proxy.storage.bucket_keys import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     TRAINER_STATE_JSON_NAME,
     TRAINER_STATE_TENSORS_NAME,
 )
-from proxy.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from tests.train_samples import synthetic_samples
-from worker.generation_transformers import TransformersBackend
-from worker.grpo import NonFiniteError
-from worker.policy import Policy
-from worker.trainer import Trainer, TrainSample, learning_rate_at, mean_ratio, pack_micro_batches
-from worker.trainer_state import TrainerStateError, write_adapter_folder
+from worker.algo.grpo import NonFiniteError
+from worker.generate.transformers_backend import TransformersBackend
+from worker.model.policy import Policy
+from worker.optimize.trainer import Trainer, TrainSample, learning_rate_at, mean_ratio, pack_micro_batches
+from worker.optimize.trainer_state import TrainerStateError, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

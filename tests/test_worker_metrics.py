@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from tests.fixtures_redis import free_port
-from worker import worker_metrics as wm
-from worker.generate_job import GenerateResult
-from worker.optimize_job import _step_record
-from worker.rollout import Rollout, RolloutSample
-from worker.trainer import StepMetrics
+from worker.algo.rollout import Rollout, RolloutSample
+from worker.generate.job import GenerateResult
+from worker.optimize.job import _step_record
+from worker.optimize.trainer import StepMetrics
+from worker.process import metrics as wm
 
 
 def value(name: str, **labels: str) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.trainer import Trainer, TrainSample
+from worker.optimize.trainer import Trainer, TrainSample
 
 
 def synthetic_samples(trainer: Trainer, count: int, seed: int) -> list[TrainSample]:

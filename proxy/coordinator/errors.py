@@ -1,0 +1,78 @@
+"""Every refusal of the coordinator, one exception per non-OK return code of its Lua scripts.
+
+The API maps each to an HTTP status and error code; the worker's client maps the code back to its own
+exception, so a refusal keeps its meaning across the wire.
+"""
+
+from __future__ import annotations
+
+
+class CoordinatorError(Exception):
+    """Base of every refusal by the coordinator."""
+
+
+class StateMissing(CoordinatorError):
+    """Redis holds no state for the run (it was flushed or restarted empty); the run must be rebuilt."""
+
+
+class NoVersionYet(CoordinatorError):
+    """No version is published yet (the init step has not finished); nothing can be leased."""
+
+
+class LeaseLostError(CoordinatorError):
+    """The lease expired or never existed; the version it named may be collected."""
+
+
+class TaskCancelled(CoordinatorError):
+    """The generate task timed out or was superseded; its groups were already requeued."""
+
+
+class UnknownTask(TaskCancelled):
+    """The proxy never dispatched this task (or forgot it in a rebuild); its work is not wanted."""
+
+
+class BadRollout(CoordinatorError):
+    """A submission that does not match its task (foreign or repeated groups, a future version, a bad key)."""
+
+
+class StepNotFound(CoordinatorError):
+    """No step with this number was claimed."""
+
+
+class PublishConflict(CoordinatorError):
+    """A publish that must not happen; the version is unchanged. Subclasses say why."""
+
+    def __init__(self, message: str, current_version: int) -> None:
+        super().__init__(message)
+        self.current_version = current_version
+
+
+class CasLost(PublishConflict):
+    """``current != base_version``: another trainer published first (or this one is a zombie)."""
+
+
+class BadVersionNumber(PublishConflict):
+    """``version`` is not ``base_version + 1`` or ``step`` is not ``version``."""
+
+
+class StepNotClaimed(PublishConflict):
+    """No claimed step of this number starts from ``base_version``."""
+
+
+class ManifestMissing(PublishConflict):
+    """The version's MANIFEST.json is not in the bucket: the upload is incomplete."""
+
+
+class ManifestMismatch(PublishConflict):
+    """The manifest in the bucket is not the one the trainer says it wrote."""
+
+
+class SnapshotFailed(CoordinatorError):
+    """The snapshot could not be written to the bucket; the change is in Redis but not yet durable."""
+
+
+PUBLISH_CONFLICTS: dict[str, type[PublishConflict]] = {
+    "CAS_LOST": CasLost,
+    "BAD_VERSION": BadVersionNumber,
+    "STEP_NOT_CLAIMED": StepNotClaimed,
+}

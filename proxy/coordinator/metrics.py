@@ -1,0 +1,222 @@
+"""The proxy's Prometheus metrics, in a registry of their own (one per app, so tests can build many).
+
+Totals and gauges are read from Redis at scrape time by a collector, so they survive a proxy restart and
+always agree with ``/v1/status``; the run's limits (``RunLimits``) are exported as gauges so that alert rules
+need no hard-coded numbers. The histograms (staleness and time in buffer of the samples a step consumed,
+publish-to-first-lease latency of each version, HTTP latency) and the HTTP error counter are observed by
+this process. Every label is bounded: routes are route templates, roles are ``generate``/``optimize``,
+rejection reasons are normalised and capped by the coordinator, HTTP errors are the stable codes of
+``HTTP_ERROR_CODES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
+
+from proxy.protocol.schemas import StatusResponse
+
+log = structlog.get_logger()
+
+# Redis counter field -> (metric name without _total, help)
+COUNTERS: dict[str, tuple[str, str]] = {
+    "leases_granted": ("asyncgrpo_leases_granted", "Adapter-version leases granted."),
+    "leases_expired": ("asyncgrpo_leases_expired", "Leases that lapsed without renewal or release."),
+    "leases_released": ("asyncgrpo_leases_released", "Leases released by their worker."),
+    "tasks_dispatched": ("asyncgrpo_generate_tasks_dispatched", "Generate tasks sent."),
+    "groups_dispatched": ("asyncgrpo_groups_dispatched", "Prompt groups sent in generate tasks."),
+    "groups_requeue_served": ("asyncgrpo_groups_requeue_served", "Groups dispatched from the requeue line."),
+    "rollouts_admitted": ("asyncgrpo_rollouts_admitted", "Rollouts admitted into the buffer."),
+    "groups_admitted": ("asyncgrpo_groups_admitted", "Prompt groups admitted into the buffer."),
+    "rollouts_duplicate": ("asyncgrpo_rollouts_duplicate", "Repeated submissions of an admitted rollout."),
+    "rollouts_stale": ("asyncgrpo_rollouts_stale", "Rollouts dropped as too stale (at submit or claim)."),
+    "groups_stale": ("asyncgrpo_stale_drops", "Prompt groups dropped as too stale and requeued."),
+    "tasks_cancelled": ("asyncgrpo_generate_tasks_cancelled", "Generate tasks presumed lost."),
+    "groups_cancelled": ("asyncgrpo_groups_cancelled", "Groups of lost tasks, requeued."),
+    "steps_claimed": ("asyncgrpo_steps_claimed", "Optimizer steps claimed."),
+    "groups_claimed": ("asyncgrpo_groups_claimed", "Prompt groups claimed for steps."),
+    "optimize_resent": ("asyncgrpo_optimize_resent", "Optimize tasks re-sent after a timeout."),
+    "groups_trained": ("asyncgrpo_groups_trained", "Prompt groups in a published step."),
+    "publish": ("asyncgrpo_publish", "Versions published."),
+    "conflicts": ("asyncgrpo_publish_conflicts", "Publish requests refused (CAS lost, bad manifest, ...)."),
+    "versions_deleted": ("asyncgrpo_versions_deleted", "Adapter versions garbage-collected."),
+    "rollouts_deleted": ("asyncgrpo_rollouts_deleted", "Rollout objects deleted by retention."),
+}
+
+# Redis counter field holding milliseconds -> (metric name in seconds without _total, help)
+MILLISECOND_COUNTERS: dict[str, tuple[str, str]] = {
+    "dispatch_backpressure_ms": (
+        "asyncgrpo_dispatch_backpressure_seconds",
+        "Seconds the proxy held generate dispatch back because in-flight + buffered groups filled "
+        "async.queue_maxsize (run not finished).",
+    ),
+    "trainer_starved_ms": (
+        "asyncgrpo_trainer_starved_seconds",
+        "Seconds with no step in flight for want of buffered groups (a version exists, run not finished).",
+    ),
+}
+
+HTTP_ERROR_CODES = (
+    "stale",
+    "conflict",
+    "not_ready",
+    "lease_lost",
+    "cancelled",
+    "bad_request",
+    "not_found",
+    "unavailable",
+    "unauthorized",
+)
+"""The stable ``error`` codes of the proxy's JSON error bodies; the only values of the ``error`` label."""
+OTHER_HTTP_ERROR = "other"
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+BUFFER_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+FIRST_USE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The run's configured limits, exported as gauges (the final version comes with the status)."""
+
+    max_staleness_versions: int
+    queue_maxsize_groups: int
+    groups_per_step: int
+
+    def gauges(self) -> dict[str, tuple[str, int]]:
+        return {
+            "asyncgrpo_max_staleness_versions": (
+                "async.max_staleness: the most versions a sample may lag the step that trains it.",
+                self.max_staleness_versions,
+            ),
+            "asyncgrpo_queue_maxsize_groups": (
+                "async.queue_maxsize: in-flight + buffered groups the proxy allows.",
+                self.queue_maxsize_groups,
+            ),
+            "asyncgrpo_groups_per_step": (
+                "async.groups_per_step: prompt groups in one optimizer step.",
+                self.groups_per_step,
+            ),
+        }
+
+
+class _StateCollector(Collector):
+    """Reads the coordinator's status at scrape time."""
+
+    def __init__(self, read_status: Callable[[], StatusResponse], limits: RunLimits | None) -> None:
+        self.read_status = read_status
+        self.limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        # The limits come from the (frozen) run config, so they are exported even when Redis is down.
+        for name, (help_text, value) in (self.limits.gauges() if self.limits else {}).items():
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], value)
+            yield gauge
+        up = GaugeMetricFamily("asyncgrpo_redis_up", "1 if the proxy could read its state from Redis.")
+        try:
+            status = self.read_status()
+        except RedisError as error:
+            log.warning("proxy.metrics_unavailable", error=str(error))
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        gauges = {
+            "asyncgrpo_current_version": ("Current published policy version (-1: none).", status.current_version),
+            "asyncgrpo_step_inflight": (
+                "Step claimed and not yet published (-1: none).",
+                -1 if status.step_inflight is None else status.step_inflight,
+            ),
+            "asyncgrpo_leases_active": ("Live adapter-version leases.", len(status.leases)),
+            "asyncgrpo_groups_buffered": ("Admitted groups waiting for a step.", status.groups_buffered),
+            "asyncgrpo_groups_inflight": ("Groups in generate tasks not yet submitted.", status.groups_inflight),
+            "asyncgrpo_groups_requeued": ("Prompts back in line, served first.", status.groups_requeued),
+            "asyncgrpo_generate_tasks_inflight": ("Generate tasks not yet submitted.", status.tasks_inflight),
+            "asyncgrpo_epoch": ("Current pass over the prompts.", status.epoch),
+            "asyncgrpo_final_version": ("The version at which the run ends.", status.final_version),
+        }
+        for name, (help_text, value) in gauges.items():
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], value)
+            yield gauge
+        for field, (name, help_text) in COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text)
+            counter.add_metric([], status.counters.get(field, 0))
+            yield counter
+        for field, (name, help_text) in MILLISECOND_COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text)
+            counter.add_metric([], status.counters.get(field, 0) / 1000.0)
+            yield counter
+        rejected = CounterMetricFamily(
+            "asyncgrpo_groups_rejected", "Prompt groups rejected as bad input, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(status.rejected_by_reason.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+        workers = GaugeMetricFamily("asyncgrpo_workers_alive", "Workers heard from recently.", labels=["role"])
+        for role in ("generate", "optimize"):
+            workers.add_metric([role], status.workers_alive_by_role.get(role, 0))
+        yield workers
+
+
+class ProxyMetrics:
+    """Registry plus the histograms the proxy observes itself."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.sample_staleness = Histogram(
+            "asyncgrpo_sample_staleness_versions",
+            "Staleness (current - sample version) of each group consumed by a step, observed at claim.",
+            buckets=STALENESS_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_in_buffer = Histogram(
+            "asyncgrpo_time_in_buffer_seconds",
+            "Seconds from admission to claim of each group consumed by a step.",
+            buckets=BUFFER_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.http_seconds = Histogram(
+            "asyncgrpo_http_request_seconds",
+            "HTTP request latency by route template and method.",
+            labelnames=["route", "method"],
+            registry=self.registry,
+        )
+        self.version_first_use = Histogram(
+            "asyncgrpo_version_first_use_seconds",
+            "Seconds from the publish of each version to the first lease granted on it.",
+            buckets=FIRST_USE_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.http_errors = Counter(
+            "asyncgrpo_http_errors",
+            "HTTP requests answered with an error body, by its stable error code.",
+            labelnames=["error"],
+            registry=self.registry,
+        )
+        for code in HTTP_ERROR_CODES:
+            # Every code starts at 0, so rate() and increase() see the first error too.
+            self.http_errors.labels(code)
+        self._collector: _StateCollector | None = None
+
+    def count_http_error(self, code: str) -> None:
+        """Count one error answer; a code outside ``HTTP_ERROR_CODES`` is counted as 'other'."""
+        if code not in HTTP_ERROR_CODES:
+            log.warning("proxy.unknown_http_error_code", error=code)
+            code = OTHER_HTTP_ERROR
+        self.http_errors.labels(code).inc()
+
+    def watch_state(self, read_status: Callable[[], StatusResponse], limits: RunLimits | None = None) -> None:
+        """Expose the coordinator's totals and gauges (read at every scrape) and the run's limits."""
+        if self._collector is not None:
+            self.registry.unregister(self._collector)
+        self._collector = _StateCollector(read_status, limits)
+        self.registry.register(self._collector)

@@ -1,0 +1,183 @@
+"""``asyncgrpo run create``: validate a run config and store it, with its prompts, in the bucket.
+
+A run exists once ``runs/<run>/RUN_MANIFEST.json`` exists. ``create_run`` writes ``config.json`` and
+``prompts/prompts.jsonl`` first (create-only) and the run manifest last, so a reader never sees a run
+without its config and prompts. It never overwrites: creating the same run again with an identical config
+and prompts is a no-op; anything else is refused with ``RunExistsError``.
+
+``load_run`` is how the proxy and the workers read a run back: every object is checked against the sha256
+in the run manifest before it is parsed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import structlog
+from pydantic import ValidationError
+
+from proxy.run.config import ConfigError, RunConfig, load_run_config
+from proxy.run.datasets import PromptRecord, build_dataset, dump_prompts_jsonl, parse_prompts_jsonl
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
+from proxy.storage.manifest import FileDigest, IntegrityError, RunManifest, read_verified, sha256_hex
+
+log = structlog.get_logger()
+
+# "org/name" as on the Hugging Face hub (one slash, no path-like start).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+__all__ = ["RunExistsError", "RunManifest", "RunNotFound", "create_run", "load_run"]
+
+
+class RunExistsError(Exception):
+    """The run name is taken by a run with another config or other prompts."""
+
+
+class RunNotFound(ObjectNotFound):
+    """No run of that name in the bucket (no RUN_MANIFEST.json)."""
+
+
+def check_model_base(base: str) -> None:
+    """Refuse a ``model.base`` that is neither 'tiny', an existing local folder, nor a hub id."""
+    if base == "tiny" or Path(base).expanduser().exists():
+        return
+    if _HUB_ID.match(base):
+        return
+    raise ConfigError(
+        f"model.base={base!r} is not 'tiny', not an existing local directory, and does not look like a "
+        "Hugging Face hub id (org/name); fix the path or the id"
+    )
+
+
+def _digest(data: bytes) -> FileDigest:
+    return FileDigest(sha256=sha256_hex(data), size=len(data))
+
+
+def _put_once(bucket: Bucket, key: str, data: bytes, run: str) -> None:
+    """Create-only write; an identical object already there (an earlier, interrupted create) is fine."""
+    try:
+        bucket.put(key, data, if_absent=True)
+    except ObjectExists:
+        if bucket.get(key) != data:
+            raise RunExistsError(
+                f"run {run!r} is partly created in {bucket.url} with a different {key.rsplit('/', 1)[-1]} "
+                f"(no run manifest yet: another `run create` may be running); nothing was overwritten. "
+                f"Pick another --run name, or delete {bucket_keys.run_prefix(run)} if that run is abandoned"
+            ) from None
+
+
+def _refuse_or_accept_existing(bucket: Bucket, run: str, wanted: RunManifest) -> bool:
+    """True if the run already exists with this config and prompts; RunExistsError if with others."""
+    key = bucket_keys.run_manifest_key(run)
+    try:
+        data = bucket.get(key)
+    except ObjectNotFound:
+        return False
+    try:
+        existing = RunManifest.model_validate_json(data)
+    except ValidationError as error:
+        raise IntegrityError(f"run manifest {key!r} is not valid: {error}", key=key) from error
+    differs = [
+        name
+        for name, mine, theirs in (
+            ("config", wanted.config, existing.config),
+            ("prompts", wanted.prompts, existing.prompts),
+        )
+        if mine.sha256 != theirs.sha256
+    ]
+    if differs:
+        raise RunExistsError(
+            f"run {run!r} already exists in {bucket.url} with a different {' and '.join(differs)}; "
+            "nothing was overwritten. Pick another --run name for this config"
+        )
+    return True
+
+
+def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
+    """Validate the config at ``config_path`` and store the run; return a one-paragraph summary."""
+    config_path = Path(config_path)
+    bucket_keys.check_run_name(run_name)
+    config = load_run_config(config_path)
+    check_model_base(config.model.base)
+    prompts = build_dataset(config.dataset, config.seed, base_dir=config_path.parent)
+
+    config_bytes = config.to_json().encode()
+    prompts_bytes = dump_prompts_jsonl(prompts)
+    manifest = RunManifest(
+        config=_digest(config_bytes),
+        prompts=_digest(prompts_bytes),
+        num_prompts=len(prompts),
+        created_at=time.time(),
+    )
+    if _refuse_or_accept_existing(bucket, run_name, manifest):
+        return (
+            f"Run {run_name!r} already exists in {bucket.url} with this identical config and "
+            f"{len(prompts)} prompts; nothing changed."
+        )
+
+    _put_once(bucket, bucket_keys.config_key(run_name), config_bytes, run_name)
+    _put_once(bucket, bucket_keys.prompts_key(run_name), prompts_bytes, run_name)
+    try:
+        bucket.put(bucket_keys.run_manifest_key(run_name), manifest.to_bytes(), if_absent=True)
+    except ObjectExists:
+        # A concurrent identical create won the race: fine; a different one: refuse.
+        _refuse_or_accept_existing(bucket, run_name, manifest)
+    log.info("run.created", run=run_name, bucket=bucket.url, num_prompts=len(prompts))
+    return _summary(run_name, bucket, config, manifest)
+
+
+def _summary(run: str, bucket: Bucket, config: RunConfig, manifest: RunManifest) -> str:
+    source = (
+        f"from {config.dataset.path}"
+        if config.dataset.path
+        else f"from the built-in generator {config.dataset.generator!r}"
+    )
+    rewards = ", ".join(f"{reward.name}×{reward.weight:g}" for reward in config.rewards)
+    return (
+        f"Created run {run!r} in {bucket.url}: {manifest.num_prompts} prompts {source} "
+        f"(prompts sha256 {manifest.prompts.sha256[:12]}), base model {config.model.base!r} with LoRA rank "
+        f"{config.lora.rank}, {config.sampling.samples_per_prompt} samples per prompt, rewards {rewards}, "
+        f"{config.async_.groups_per_step} groups per step, max staleness {config.async_.max_staleness}, "
+        f"{config.optimizer.total_steps} optimizer steps (config sha256 {manifest.config.sha256[:12]}). "
+        f"Next: start the coordinator with `asyncgrpo proxy --run {run}` and workers with "
+        "`asyncgrpo worker generate` / `asyncgrpo worker optimize`."
+    )
+
+
+def load_run(bucket: Bucket, run: str) -> tuple[RunConfig, list[PromptRecord], RunManifest]:
+    """Read a run's config and prompts, each verified against ``RUN_MANIFEST.json`` before it is parsed."""
+    manifest_key = bucket_keys.run_manifest_key(run)
+    try:
+        data = bucket.get(manifest_key)
+    except ObjectNotFound:
+        raise RunNotFound(
+            f"run {run!r} does not exist in {bucket.url} (no {manifest_key}); create it with "
+            f"`asyncgrpo run create CONFIG.toml --run {run}`"
+        ) from None
+    try:
+        manifest = RunManifest.model_validate_json(data)
+    except ValidationError as error:
+        raise IntegrityError(f"run manifest {manifest_key!r} is not valid: {error}", key=manifest_key) from error
+
+    config_key = bucket_keys.config_key(run)
+    config_bytes = read_verified(bucket, config_key, manifest.config.sha256)
+    try:
+        config = RunConfig.from_json(config_bytes)
+    except ValidationError as error:
+        # The bytes are the ones create_run wrote, so this is a version skew between writer and reader.
+        raise ConfigError(
+            f"{config_key} does not validate with this asyncgrpo version: {error}; "
+            "run the same asyncgrpo version that created the run"
+        ) from error
+
+    prompts_key = bucket_keys.prompts_key(run)
+    prompts = parse_prompts_jsonl(read_verified(bucket, prompts_key, manifest.prompts.sha256), prompts_key)
+    if len(prompts) != manifest.num_prompts:
+        raise IntegrityError(
+            f"{prompts_key!r} holds {len(prompts)} prompts but the run manifest says {manifest.num_prompts}",
+            key=prompts_key,
+        )
+    return config, prompts, manifest

@@ -1,0 +1,285 @@
+"""Manifests: how a reader knows that an adapter version (or a run) is complete and unaltered.
+
+An adapter version ``runs/<run>/adapters/v00000042/`` is complete once its ``MANIFEST.json`` exists. The
+writer uploads every file first and the manifest last, create-only, so a reader that sees the manifest
+sees every file it names. The manifest holds the sha256 and size of each file; readers check each object
+against it before use and refuse a mismatch with an ``IntegrityError`` naming the key (invariant 5).
+
+A version is immutable: once its manifest exists, ``write_version`` never touches its files again. A
+redelivered optimize task that writes the same files again gets the stored manifest back (idempotent); one
+whose files differ gets ``ObjectExists`` and must treat the version as lost (the CAS at the proxy decides).
+A residual race remains between two *concurrent* writers of one version that both pass the first manifest
+check; the proxy prevents it by sending each step's optimize task once, under a deterministic task id.
+
+The run manifest (``RUN_MANIFEST.json``) plays the same role for the run's config and prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
+
+log = structlog.get_logger()
+
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 1024 * 1024
+
+
+class IntegrityError(Exception):
+    """An object whose bytes do not match its manifest, or a manifest that cannot be read.
+
+    The message names the key and, for a checksum mismatch, the expected and actual sha256. The object is
+    never used.
+    """
+
+    def __init__(self, message: str, *, key: str, expected: str | None = None, actual: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _mismatch(key: str, expected: str, actual: str) -> IntegrityError:
+    return IntegrityError(
+        f"bucket object {key!r} failed its integrity check: expected sha256 {expected}, got {actual}; "
+        "it was not used (the object was changed or corrupted after its manifest was written)",
+        key=key,
+        expected=expected,
+        actual=actual,
+    )
+
+
+class ManifestEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Lowercase hex sha256 of the file's bytes.")
+    size: int = Field(ge=0, description="Size of the file in bytes.")
+
+
+class Manifest(BaseModel):
+    """``MANIFEST.json`` of one adapter version: every file of the version with its sha256 and size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = MANIFEST_FORMAT
+    version: int = Field(ge=0)
+    files: dict[str, ManifestEntry]
+    created_at: float
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Written by the trainer: step, base_version, rollout task ids, worker."
+    )
+
+    @field_validator("files")
+    @classmethod
+    def _plain_names(cls, files: dict[str, ManifestEntry]) -> dict[str, ManifestEntry]:
+        for name in files:
+            if not name or "/" in name or name in (".", "..") or name == bucket_keys.MANIFEST_NAME:
+                raise ValueError(f"manifest file name {name!r} must be a plain file name other than MANIFEST.json")
+        return files
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+
+
+class FileDigest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class RunManifest(BaseModel):
+    """``RUN_MANIFEST.json``: the run exists once this is written; it pins its config and prompts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: FileDigest
+    prompts: FileDigest
+    num_prompts: int = Field(ge=1)
+    created_at: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+
+
+def _parse_manifest(key: str, data: bytes) -> Manifest:
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as error:
+        raise IntegrityError(f"manifest {key!r} is not a valid manifest: {error}", key=key) from error
+
+
+def write_version(
+    bucket: Bucket, run: str, version: int, files: dict[str, bytes], metadata: dict[str, Any]
+) -> tuple[Manifest, str]:
+    """Upload every file of ``version``, then its ``MANIFEST.json`` last and create-only.
+
+    Returns ``(manifest, sha256 of the manifest's bytes)``. If the version already has a manifest with the
+    same files, that stored manifest is returned (a redelivered task); with other files, ``ObjectExists``.
+    """
+    if not files:
+        raise ValueError(f"version {version} of run {run!r} has no files; a version needs at least one")
+    manifest_key = bucket_keys.manifest_key(run, version)
+    entries = {name: ManifestEntry(sha256=sha256_hex(data), size=len(data)) for name, data in files.items()}
+    manifest = Manifest(version=version, files=entries, created_at=time.time(), metadata=metadata)
+
+    stored = _existing_manifest_matching(bucket, manifest_key, entries)
+    if stored is not None:
+        return stored
+
+    for name, data in files.items():
+        bucket.put(bucket_keys.adapter_file_key(run, version, name), data)
+    payload = manifest.to_bytes()
+    try:
+        bucket.put(manifest_key, payload, if_absent=True)
+    except ObjectExists:
+        stored = _existing_manifest_matching(bucket, manifest_key, entries)
+        if stored is None:
+            raise
+        return stored
+    log.info("manifest.version_written", run=run, version=version, files=sorted(files))
+    return manifest, sha256_hex(payload)
+
+
+def _existing_manifest_matching(
+    bucket: Bucket, manifest_key: str, entries: dict[str, ManifestEntry]
+) -> tuple[Manifest, str] | None:
+    """The stored manifest if it lists exactly ``entries``; None if there is none; ObjectExists if it differs."""
+    try:
+        data = bucket.get(manifest_key)
+    except ObjectNotFound:
+        return None
+    stored = _parse_manifest(manifest_key, data)
+    if stored.files != entries:
+        raise ObjectExists(
+            f"{manifest_key!r} already exists with other files; version {stored.version} is immutable and "
+            "was written by another trainer (this step lost the race; its result must be dropped)"
+        )
+    return stored, sha256_hex(data)
+
+
+def read_manifest(bucket: Bucket, run: str, version: int) -> tuple[Manifest, str]:
+    """The manifest of ``version`` and the sha256 of its bytes; ObjectNotFound if the version is incomplete."""
+    key = bucket_keys.manifest_key(run, version)
+    data = bucket.get(key)
+    manifest = _parse_manifest(key, data)
+    if manifest.version != version:
+        raise IntegrityError(f"manifest {key!r} describes version {manifest.version}, not {version}", key=key)
+    return manifest, sha256_hex(data)
+
+
+def read_verified(bucket: Bucket, key: str, expected_sha256: str) -> bytes:
+    """The bytes of ``key`` if their sha256 is ``expected_sha256``; IntegrityError otherwise."""
+    data = bucket.get(key)
+    actual = sha256_hex(data)
+    if actual != expected_sha256:
+        raise _mismatch(key, expected_sha256, actual)
+    return data
+
+
+def fetch_version(
+    bucket: Bucket,
+    run: str,
+    version: int,
+    dest_dir: Path,
+    expected_manifest_sha256: str | None = None,
+) -> Manifest:
+    """Download every file of ``version`` into ``dest_dir``, checked against the manifest.
+
+    Files land in a temp folder next to ``dest_dir`` that is renamed into place only when every sha256
+    matched, so ``dest_dir`` is either the whole verified version or untouched. ``MANIFEST.json`` is
+    copied too. On a mismatch the IntegrityError names the key and nothing is left behind.
+    """
+    dest_dir = Path(dest_dir)
+    manifest_key = bucket_keys.manifest_key(run, version)
+    manifest_bytes = bucket.get(manifest_key)
+    manifest_sha = sha256_hex(manifest_bytes)
+    if expected_manifest_sha256 is not None and manifest_sha != expected_manifest_sha256:
+        raise _mismatch(manifest_key, expected_manifest_sha256, manifest_sha)
+    manifest = _parse_manifest(manifest_key, manifest_bytes)
+    if manifest.version != version:
+        raise IntegrityError(
+            f"manifest {manifest_key!r} describes version {manifest.version}, not {version}", key=manifest_key
+        )
+
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest_dir.with_name(f".{dest_dir.name}.partial-{uuid.uuid4().hex}")
+    staging.mkdir()
+    try:
+        for name, entry in manifest.files.items():
+            key = bucket_keys.adapter_file_key(run, version, name)
+            target = staging / name
+            bucket.get_file(key, target)
+            actual = sha256_file(target)
+            if actual != entry.sha256:
+                raise _mismatch(key, entry.sha256, actual)
+        (staging / bucket_keys.MANIFEST_NAME).write_bytes(manifest_bytes)
+        _move_into_place(staging, dest_dir, manifest_bytes)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _move_into_place(staging: Path, dest_dir: Path, manifest_bytes: bytes) -> None:
+    """Rename the verified staging folder to ``dest_dir``, replacing an older or partial copy there."""
+    if dest_dir.exists():
+        existing = dest_dir / bucket_keys.MANIFEST_NAME
+        with contextlib.suppress(OSError):
+            if existing.read_bytes() == manifest_bytes:
+                return  # another fetch of the same version got there first; its files were verified too
+        aside = dest_dir.with_name(f".{dest_dir.name}.stale-{uuid.uuid4().hex}")
+        os.rename(dest_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(staging, dest_dir)
+    except OSError:
+        # A concurrent fetch renamed its own copy in between; keep it if it is this same version.
+        existing = dest_dir / bucket_keys.MANIFEST_NAME
+        if not (existing.is_file() and existing.read_bytes() == manifest_bytes):
+            raise
+
+
+def list_versions(bucket: Bucket, run: str) -> list[int]:
+    """Every version folder of the run (complete or not), ascending."""
+    versions = (bucket_keys.version_from_adapter_prefix(p) for p in bucket.list_dirs(bucket_keys.adapters_prefix(run)))
+    return sorted(v for v in versions if v is not None)
+
+
+def latest_complete_version(bucket: Bucket, run: str) -> int | None:
+    """The highest version that has a ``MANIFEST.json``; None if there is none."""
+    for version in reversed(list_versions(bucket, run)):
+        if bucket.head(bucket_keys.manifest_key(run, version)) is not None:
+            return version
+    return None
+
+
+def delete_version(bucket: Bucket, run: str, version: int) -> None:
+    """Delete the manifest first (the version stops being complete at once), then its files."""
+    bucket.delete(bucket_keys.manifest_key(run, version))
+    bucket.delete_prefix(bucket_keys.adapter_prefix(run, version))
+    log.info("manifest.version_deleted", run=run, version=version)

@@ -1,0 +1,155 @@
+"""Reward functions: a registry of built-ins, plus ``package.module:function`` for user code.
+
+Every reward has the signature ``fn(prompt: str, completion: str, answer: str | None) -> float``, where
+``completion`` is the decoded completion text without special tokens and ``answer`` is the dataset's
+reference answer (None when the dataset has none). Built-ins:
+
+* ``repeat_digit``: the toy task. Share of completion characters equal to the prompt's digit (``"7="`` ->
+  ``"7777"`` scores 1.0, ``"7a7b"`` 0.5); an empty completion scores 0.
+* ``exact_match``: 1.0 when the stripped completion equals the stripped answer, else 0.0.
+* ``format``: 1.0 when the completion is ``<think>...</think>`` followed by ``<answer>...</answer>`` and
+  nothing else (whitespace aside), else 0.0 (the DeepSeek-R1 format reward).
+* ``math_verify``: 1.0 when the completion's final math answer is equivalent to the reference, checked by
+  the ``math-verify`` package (``pip install 'asyncgrpo[math]'``); 0.0 otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import structlog
+
+log = structlog.get_logger()
+
+RewardFn = Callable[[str, str, "str | None"], float]
+
+
+class RewardError(ValueError):
+    """A reward that cannot be resolved or that returned something other than a finite number."""
+
+
+class RewardSpec(Protocol):
+    """What ``score_completions`` needs of a reward config entry (``proxy.run.config.RewardConfig`` fits)."""
+
+    name: str
+    weight: float
+
+
+def _toy_digit(prompt: str, answer: str | None) -> str:
+    if answer:
+        return answer.strip()[:1]
+    # Without an answer column the digit is the prompt's first character ("7=" -> "7").
+    return prompt.strip()[:1]
+
+
+def repeat_digit(prompt: str, completion: str, answer: str | None) -> float:
+    digit = _toy_digit(prompt, answer)
+    if not completion or not digit:
+        return 0.0
+    return sum(1 for char in completion if char == digit) / len(completion)
+
+
+def _require_answer(reward: str, answer: str | None) -> str:
+    if answer is None:
+        raise RewardError(f"reward {reward!r} needs a reference answer; set dataset.answer_column")
+    return answer
+
+
+def exact_match(prompt: str, completion: str, answer: str | None) -> float:
+    return 1.0 if completion.strip() == _require_answer("exact_match", answer).strip() else 0.0
+
+
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def format_reward(prompt: str, completion: str, answer: str | None) -> float:
+    return 1.0 if _FORMAT.match(completion) else 0.0
+
+
+def math_verify_reward(prompt: str, completion: str, answer: str | None) -> float:
+    gold_text = _require_answer("math_verify", answer)
+    try:
+        from math_verify import parse, verify
+    except ImportError as error:
+        raise RewardError(
+            "reward 'math_verify' needs the math-verify package: pip install 'asyncgrpo[math]'"
+        ) from error
+    # math-verify's timeouts use SIGALRM, which only the main thread may set.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(gold_text, parsing_timeout=timeout)
+    if not gold:
+        log.warning("reward.math_verify.unparsable_answer", answer=gold_text[:200])
+        return 0.0
+    predicted = parse(completion, parsing_timeout=timeout)
+    return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "repeat_digit": repeat_digit,
+    "exact_match": exact_match,
+    "format": format_reward,
+    "math_verify": math_verify_reward,
+}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in by name, or ``package.module:function`` imported from the worker's Python path."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        raise RewardError(
+            f"reward {name!r} is unknown; use a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) or "
+            "'package.module:function'"
+        )
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RewardError(f"reward {name!r}: cannot import module {module_name!r}: {error}") from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise RewardError(f"reward {name!r}: module {module_name!r} has no function {function_name!r}")
+    return function
+
+
+def score_completions(
+    reward_configs: Sequence[RewardSpec],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    answers: Sequence[str | None],
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Weighted total reward of each completion, and each reward's raw values by name.
+
+    ``prompts``, ``completions`` and ``answers`` are parallel (one entry per completion).
+    """
+    if not (len(prompts) == len(completions) == len(answers)):
+        raise ValueError(
+            f"score_completions needs one prompt and answer per completion; got {len(prompts)} prompts, "
+            f"{len(completions)} completions, {len(answers)} answers"
+        )
+    if not reward_configs:
+        raise RewardError("no rewards configured; add at least one [[rewards]] entry")
+    names = [config.name for config in reward_configs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise RewardError(f"rewards {duplicates} are listed more than once; list each once with its total weight")
+    totals = [0.0] * len(completions)
+    per_reward: dict[str, list[float]] = {}
+    for config in reward_configs:
+        function = resolve_reward(config.name)
+        values: list[float] = []
+        for index, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
+            value = function(prompt, completion, answer)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise RewardError(
+                    f"reward {config.name!r} returned {value!r} for completion {index}; it must return a finite float"
+                )
+            values.append(float(value))
+            totals[index] += config.weight * float(value)
+        per_reward[config.name] = values
+    return totals, per_reward

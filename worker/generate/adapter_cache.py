@@ -1,0 +1,75 @@
+"""Local cache of adapter versions on a generate worker: at most ``max_staleness + 2`` versions, LRU.
+
+Why that size: a worker may still be asked for any version inside the staleness window (``max_staleness +
+1`` versions) while the next one is being published, so one more slot lets the new version load before the
+oldest is dropped. Every file is checked against its manifest's sha256 before it lands in the cache
+(``proxy.storage.manifest.fetch_version``), so a corrupted or half-written upload is never served.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket
+from proxy.storage.manifest import fetch_version
+
+log = structlog.get_logger()
+
+
+class AdapterCache:
+    def __init__(
+        self,
+        bucket: Bucket,
+        run: str,
+        root: Path,
+        capacity: int,
+        on_evict: Callable[[int], None] | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"adapter cache capacity must be >= 1, got {capacity}")
+        self.bucket = bucket
+        self.run = run
+        self.root = root / bucket_keys.check_run_name(run) / "adapters"
+        self.capacity = capacity
+        self.on_evict = on_evict
+        self._entries: OrderedDict[int, tuple[Path, str]] = OrderedDict()
+        self.last_fetch_s = 0.0
+
+    def versions(self) -> list[int]:
+        return list(self._entries)
+
+    def get(self, version: int, manifest_sha256: str) -> Path:
+        """The local folder of ``version``; downloads and verifies it on a miss."""
+        entry = self._entries.get(version)
+        if entry is not None and entry[1] == manifest_sha256:
+            self._entries.move_to_end(version)
+            self.last_fetch_s = 0.0
+            return entry[0]
+        if entry is not None:
+            # Same number, other manifest: never serve it (a version is immutable once published).
+            self._evict(version)
+        started = time.perf_counter()
+        path = self.root / bucket_keys.adapter_name(version)
+        if path.exists():
+            shutil.rmtree(path)
+        fetch_version(self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256)
+        self.last_fetch_s = time.perf_counter() - started
+        log.info("adapter fetched", version=version, seconds=round(self.last_fetch_s, 4))
+        self._entries[version] = (path, manifest_sha256)
+        while len(self._entries) > self.capacity:
+            oldest = next(iter(self._entries))
+            self._evict(oldest)
+        return path
+
+    def _evict(self, version: int) -> None:
+        path, _ = self._entries.pop(version)
+        if self.on_evict is not None:
+            self.on_evict(version)
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,285 @@
+"""One generate task as a plain function: lease, fetch adapter, sample, score, write, submit, release.
+
+Idempotent by task id: the rollout key is ``rollouts/<task-id>``, so a redelivered task whose first run
+already wrote its rollout submits that object again instead of generating anew, and the proxy admits a
+task id at most once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from proxy.protocol.client import Cancelled, LeaseLost, ProxyClient, ProxyError, StaleRollout
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket
+from proxy.storage.manifest import sha256_hex
+from worker.algo.grpo import group_advantages
+from worker.algo.rewards import score_completions
+from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.backend import GenerationBackend
+
+log = structlog.get_logger()
+
+
+@dataclass
+class GenerateResult:
+    task_id: str
+    status: str  # admitted | duplicate | stale | cancelled | rejected
+    version: int
+    groups: int
+    samples: int
+    tokens: int
+    reused_rollout: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    reward_mean: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "status": self.status,
+            "version": self.version,
+            "groups": self.groups,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "reused_rollout": self.reused_rollout,
+            "reward_mean": self.reward_mean,
+            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+        }
+
+
+class LeaseKeeper:
+    """Renews a lease from a background thread while generation runs; releases it at the end."""
+
+    def __init__(self, client: ProxyClient, lease_id: str, ttl_s: float) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.interval_s = max(ttl_s / 3.0, 0.05)
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="asyncgrpo-lease", daemon=True)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.client.release(self.lease_id)
+        except (LeaseLost, ProxyError) as error:
+            log.info("lease release failed", lease_id=self.lease_id, error=str(error))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.client.renew(self.lease_id)
+            except LeaseLost:
+                # The version may be collected now; we keep our local copy and let the proxy judge staleness.
+                self.lost = True
+                log.warning("lease lost while generating", lease_id=self.lease_id)
+                return
+            except ProxyError as error:
+                log.warning("lease renewal failed", lease_id=self.lease_id, error=str(error))
+
+
+def run_generate_task(
+    *,
+    run: str,
+    task_id: str,
+    groups: list[dict[str, Any]],
+    config: RunConfig,
+    prompts: list[dict[str, Any]],
+    bucket: Bucket,
+    client: ProxyClient,
+    backend: GenerationBackend,
+    adapter_cache: AdapterCache,
+    worker_id: str,
+) -> GenerateResult:
+    started = time.perf_counter()
+    key = bucket_keys.rollout_key(run, task_id)
+
+    existing = bucket.head(key)
+    if existing is not None:
+        # A redelivery after the first attempt wrote its rollout: submit that object, generate nothing.
+        data = bucket.get(key)
+        header = read_rollout_header(data)
+        rejected = header.get("extra", {}).get("rejected_groups", [])
+        return _submit(
+            client, run, task_id, worker_id, header["version"], key, data, header["groups"], rejected, {},
+            len(header["rewards"]), reused=True, started=started,
+        )
+
+    lease = client.lease(worker_id=worker_id, task_id=task_id)
+    timings: dict[str, float] = {}
+    with LeaseKeeper(client, lease.lease_id, lease.ttl_s) as keeper:
+        fetch_started = time.perf_counter()
+        adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
+        adapter = bucket_keys.adapter_name(lease.version)
+        backend.load_adapter(adapter, lease.version, adapter_dir)
+        timings["adapter_fetch_s"] = time.perf_counter() - fetch_started
+
+        accepted, rejected = _split_bad_prompts(groups, prompts, backend, config)
+        samples: list[RolloutSample] = []
+        tokens = 0
+        if accepted:
+            gen_started = time.perf_counter()
+            texts = [prompts[g["prompt_index"]]["prompt"] for g in accepted]
+            answers = [prompts[g["prompt_index"]].get("answer") for g in accepted]
+            result = backend.generate(
+                texts,
+                adapter=adapter,
+                samples_per_prompt=config.sampling.samples_per_prompt,
+                max_new_tokens=config.sampling.max_completion_length,
+                temperature=config.sampling.temperature,
+                top_p=config.sampling.top_p,
+                seed=_task_seed(config.seed, task_id),
+            )
+            timings["generate_s"] = time.perf_counter() - gen_started
+            score_started = time.perf_counter()
+            samples, tokens = _score(result, texts, answers, config)
+            timings["score_s"] = time.perf_counter() - score_started
+        if keeper.lost:
+            log.warning("submitting after the lease was lost; the proxy decides on staleness", task_id=task_id)
+
+    rollout = Rollout(
+        run=run,
+        task_id=task_id,
+        version=lease.version,
+        worker_id=worker_id,
+        groups=accepted,
+        samples=samples,
+        timings=timings,
+        extra={"rejected_groups": rejected},
+    )
+    data = encode_rollout(rollout)
+    bucket.put(key, data)
+    reward_mean = sum(s.reward for s in samples) / len(samples) if samples else None
+    return _submit(
+        client, run, task_id, worker_id, lease.version, key, data, accepted, rejected, timings,
+        len(samples), reused=False, started=started, tokens=tokens, reward_mean=reward_mean,
+    )
+
+
+def _task_seed(run_seed: int, task_id: str) -> int:
+    # Deterministic per task (a redelivered task samples the same way), different across tasks.
+    return (run_seed * 1_000_003 + int(sha256_hex(task_id.encode())[:8], 16)) % (2**31 - 1)
+
+
+def _split_bad_prompts(
+    groups: list[dict[str, Any]], prompts: list[dict[str, Any]], backend: GenerationBackend, config: RunConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    accepted: list[dict[str, Any]] = []
+    rejected: list[dict[str, str]] = []
+    limit = config.model.max_prompt_length
+    in_range = [g for g in groups if 0 <= g["prompt_index"] < len(prompts)]
+    for group in groups:
+        if group not in in_range:
+            rejected.append(
+                {"group_id": group["group_id"], "reason": f"prompt index {group['prompt_index']} out of range"}
+            )
+    lengths = backend.tokenize([prompts[g["prompt_index"]]["prompt"] for g in in_range]) if in_range else []
+    for group, token_ids in zip(in_range, lengths, strict=True):
+        index = group["prompt_index"]
+        length = len(token_ids)
+        if length > limit:
+            rejected.append(
+                {
+                    "group_id": group["group_id"],
+                    "reason": f"prompt {index} has {length} tokens > model.max_prompt_length={limit}",
+                }
+            )
+            continue
+        accepted.append(group)
+    return accepted, rejected
+
+
+def _score(result: Any, texts: list[str], answers: list[str | None], config: RunConfig) -> tuple[list, int]:
+    group_size = config.sampling.samples_per_prompt
+    flat_prompts, flat_completions, flat_answers, flat_meta = [], [], [], []
+    for group_index, prompt_result in enumerate(result.results):
+        for completion in prompt_result.completions:
+            flat_prompts.append(texts[group_index])
+            flat_completions.append(completion.text)
+            flat_answers.append(answers[group_index])
+            flat_meta.append((group_index, prompt_result.prompt_token_ids, completion))
+    totals, per_reward = score_completions(list(config.rewards), flat_prompts, flat_completions, flat_answers)
+    advantages = group_advantages(totals, group_size, scale=config.loss.scale_rewards)
+    samples = []
+    tokens = 0
+    for i, (group_index, prompt_ids, completion) in enumerate(flat_meta):
+        tokens += len(completion.token_ids)
+        samples.append(
+            RolloutSample(
+                group_index=group_index,
+                prompt_token_ids=list(prompt_ids),
+                completion_token_ids=list(completion.token_ids),
+                behavior_logprobs=list(completion.logprobs),
+                reward=float(totals[i]),
+                advantage=float(advantages[i]),
+                finish_reason=completion.finish_reason,
+                rewards_by_name={name: float(values[i]) for name, values in per_reward.items()},
+            )
+        )
+    return samples, tokens
+
+
+def _submit(
+    client: ProxyClient,
+    run: str,
+    task_id: str,
+    worker_id: str,
+    version: int,
+    key: str,
+    data: bytes,
+    groups: list[dict[str, Any]],
+    rejected: list[dict[str, str]],
+    timings: dict[str, float],
+    num_samples: int,
+    *,
+    reused: bool,
+    started: float,
+    tokens: int = 0,
+    reward_mean: float | None = None,
+) -> GenerateResult:
+    stats = {"tokens": tokens, **timings}
+    if reward_mean is not None:
+        stats["reward_mean"] = reward_mean
+    try:
+        answer = client.submit_rollout(
+            task_id=task_id,
+            worker_id=worker_id,
+            version=version,
+            key=key,
+            sha256=sha256_hex(data),
+            group_ids=[g["group_id"] for g in groups],
+            num_samples=num_samples,
+            rejected_groups=rejected,
+            stats=stats,
+        )
+        status = answer.status
+    except StaleRollout as error:
+        log.warning("rollout refused as stale", task_id=task_id, error=str(error))
+        status = "stale"
+    except Cancelled as error:
+        log.warning("rollout refused: task was cancelled by the proxy", task_id=task_id, error=str(error))
+        status = "cancelled"
+    timings = {**timings, "task_s": time.perf_counter() - started}
+    return GenerateResult(
+        task_id=task_id,
+        status=status,
+        version=version,
+        groups=len(groups),
+        samples=num_samples,
+        tokens=tokens,
+        reused_rollout=reused,
+        timings=timings,
+        reward_mean=reward_mean,
+    )

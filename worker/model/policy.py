@@ -1,0 +1,117 @@
+"""The model runtime shared by generators and the trainer: load a base model, wrap it with LoRA.
+
+Plain LoRA only (no DoRA, no rsLoRA, no bias training), so vLLM can serve the very adapter the trainer
+saves. The base weights stay frozen in the configured dtype; LoRA weights are float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from proxy.run.config import LoraConfig
+from worker.model.tiny_model import resolve_base_model
+
+log = structlog.get_logger()
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# The adapter name the trainer's single LoRA lives under inside its PeftModel.
+TRAIN_ADAPTER = "default"
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """'auto' or None -> cuda when available, else cpu; anything else is passed to torch.device."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+    return resolved
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"model dtype {name!r} is unknown; use one of {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class Policy:
+    """A frozen base model and its tokenizer on one device."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    base: str
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def pad_token_id(self) -> int:
+        # A tokenizer without a pad token pads with EOS; padding is always masked, so its id does not matter.
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    @classmethod
+    def load(cls, base: str, dtype: str = "float32", device: str | None = None) -> Policy:
+        """Load ``base`` (hub id, local folder, or 'tiny') with frozen weights, in eval mode."""
+        path = resolve_base_model(base)
+        torch_device = resolve_device(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {base!r} has no EOS token; completions could never stop")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        model.to(torch_device)
+        model.eval()
+        model.requires_grad_(False)
+        log.info("policy.loaded", base=base, path=path, dtype=dtype, device=str(torch_device))
+        return cls(model=model, tokenizer=tokenizer, device=torch_device, base=base)
+
+    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt, as the model sees them (the tokenizer's own special tokens included)."""
+        return [list(ids) for ids in self.tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+
+
+def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
+    """The PEFT config for a run's ``[lora]`` section: plain LoRA on the causal LM."""
+    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=target,
+        bias="none",
+        use_dora=False,
+        use_rslora=False,
+        task_type="CAUSAL_LM",
+    )
+
+
+def wrap_with_lora(policy: Policy, lora: LoraConfig, seed: int) -> PeftModel:
+    """Wrap the policy's base model with a freshly initialised LoRA; the same seed gives the same init."""
+    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        model = get_peft_model(policy.model, peft_lora_config(lora), adapter_name=TRAIN_ADAPTER)
+    # LoRA weights train in float32 whatever the base dtype.
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            raise TypeError(f"LoRA parameter {name} is {parameter.dtype}; expected float32")
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every trainable parameter, in a fixed order (the module order)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]

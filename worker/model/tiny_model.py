@@ -1,0 +1,132 @@
+"""The tiny offline model: a small random-init Qwen2 causal LM and a tokenizer trained locally.
+
+Nothing is downloaded. The tokenizer is a character-level WordLevel model trained with the ``tokenizers``
+library on a corpus of toy-task prompts, so its vocabulary is exactly the ten digits, ``=``, an EOS, a PAD
+and an UNK token (14 tokens). The model is small enough that GRPO teaches it the ``repeat_digit`` task from
+scratch on a CPU in seconds, which is what the tests and the local demo rely on.
+
+``model.base = "tiny"`` in a run config means: build this model once into the local cache
+(``$ASYNCGRPO_CACHE/tiny-model-seed0``, default ``~/.cache/asyncgrpo``) and load it from there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from proxy.run.datasets import repeat_digit_prompts
+
+log = structlog.get_logger()
+
+TINY_BASE_NAME = "tiny"
+EOS_TOKEN = "<eos>"
+PAD_TOKEN = "<pad>"
+# Declared so that AutoTokenizer (which picks Qwen2Tokenizer from the config) does not add its own
+# '<|endoftext|>' unknown token beyond the model's vocabulary. Prompts never contain unknown characters.
+UNK_TOKEN = "<unk>"
+# Written last by build_tiny_model: a cache folder without it is an interrupted build.
+_COMPLETE_MARKER = "TINY_MODEL_COMPLETE"
+
+# Shape of the tiny model. Small enough for CPU RL in seconds, big enough to learn the toy task.
+TINY_HIDDEN_SIZE = 128
+TINY_LAYERS = 2
+TINY_HEADS = 4
+TINY_KV_HEADS = 2
+TINY_INTERMEDIATE_SIZE = 256
+TINY_MAX_POSITIONS = 256
+
+
+def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer trained on toy prompts: digits, '=', EOS, PAD and UNK."""
+    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    # Every character is its own token; no whitespace handling is needed for the toy alphabet.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(special_tokens=[EOS_TOKEN, PAD_TOKEN, UNK_TOKEN], min_frequency=1)
+    # A corpus that holds every digit (prompts and their ideal completions) fixes the vocabulary.
+    corpus = [record["prompt"] + (record["answer"] or "") * 4 for record in repeat_digit_prompts(200, seed=0)]
+    corpus.extend(f"{digit}=" for digit in "0123456789")
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN
+    )
+    wrapped.padding_side = "left"
+    return wrapped
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Write a tiny random-init Qwen2 causal LM and its tokenizer to ``out_dir`` (Hugging Face format).
+
+    The same seed gives the same weights. Returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=TINY_HIDDEN_SIZE,
+        intermediate_size=TINY_INTERMEDIATE_SIZE,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=TINY_HEADS,
+        num_key_value_heads=TINY_KV_HEADS,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    # Seed a private RNG scope so building the model leaves the caller's RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / _COMPLETE_MARKER).write_text(f"seed={seed}\n")
+    log.info("tiny_model.built", path=str(out_dir), seed=seed, parameters=model.num_parameters())
+    return out_dir
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCGRPO_CACHE", str(Path.home() / ".cache" / "asyncgrpo")))
+
+
+def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
+    """The tiny model's folder in the cache, built on first use.
+
+    Safe when several processes race: each builds into its own temporary folder and renames it into place;
+    the loser discards its copy.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"tiny-model-seed{seed}"
+    if (target / _COMPLETE_MARKER).exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".tiny-model-seed{seed}-", dir=cache_dir))
+    try:
+        build_tiny_model(staging, seed=seed)
+        if target.exists() and not (target / _COMPLETE_MARKER).exists():
+            # Left over from an interrupted build (only ever renamed into place complete, so this is rare).
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / _COMPLETE_MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_base_model(base: str) -> str:
+    """A run config's ``model.base`` as something ``from_pretrained`` accepts: 'tiny' -> the cached folder."""
+    if base == TINY_BASE_NAME:
+        return str(ensure_tiny_model())
+    return base

@@ -1,0 +1,415 @@
+"""The optimizer side of GRPO: rescoring, one optimizer update over a batch of rollouts, version files.
+
+A :class:`Trainer` owns a PEFT-wrapped policy (the LoRA weights are the only trainable parameters), an AdamW
+optimizer over them, the count of updates taken (which drives the learning-rate schedule) and a private RNG
+(LoRA dropout), so nothing else in the process can change what the next update does. ``version_files``
+serialises all of it; ``load_version_files`` restores it, and the next update is bit-identical to the one a
+never-stopped trainer would take (same device, same config).
+
+A batch is packed into micro-batches under ``optimizer.micro_batch_tokens`` padded tokens: samples sorted by
+length, each micro-batch laid out as left-padded prompts followed by right-padded completions, so the logits of
+all completion tokens are the last ``C + 1`` positions. Gradients accumulate over micro-batches with the
+normalisers of the whole step (see ``worker.algo.grpo``), then are clipped by global norm, and AdamW applies them.
+A non-finite loss or gradient norm raises :class:`~worker.algo.grpo.NonFiniteError` and applies no update.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from proxy.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
+from proxy.storage.bucket_keys import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    TRAINER_STATE_JSON_NAME,
+    TRAINER_STATE_TENSORS_NAME,
+)
+from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs
+from worker.model.policy import TRAIN_ADAPTER, Policy, trainable_parameters, wrap_with_lora
+from worker.optimize.trainer_state import (
+    VERSION_FILE_NAMES,
+    TrainerState,
+    TrainerStateError,
+    adapter_files,
+    check_adapter_config,
+    decode_trainer_state,
+    encode_trainer_state,
+    load_adapter_weights,
+)
+
+log = structlog.get_logger()
+
+
+@dataclass
+class TrainSample:
+    """One completion to train on: tokens, the behaviour logprob of each completion token, its advantage."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+    version: int = 0  # the policy version that sampled it (for staleness bookkeeping; not used by the math)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a train sample needs at least one prompt token")
+        if len(self.completion_token_ids) != len(self.behavior_logprobs):
+            raise ValueError(
+                f"a train sample has {len(self.completion_token_ids)} completion tokens but "
+                f"{len(self.behavior_logprobs)} behaviour logprobs; they must align one to one"
+            )
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+
+@dataclass
+class StepMetrics:
+    update: int  # 0-based index of this optimizer update in the run
+    loss: float
+    ratio: float
+    kl: float  # k3 of the behaviour policy against the current one (staleness drift)
+    clip_low: float
+    clip_high: float
+    clip_region: float
+    entropy: float
+    grad_norm: float  # before clipping
+    lr: float
+    tokens: int
+    sequences: int
+    micro_batches: int
+    forward_backward_s: float
+    optimizer_s: float
+    kl_ref: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def learning_rate_at(update: int, optimizer: OptimizerConfig) -> float:
+    """LR of the 0-based ``update``: linear warmup to the peak over ``warmup_steps`` updates (the first
+    update uses peak/warmup_steps), then constant, linear or cosine decay to 0 at ``total_steps``."""
+    peak = optimizer.learning_rate
+    if update < optimizer.warmup_steps:
+        return peak * (update + 1) / optimizer.warmup_steps
+    if optimizer.lr_schedule == "constant":
+        return peak
+    span = max(optimizer.total_steps - optimizer.warmup_steps, 1)
+    progress = min(max(update - optimizer.warmup_steps, 0) / span, 1.0)
+    if optimizer.lr_schedule == "linear":
+        return peak * (1.0 - progress)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most ``token_budget`` padded tokens (rows x longest).
+
+    Longest first, so rows of similar length share a batch; a sample longer than the budget goes alone.
+    Deterministic for given lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_longest = 0
+    for index in order:
+        longest = max(current_longest, lengths[index])
+        if current and (len(current) + 1) * longest > token_budget:
+            batches.append(current)
+            current, longest = [], lengths[index]
+        current.append(index)
+        current_longest = longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]) -> float:
+    """Token mean of exp(logprobs - behaviour): 1 when a rollout was made by the weights rescoring it."""
+    total, count = 0.0, 0
+    for behavior, current in zip(behavior_logprobs, logprobs, strict=True):
+        for b, c in zip(behavior, current, strict=True):
+            total += math.exp(c - b)
+            count += 1
+    return total / count if count else 1.0
+
+
+@dataclass
+class _MicroBatch:
+    indices: list[int]
+    input_ids: torch.Tensor  # (B, P + C): left-padded prompts, then right-padded completions
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    completion_ids: torch.Tensor  # (B, C)
+    mask: torch.Tensor  # (B, C) bool: real completion tokens
+    behavior_logprobs: torch.Tensor  # (B, C) float32
+    advantages: torch.Tensor  # (B,) float32
+
+
+def _collate(samples: list[TrainSample], indices: list[int], pad_id: int, device: torch.device) -> _MicroBatch:
+    chosen = [samples[index] for index in indices]
+    prompt_width = max(len(s.prompt_token_ids) for s in chosen)
+    completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
+    rows = len(chosen)
+    input_ids = torch.full((rows, prompt_width + completion_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    mask = torch.zeros((rows, completion_width), dtype=torch.bool)
+    behavior = torch.zeros((rows, completion_width), dtype=torch.float32)
+    for row, sample in enumerate(chosen):
+        prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
+        start = prompt_width - len(prompt)
+        input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        attention[row, start : prompt_width + len(completion)] = 1
+        mask[row, : len(completion)] = True
+        behavior[row, : len(completion)] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return _MicroBatch(
+        indices=indices,
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=positions.to(device),
+        completion_ids=input_ids[:, prompt_width:].to(device),
+        mask=mask.to(device),
+        behavior_logprobs=behavior.to(device),
+        advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
+    )
+
+
+class Trainer:
+    """GRPO optimizer state for one run: LoRA policy, AdamW, update counter, private RNG."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        lora_cfg: LoraConfig,
+        optimizer_cfg: OptimizerConfig,
+        loss_cfg: LossConfig,
+        max_completion_length: int,
+        temperature: float,
+        seed: int,
+    ) -> None:
+        self.policy = policy
+        self.lora_cfg = lora_cfg
+        self.optimizer_cfg = optimizer_cfg
+        self.loss_cfg = loss_cfg
+        self.max_completion_length = max_completion_length
+        self.temperature = temperature
+        self.seed = seed
+        self.model = wrap_with_lora(policy, lora_cfg, seed)
+        self.model.eval()
+        named = trainable_parameters(self.model)
+        self.param_names = [name for name, _ in named]
+        self.lora_parameters = [parameter for _, parameter in named]
+        self.optimizer = torch.optim.AdamW(
+            self.lora_parameters,
+            lr=optimizer_cfg.learning_rate,
+            betas=(optimizer_cfg.adam_beta1, optimizer_cfg.adam_beta2),
+            weight_decay=optimizer_cfg.weight_decay,
+        )
+        self.updates = 0
+        # The policy version the in-memory weights are; None between a version's updates and its publication.
+        self.version: int | None = 0
+        self._rng_cpu = torch.Generator().manual_seed(seed).get_state()
+        self._rng_cuda: torch.Tensor | None = None
+        if policy.device.type == "cuda":
+            self._rng_cuda = torch.Generator(device=policy.device).manual_seed(seed).get_state()
+
+    @classmethod
+    def initial(cls, policy: Policy, config: RunConfig) -> Trainer:
+        """A trainer at version 0: the seeded LoRA init of ``config.seed``, no update taken."""
+        return cls(
+            policy,
+            config.lora,
+            config.optimizer,
+            config.loss,
+            max_completion_length=config.sampling.max_completion_length,
+            temperature=config.sampling.temperature,
+            seed=config.seed,
+        )
+
+    # --- forward -----------------------------------------------------------------------------------------
+
+    def _completion_logits(self, batch: _MicroBatch) -> torch.Tensor:
+        """Temperature-scaled logits at the positions that predict each completion token: (B, C, V)."""
+        width = batch.completion_ids.shape[1]
+        output = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=width + 1,
+        )
+        return output.logits[:, -width - 1 : -1, :].float() / self.temperature
+
+    def _batches(self, samples: list[TrainSample]) -> list[_MicroBatch]:
+        if not samples:
+            raise ValueError("no samples given")
+        plan = pack_micro_batches([s.length for s in samples], self.optimizer_cfg.micro_batch_tokens)
+        return [_collate(samples, indices, self.policy.pad_token_id, self.policy.device) for indices in plan]
+
+    @torch.no_grad()
+    def rescore(self, samples: list[TrainSample]) -> list[list[float]]:
+        """Logprob of every completion token under the current weights and the sampling temperature."""
+        self.model.eval()
+        result: list[list[float]] = [[] for _ in samples]
+        for batch in self._batches(samples):
+            logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
+            for row, index in enumerate(batch.indices):
+                result[index] = logprobs[row, : len(samples[index].completion_token_ids)].tolist()
+        return result
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: _MicroBatch) -> torch.Tensor:
+        # With LoRA, the reference (base) model is the same network with its adapter switched off.
+        with self.model.disable_adapter():
+            return token_logprobs(self._completion_logits(batch), batch.completion_ids)
+
+    # --- one optimizer update ----------------------------------------------------------------------------
+
+    def step(self, samples: list[TrainSample]) -> StepMetrics:
+        """One AdamW update over ``samples``; returns its metrics. Raises NonFiniteError without updating."""
+        batches = self._batches(samples)
+        step_tokens = sum(len(s.completion_token_ids) for s in samples)
+        if step_tokens == 0:
+            raise ValueError("the batch has no completion tokens to train on")
+        cuda_devices = [self.policy.device] if self.policy.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices):
+            torch.set_rng_state(self._rng_cpu)
+            if self._rng_cuda is not None:
+                torch.cuda.set_rng_state(self._rng_cuda, self.policy.device)
+            try:
+                metrics = self._update(batches, len(samples), step_tokens)
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.model.eval()
+            self._rng_cpu = torch.get_rng_state()
+            if self._rng_cuda is not None:
+                self._rng_cuda = torch.cuda.get_rng_state(self.policy.device)
+        return metrics
+
+    def _update(self, batches: list[_MicroBatch], sequences: int, step_tokens: int) -> StepMetrics:
+        loss_cfg = self.loss_cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        started = time.perf_counter()
+        loss_total = 0.0
+        weighted: dict[str, float] = {}
+        for batch in batches:
+            reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
+            logits = self._completion_logits(batch)
+            logprobs = token_logprobs(logits, batch.completion_ids)
+            loss, stats = policy_loss(
+                logprobs,
+                batch.behavior_logprobs,
+                batch.advantages,
+                batch.mask,
+                loss_type=loss_cfg.loss_type,
+                epsilon_low=loss_cfg.epsilon_low,
+                epsilon_high=loss_cfg.epsilon_high,
+                max_completion_length=self.max_completion_length,
+                ref_logprobs=reference,
+                beta=loss_cfg.beta,
+                logits=logits.detach(),
+                step_tokens=step_tokens,
+                step_sequences=sequences,
+                micro_batches=len(batches),
+            )
+            loss.backward()
+            loss_total += float(loss.detach())
+            for key, value in stats.items():
+                if key != "tokens":
+                    weighted[key] = weighted.get(key, 0.0) + value * stats["tokens"]
+        if self.policy.device.type == "cuda":
+            torch.cuda.synchronize(self.policy.device)
+        forward_backward_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_parameters, self.optimizer_cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"gradient norm is {grad_norm} at update {self.updates}; no update was applied. Lower "
+                "optimizer.learning_rate or check the rollouts of this step"
+            )
+        lr = learning_rate_at(self.updates, self.optimizer_cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.policy.device.type == "cuda":
+            torch.cuda.synchronize(self.policy.device)
+        optimizer_s = time.perf_counter() - started
+
+        update = self.updates
+        self.updates += 1
+        self.version = None
+        mean = {key: value / step_tokens for key, value in weighted.items()}
+        return StepMetrics(
+            update=update,
+            loss=loss_total,
+            ratio=mean["ratio"],
+            kl=mean["kl"],
+            clip_low=mean["clip_low"],
+            clip_high=mean["clip_high"],
+            clip_region=mean["clip_region"],
+            entropy=mean["entropy"],
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=step_tokens,
+            sequences=sequences,
+            micro_batches=len(batches),
+            forward_backward_s=forward_backward_s,
+            optimizer_s=optimizer_s,
+            kl_ref=mean.get("kl_ref"),
+        )
+
+    # --- version files -----------------------------------------------------------------------------------
+
+    def version_files(self, version: int, extra: dict[str, Any] | None = None) -> dict[str, bytes]:
+        """The four files of ``version`` (the current weights, optimizer and RNG); the trainer is then at it."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        files = adapter_files(self.model, base=self.policy.base, adapter_name=TRAIN_ADAPTER)
+        state = TrainerState(
+            version=version,
+            updates=self.updates,
+            optimizer_state={},
+            rng_cpu=self._rng_cpu,
+            rng_cuda=self._rng_cuda,
+            extra=dict(extra or {}),
+        )
+        tensors, meta = encode_trainer_state(self.optimizer, self.param_names, state)
+        files[TRAINER_STATE_TENSORS_NAME] = tensors
+        files[TRAINER_STATE_JSON_NAME] = meta
+        self.version = version
+        return files
+
+    def load_version_files(self, files: dict[str, bytes]) -> int:
+        """Restore weights, optimizer moments, update count and RNG from a version's files; returns the
+        version. Files must already be verified against their manifest."""
+        missing = [name for name in VERSION_FILE_NAMES if name not in files]
+        if missing:
+            raise TrainerStateError(f"version files lack {missing}; a version holds {list(VERSION_FILE_NAMES)}")
+        check_adapter_config(files[ADAPTER_CONFIG_NAME], self.model, TRAIN_ADAPTER)
+        state = decode_trainer_state(
+            files[TRAINER_STATE_TENSORS_NAME], files[TRAINER_STATE_JSON_NAME], self.param_names
+        )
+        load_adapter_weights(self.model, files[ADAPTER_WEIGHTS_NAME], TRAIN_ADAPTER)
+        self.optimizer.load_state_dict(state.optimizer_state)
+        self.updates = state.updates
+        self._rng_cpu = state.rng_cpu.clone()
+        if self.policy.device.type == "cuda":
+            self._rng_cuda = (
+                state.rng_cuda.clone()
+                if state.rng_cuda is not None
+                else torch.Generator(device=self.policy.device).manual_seed(self.seed + self.updates).get_state()
+            )
+        self.version = state.version
+        self.model.eval()
+        log.info("trainer.loaded_version", version=state.version, updates=state.updates)
+        return state.version

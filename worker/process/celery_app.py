@@ -1,0 +1,62 @@
+"""The Celery application every worker process runs, configured for preemptible machines.
+
+Why each setting, for workers on preemptible machines:
+- JSON only: nothing but JSON crosses the broker (no pickle).
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged only once done, so a worker
+  killed mid-task leaves it unacked and it is delivered again; tasks are idempotent for that reason.
+- ``worker_prefetch_multiplier = 1``: a busy worker never holds a second task that an idle one could run.
+- visibility timeout above the longest task, with kombu's unacked-restore sweep every couple of seconds
+  (interval lowered, throttle 1), so a kill -9'd worker's task comes back soon after the timeout rather
+  than a ~100 s sweep later.
+- SIGTERM: a preempted worker gets a short grace period (ASYNCGRPO_SOFT_SHUTDOWN_S), then hands its task
+  back to the queue (``worker.process.preemption``; Celery's own cold shutdown cannot stop a solo-pool task).
+- solo pool (set by the launcher): a forked child hangs on torch once its parent has run a torch op.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from worker.process.settings import load_worker_settings
+
+GENERATE_QUEUE = "generate"
+OPTIMIZE_QUEUE = "optimize"
+
+
+def build_celery_app() -> Celery:
+    settings = load_worker_settings()
+    celery = Celery("asyncgrpo", broker=settings.redis_url, include=["worker.process.tasks"])
+    celery.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        worker_pool="solo",
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "unacked_restore_interval": settings.restore_interval_s,
+            "unacked_restore_throttle": 1,
+        },
+        task_routes={
+            "asyncgrpo.generate": {"queue": GENERATE_QUEUE},
+            "asyncgrpo.optimize": {"queue": OPTIMIZE_QUEUE},
+        },
+        task_default_queue=GENERATE_QUEUE,
+    )
+    return celery
+
+
+app = build_celery_app()
+
+
+# Registered here, not only in the worker's task modules, so that `celery -A worker.process.celery_app inspect <name>`
+# knows the custom command names on the client side too.
+import worker.process.inspect_commands  # noqa: E402, F401

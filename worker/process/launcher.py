@@ -1,0 +1,48 @@
+"""``asyncgrpo worker generate|optimize``: start ``celery worker`` with the queue, pool and flags a role needs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+ROLES = ("generate", "optimize")
+
+
+def celery_worker_argv(role: str, extra_args: list[str]) -> list[str]:
+    if role not in ROLES:
+        raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
+    # A unique node name per process so several workers on one machine can be told apart by `celery inspect`.
+    node_name = f"{role}-{os.getpid()}@{socket.gethostname()}"
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.process.celery_app",
+        "worker",
+        "--queues",
+        role,
+        "--pool",
+        "solo",
+        "--concurrency",
+        "1",
+        "--prefetch-multiplier",
+        "1",
+        "--hostname",
+        node_name,
+        "--loglevel",
+        os.environ.get("ASYNCGRPO_CELERY_LOGLEVEL", "INFO"),
+        *extra_args,
+    ]
+
+
+def run_worker(role: str, extra_args: list[str]) -> int:
+    """Replace this process with the celery worker (so systemd's signals reach it directly)."""
+    argv = celery_worker_argv(role, extra_args)
+    env = dict(os.environ)
+    # SIGTERM (spot preemption, systemctl stop) is handled by worker.process.preemption: a short grace period, then
+    # the running task goes back to the queue.
+    env["ASYNCGRPO_WORKER_ROLE"] = role
+    os.execvpe(argv[0], argv, env)
+    return 0  # not reached: execvpe replaces the process

@@ -1,0 +1,178 @@
+"""The Celery tasks, kept thin: validate the JSON message, bind log context, call a plain function, return
+a small JSON result. All the work is in ``worker.generate.job`` and ``worker.optimize.job``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from celery import signals
+from celery.exceptions import Reject
+
+from proxy.protocol.client import Conflict, NotReady, ProxyError, ProxyUnavailable
+from proxy.protocol.log_setup import configure_logging
+from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage
+from proxy.protocol.staleness import StaleRolloutError
+from proxy.storage.bucket import BucketError, ObjectNotFound
+from proxy.storage.manifest import IntegrityError
+from worker.generate.job import run_generate_task
+from worker.optimize.job import run_initialize, run_optimize_step
+from worker.process import metrics as worker_metrics
+from worker.process import preemption
+from worker.process.celery_app import app
+from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat
+
+log = structlog.get_logger()
+
+_ERROR_KINDS: dict[type[BaseException], str] = {
+    IntegrityError: "integrity",
+    ObjectNotFound: "integrity",
+    StaleRolloutError: "stale",
+    Conflict: "conflict",
+    ProxyError: "proxy",
+}
+_idle_since: float | None = None
+
+# Transient failures: the proxy restarting, no version published yet, the bucket briefly unreachable. The
+# task is sent again under the same id (every task is idempotent by id) instead of being dropped; the
+# proxy's own timeouts cover a task that keeps failing.
+TRANSIENT_ERRORS = (ProxyUnavailable, NotReady, BucketError)
+RETRY_OPTIONS = {
+    "autoretry_for": TRANSIENT_ERRORS,
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+    "max_retries": 30,
+}
+
+
+def _role() -> str:
+    return os.environ.get("ASYNCGRPO_WORKER_ROLE", "generate")
+
+
+@signals.setup_logging.connect
+def _on_setup_logging(**_: Any) -> None:
+    # Replaces Celery's own logging set-up: one structlog configuration for the whole process.
+    configure_logging(role=_role())
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    global _idle_since
+    role = _role()
+    runtime = get_runtime(role)
+    configure_logging(role=role, worker=runtime.settings.worker_id)
+    worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
+    preemption.install(runtime.settings.soft_shutdown_s)
+    worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
+    start_heartbeat(role)
+    _idle_since = time.monotonic()
+
+
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    runtime = get_runtime(_role())
+    if runtime.heartbeat is not None:
+        runtime.heartbeat.stop()
+
+
+@contextmanager
+def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[None]:
+    """Idle time before the task, in-flight gauge, current task for heartbeats, error counting."""
+    global _idle_since
+    if _idle_since is not None:
+        worker_metrics.observe_idle(role, time.monotonic() - _idle_since)
+    runtime.current_task = task_name
+    started = time.perf_counter()
+    try:
+        with worker_metrics.task_in_flight(role), preemption.task_running():
+            yield
+    except preemption.WorkerPreempted as error:
+        # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
+        log.warning("task handed back to the queue", task=task_name, reason=str(error))
+        raise Reject(str(error), requeue=True) from error
+    except BaseException as error:
+        kind = next((k for t, k in _ERROR_KINDS.items() if isinstance(error, t)), "other")
+        worker_metrics.observe_error(kind)
+        log.exception("task failed", task=task_name, error_kind=kind, seconds=time.perf_counter() - started)
+        raise
+    finally:
+        runtime.current_task = None
+        _idle_since = time.monotonic()
+
+
+def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, Any]], **context: Any) -> dict:
+    runtime = get_runtime(role)
+    with structlog.contextvars.bound_contextvars(worker=runtime.settings.worker_id, **context):
+        started = time.perf_counter()
+        with _task_scope(role, runtime, task_name):
+            summary = body(runtime)
+        log.info(f"{role} task done", seconds=round(time.perf_counter() - started, 4), **summary)
+        return summary
+
+
+@app.task(name="asyncgrpo.generate", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
+def generate(**payload: Any) -> dict[str, Any]:
+    message = GenerateTaskMessage.model_validate(payload)
+
+    def body(runtime: WorkerRuntime) -> dict[str, Any]:
+        context = runtime.run_context(message.run)
+        backend = runtime.generation_backend(context)
+        settings = runtime.settings
+        worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
+        result = run_generate_task(
+            run=message.run,
+            task_id=message.task_id,
+            groups=[group.model_dump() for group in message.groups],
+            config=context.config,
+            prompts=context.prompts,
+            bucket=runtime.bucket,
+            client=runtime.client,
+            backend=backend,
+            adapter_cache=runtime.adapter_cache(context),
+            worker_id=runtime.settings.worker_id,
+        )
+        summary = result.summary()
+        worker_metrics.observe_generate_task(summary)
+        return summary
+
+    return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
+
+
+@app.task(name="asyncgrpo.optimize", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
+def optimize(**payload: Any) -> dict[str, Any]:
+    message = OptimizeTaskMessage.model_validate(payload)
+
+    def body(runtime: WorkerRuntime) -> dict[str, Any]:
+        context = runtime.run_context(message.run)
+        trainer = runtime.run_trainer(context)
+        device = str(trainer.policy.device)
+        worker_metrics.set_worker_info("optimize", runtime.settings.worker_id, device, "trainer")
+        if message.step == 0:
+            result = run_initialize(
+                run=message.run,
+                trainer=trainer,
+                bucket=runtime.bucket,
+                client=runtime.client,
+                worker_id=runtime.settings.worker_id,
+            )
+        else:
+            result = run_optimize_step(
+                run=message.run,
+                step=message.step,
+                base_version=message.base_version,
+                rollout_refs=[ref.model_dump() for ref in message.rollouts],
+                config=context.config,
+                trainer=trainer,
+                bucket=runtime.bucket,
+                client=runtime.client,
+                worker_id=runtime.settings.worker_id,
+            )
+        worker_metrics.observe_optimize_step(result.record, result.status)
+        return result.summary()
+
+    return _run("optimize", f"step-{message.step}", body, run=message.run, step=message.step)

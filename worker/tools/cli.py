@@ -1,0 +1,159 @@
+"""The ``asyncgrpo`` command line.
+
+Every subcommand imports its role module lazily, so that ``asyncgrpo proxy`` and ``asyncgrpo run create``
+work in an install without torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Asynchronous GRPO with LoRA over Celery, Redis and a bucket."""
+
+
+@main.group()
+def run() -> None:
+    """Create and inspect runs."""
+
+
+@run.command("create")
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--run", "run_name", required=True, help="Run name: the bucket prefix runs/<name>/.")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+def run_create(config_path: Path, run_name: str, bucket: str) -> None:
+    """Validate CONFIG_PATH (TOML) and write the config and the prompts into the bucket."""
+    from proxy.run.config import ConfigError
+    from proxy.run.store import RunExistsError, create_run
+    from proxy.storage.bucket import BucketError, open_bucket
+    from proxy.storage.manifest import IntegrityError
+
+    try:
+        summary = create_run(config_path, run_name, open_bucket(bucket))
+    except (ConfigError, RunExistsError, BucketError, IntegrityError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(summary)
+
+
+@main.command()
+@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to coordinate.")
+@click.option("--host", envvar="ASYNCGRPO_PROXY_HOST", default="127.0.0.1", show_default=True)
+@click.option("--port", envvar="ASYNCGRPO_PROXY_PORT", default=8700, show_default=True, type=int)
+@click.option(
+    "--insecure-loopback",
+    is_flag=True,
+    help="Allow running without ASYNCGRPO_TOKEN; only accepted with a loopback --host.",
+)
+def proxy(run_name: str, host: str, port: int, insecure_loopback: bool) -> None:
+    """Run the coordinator of RUN (HTTP API, dispatch, GC)."""
+    from proxy.api.app import serve
+
+    serve(run_name=run_name, host=host, port=port, insecure_loopback=insecure_loopback)
+
+
+@main.group()
+def model() -> None:
+    """Build models."""
+
+
+@model.command("tiny")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", default=0, show_default=True, type=int)
+def model_tiny(out_dir: Path, seed: int) -> None:
+    """Build a small random-init causal LM and a locally trained tokenizer in OUT (no download)."""
+    from worker.model.tiny_model import build_tiny_model
+
+    build_tiny_model(out_dir, seed=seed)
+    click.echo(f"tiny model written to {out_dir}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("role", type=click.Choice(["generate", "optimize"]))
+@click.pass_context
+def worker(ctx: click.Context, role: str) -> None:
+    """Start a Celery worker for ROLE with the right queue, pool and flags (extra args go to celery)."""
+    from worker.process.launcher import run_worker
+
+    sys.exit(run_worker(role, list(ctx.args)))
+
+
+@main.command()
+@click.option("--steps", default=None, type=int, help="Optimizer steps to run (default: the demo config's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one final JSON line with the run's figures.")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--generate-workers", default=2, show_default=True, type=int)
+def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int) -> None:
+    """Run the whole system locally on a tiny model: Redis, proxy, workers, a file:// bucket."""
+    from worker.tools.demo import run_demo
+
+    sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
+
+
+
+@main.command()
+@click.option("--proxy", "proxy_url", envvar="ASYNCGRPO_PROXY_URL", default="http://127.0.0.1:8700", show_default=True,
+              help="Base URL of the run's proxy.")
+@click.option("--token", envvar="ASYNCGRPO_TOKEN", default=None, help="Bearer token (not needed for reading).")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", default=None,
+              help="The run's bucket, for its config and step records (reward trend, staleness).")
+@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
+def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, interval: float) -> None:
+    """Show the run: version, step, reward trend, staleness, buffer, workers and their heartbeats."""
+    from proxy.protocol.client import ProxyClient, ProxyError
+    from proxy.storage.bucket import open_bucket
+    from worker.tools.status import show_status
+
+    with ProxyClient(proxy_url, token, retries=1) as client:
+        try:
+            show_status(client, open_bucket(bucket) if bucket else None, watch=watch, interval_s=interval)
+        except ProxyError as error:
+            raise click.ClickException(f"cannot read the proxy at {proxy_url}: {error}") from error
+
+
+@main.command()
+@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to plot.")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file.")
+def plot(run_name: str, bucket: str, out_path: Path) -> None:
+    """Plot reward, ratio, staleness and throughput against step, from the run's step records."""
+    from proxy.storage.bucket import open_bucket
+    from worker.tools.plot import PlotError, plot_run
+
+    try:
+        written = plot_run(open_bucket(bucket), run_name, out_path)
+    except PlotError as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"plot written to {written}")
+
+
+@main.command()
+@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to export from.")
+@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--version", "version", required=True, help="Version number, or 'latest'.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="New or empty folder for the adapter (and merged/ with --merge).")
+@click.option("--merge", is_flag=True, help="Also write the base model with the adapter merged, to OUT/merged.")
+@click.option("--device", default="cpu", show_default=True, help="Device for merging: cpu, cuda, auto.")
+def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool, device: str) -> None:
+    """Export a published version as a PEFT adapter folder (transformers, vLLM), optionally merged."""
+    import json
+
+    from proxy.storage.bucket import ObjectNotFound, open_bucket
+    from proxy.storage.manifest import IntegrityError
+    from worker.tools.export import ExportError, export_version
+
+    try:
+        result = export_version(open_bucket(bucket), run_name, version, out_dir, merge=merge, device=device)
+    except (ExportError, IntegrityError, ObjectNotFound) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(json.dumps(result.summary(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""``asyncgrpo plot``: one PNG of a run's reward, ratio, staleness and throughput against the step.
+
+Built from the step records in the bucket (``runs/<run>/metrics/``), so it works on a finished run, a live
+one, or a copy of its bucket, without the proxy. Needs the ``plot`` extra (matplotlib); draws with the Agg
+backend, so no display is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from proxy.storage.bucket import Bucket
+from worker.tools.step_records import load_step_records
+
+log = structlog.get_logger()
+
+
+class PlotError(ValueError):
+    """Nothing to plot, or no way to plot it; the message says what to do."""
+
+
+def _value(record: dict[str, Any], key: str) -> float:
+    value = record.get(key)
+    if value is None or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _mean(values: list[Any]) -> float:
+    numbers = [float(v) for v in values if isinstance(v, int | float)]
+    return sum(numbers) / len(numbers) if numbers else math.nan
+
+
+def _throughput_series(records: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """(trainer tokens/s of step compute, run tokens/s of wall clock between publishes) per record."""
+    compute, wall = [], []
+    previous_time: float | None = None
+    for record in records:
+        tokens = _value(record, "tokens")
+        step_s = _value((record.get("timings") or {}), "step_s")
+        compute.append(tokens / step_s if step_s and step_s > 0 else math.nan)
+        published = _value(record, "published_at")
+        if previous_time is not None and published > previous_time:
+            wall.append(tokens / (published - previous_time))
+        else:
+            wall.append(math.nan)
+        previous_time = published if not math.isnan(published) else previous_time
+    return compute, wall
+
+
+def plot_records(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """Draw ``records`` (step records, any order) into the PNG ``out``; returns ``out``."""
+    if not records:
+        raise PlotError("there are no step records to plot yet; wait for the first published step")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise PlotError("plotting needs matplotlib: pip install 'asyncgrpo[plot]'") from error
+
+    records = sorted(records, key=lambda r: r["step"])
+    steps = [r["step"] for r in records]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    reward_ax, ratio_ax, staleness_ax, throughput_ax = axes.flat
+
+    reward_mean = [_value(r, "reward_mean") for r in records]
+    reward_std = [_value(r, "reward_std") for r in records]
+    reward_ax.plot(steps, reward_mean, label="reward mean", color="tab:blue")
+    low = [m - s if not math.isnan(s) else m for m, s in zip(reward_mean, reward_std, strict=True)]
+    high = [m + s if not math.isnan(s) else m for m, s in zip(reward_mean, reward_std, strict=True)]
+    reward_ax.fill_between(steps, low, high, alpha=0.2, color="tab:blue", label="± std")
+    names = sorted({name for r in records for name in (r.get("rewards_by_name") or {})})
+    if len(names) > 1:
+        for name in names:
+            reward_ax.plot(steps, [_value(r.get("rewards_by_name") or {}, name) for r in records], label=name,
+                           linewidth=0.8)
+    reward_ax.set_ylabel("reward")
+    reward_ax.set_title("reward")
+    reward_ax.legend(loc="best", fontsize="small")
+
+    ratio_ax.plot(steps, [_value(r, "ratio") for r in records], label="ratio (train)", color="tab:green")
+    ratio_ax.plot(steps, [_value(r, "rescore_ratio") for r in records], label="ratio (rescore)",
+                  color="tab:olive", linestyle="--")
+    ratio_ax.axhline(1.0, color="grey", linewidth=0.8)
+    ratio_ax.set_title("importance ratio π/π_behaviour")
+    ratio_ax.legend(loc="best", fontsize="small")
+
+    staleness_ax.plot(steps, [_mean(r.get("staleness") or []) for r in records], label="mean", color="tab:orange")
+    staleness_ax.plot(steps, [_value(r, "max_staleness") for r in records], label="max", color="tab:red",
+                      drawstyle="steps-mid")
+    staleness_ax.set_ylabel("versions")
+    staleness_ax.set_xlabel("step")
+    staleness_ax.set_title("staleness of trained samples")
+    staleness_ax.legend(loc="best", fontsize="small")
+
+    compute, wall = _throughput_series(records)
+    throughput_ax.plot(steps, compute, label="trainer (step compute)", color="tab:purple")
+    throughput_ax.plot(steps, wall, label="run (wall clock)", color="tab:brown")
+    throughput_ax.set_ylabel("tokens / s")
+    throughput_ax.set_xlabel("step")
+    throughput_ax.set_title("trained tokens per second")
+    throughput_ax.legend(loc="best", fontsize="small")
+
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+    figure.suptitle(title or "asyncgrpo run")
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png", dpi=100)
+    plt.close(figure)
+    log.info("plot written", path=str(out), steps=len(records))
+    return out
+
+
+def plot_run(bucket: Bucket, run: str, out: Path) -> Path:
+    """Plot every step record of ``run`` into ``out``."""
+    records = load_step_records(bucket, run)
+    if not records:
+        raise PlotError(f"run {run!r} has no step records in {bucket!r} yet; wait for the first published step")
+    return plot_records(records, out, title=f"asyncgrpo run {run}")

@@ -1,0 +1,59 @@
+"""Read the per-step records (``runs/<run>/metrics/step-S.json``) back from the bucket, for people.
+
+The optimize worker copies each published version's step record there (the original sits in the version's
+folder, covered by its manifest, until the version is collected). These copies feed ``asyncgrpo status``
+and ``asyncgrpo plot``: display only, never training, so they are read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import structlog
+
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, ObjectNotFound
+
+log = structlog.get_logger()
+
+_STEP_FILE = re.compile(r"step-(\d{8})\.json$")
+
+
+def step_record_steps(bucket: Bucket, run: str) -> list[int]:
+    """Steps that have a record in the bucket, ascending."""
+    steps = []
+    for key in bucket.list(bucket_keys.metrics_prefix(run)):
+        match = _STEP_FILE.search(key)
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def load_step_records(bucket: Bucket, run: str, *, last: int | None = None) -> list[dict[str, Any]]:
+    """The run's step records in step order (only the ``last`` ones when given).
+
+    A record that cannot be parsed is skipped with a warning naming its key, so one bad object does not hide
+    the rest of the run's history.
+    """
+    if last is not None and last < 1:
+        raise ValueError(f"last must be at least 1, got {last}")
+    steps = step_record_steps(bucket, run)
+    if last is not None:
+        steps = steps[-last:]
+    records = []
+    for step in steps:
+        key = bucket_keys.metrics_key(run, step)
+        try:
+            record = json.loads(bucket.get(key))
+        except ObjectNotFound:
+            continue  # collected between the listing and the read
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            log.warning("step record is not valid JSON; skipped", key=key, error=str(error))
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            log.warning("step record has no integer 'step'; skipped", key=key)
+            continue
+        records.append(record)
+    return records
