@@ -1,1 +1,6 @@
-"""api."""
+"""The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
+
+Modules:
+    app       routes, bearer-token auth, error mapping, the tick loop, `serve()`
+    settings  the proxy's environment variables
+"""

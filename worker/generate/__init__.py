@@ -1,1 +1,10 @@
-"""generate."""
+"""The generate role: lease a version, sample, score, write one rollout, submit it.
+
+Modules:
+    job                   one generate task as a plain function: lease, fetch adapter, sample, score, write, submit
+    adapter_cache         local LRU cache of verified adapter versions
+    backend               the generation backend interface and its result types
+    factory               picks a worker's backend (transformers or vLLM)
+    transformers_backend  the transformers + PEFT backend (CPU, or CUDA)
+    vllm_backend          the vLLM backend (in its own environment)
+"""

@@ -1,1 +1,13 @@
-"""process."""
+"""Celery process plumbing of a worker (either role).
+
+Modules:
+    celery_app        the Celery app, configured for preemptible machines (JSON only, acks late, prefetch 1)
+    launcher          `asyncgrpo worker`: execs `celery worker` with the role's queue, pool and flags
+    tasks             the thin `generate` and `optimize` Celery tasks
+    runtime           what a worker process builds once: bucket, client, model, caches, heartbeat
+    settings          the workers' environment variables
+    preemption        SIGTERM: stop taking tasks, grace period, then the running task goes back to the queue
+    heartbeat         heartbeats to the proxy from a background thread
+    inspect_commands  custom `celery inspect` commands
+    metrics           the workers' Prometheus metrics
+"""

@@ -1,0 +1,98 @@
+"""The folders draw the architecture: each package's docstring is its map, modules stay small, no import cycles.
+
+The import directions themselves are import-linter contracts in pyproject.toml (`lint-imports`, run by
+`make test`); this file checks what a contract cannot: that every map names exactly the modules of its
+package, that no module outgrows about 400 lines, and that no two modules import each other, even through
+imports placed inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP_PACKAGES = ("proxy", "worker")
+MAX_MODULE_LINES = 400
+MAP_ENTRY = re.compile(r"^    (\w+)\s{2,}\S")
+
+
+def packages() -> list[Path]:
+    return sorted(init.parent for top in TOP_PACKAGES for init in (ROOT / top).rglob("__init__.py"))
+
+
+def modules() -> list[Path]:
+    return sorted(path for top in TOP_PACKAGES for path in (ROOT / top).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def map_entries(package: Path) -> list[str]:
+    docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return [match.group(1) for line in docstring.splitlines() if (match := MAP_ENTRY.match(line))]
+
+
+@pytest.mark.parametrize("package", packages(), ids=lambda p: module_name(p / "__init__.py"))
+def test_package_docstring_maps_exactly_its_modules(package: Path) -> None:
+    present = {p.stem for p in package.glob("*.py") if not p.stem.startswith("__")}
+    present |= {p.parent.name for p in package.glob("*/__init__.py")}
+    listed = map_entries(package)
+    assert listed, f"{package.relative_to(ROOT)}/__init__.py needs a docstring map: one line per module"
+    assert len(listed) == len(set(listed)), f"{package.relative_to(ROOT)}: a module is listed twice"
+    assert set(listed) == present, (
+        f"{package.relative_to(ROOT)}/__init__.py map is off: add {sorted(present - set(listed))}, "
+        f"remove {sorted(set(listed) - present)}"
+    )
+
+
+def test_no_module_over_the_size_limit() -> None:
+    too_long = {
+        str(path.relative_to(ROOT)): n
+        for path in modules()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, f"split these along their seams (over {MAX_MODULE_LINES} lines): {too_long}"
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """First-party modules ``path`` imports, wherever the import stands (in a function or under TYPE_CHECKING
+    too: a cycle hidden that way is still a cycle in the design)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in candidates if name in known}
+    return found
+
+
+def test_no_import_cycles() -> None:
+    names = {module_name(path): path for path in modules()}
+    graph = {name: _imports(path, set(names)) - {name} for name, path in names.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*trail[trail.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "import cycles (break them; an import inside a function does not count as a fix): " + (
+        "; ".join(" -> ".join(cycle) for cycle in cycles)
+    )
