@@ -56,10 +56,6 @@ def task_running() -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, 0)  # the task ended within its grace period
 
 
-def stopping() -> bool:
-    return worker_state.should_stop not in (None, False)
-
-
 def _on_terminate(signum: int, _frame: FrameType | None) -> None:
     worker_state.should_stop = 0  # warm shutdown: no new task; Celery exits after the current one
     if not _task_running:
