@@ -11,17 +11,28 @@ vLLM engine settings that are not part of the run (GPU memory share, tensor para
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.run.config import RunConfig
 from worker.generate.backend import GenerationBackend
-from worker.process.settings import WorkerSettings, load_worker_settings
+from worker.generate.settings import GenerateSettings
 
 BACKENDS = ("transformers", "vllm")
-VLLM_ENGINE_ARGS_ENV = "ASYNCGRPO_VLLM_ENGINE_ARGS"  # WorkerSettings.vllm_engine_args
+VLLM_ENGINE_ARGS_ENV = "ASYNCGRPO_VLLM_ENGINE_ARGS"  # GenerateSettings.vllm_engine_args
 
 
-def chosen_backend(config: RunConfig, settings: WorkerSettings) -> str:
+class BackendSettings(Protocol):
+    """What the factory reads of a worker's settings (``WorkerSettings`` has it; no import of that layer)."""
+
+    @property
+    def generation_backend(self) -> str | None: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def vllm_engine_args(self) -> dict[str, Any]: ...
+
+
+def chosen_backend(config: RunConfig, settings: BackendSettings) -> str:
     """The backend name this worker uses; an unknown name is an error naming where it came from."""
     if settings.generation_backend:
         name, source = settings.generation_backend, "ASYNCGRPO_GENERATION_BACKEND"
@@ -46,10 +57,10 @@ def vllm_engine_settings(config: RunConfig) -> dict[str, Any]:
 
 def vllm_engine_args_from_env() -> dict[str, Any]:
     """``ASYNCGRPO_VLLM_ENGINE_ARGS`` as a dict; a value that is not a JSON object raises, naming it."""
-    return load_worker_settings().vllm_engine_args
+    return GenerateSettings().vllm_engine_args
 
 
-def build_generation_backend(config: RunConfig, settings: WorkerSettings) -> GenerationBackend:
+def build_generation_backend(config: RunConfig, settings: BackendSettings) -> GenerationBackend:
     """The generation backend for this worker and run, with the base model loaded."""
     from worker.model.tiny_model import resolve_base_model
 

@@ -1,20 +1,20 @@
 """Worker process settings, read once from the environment (systemd EnvironmentFile, Procfile, shell).
 
-``WorkerSettings`` is the common base (Redis, bucket, token, logging) plus what only workers need. Every
-variable keeps the name and default it had when this was a hand-parsed dataclass.
+``WorkerSettings`` is the common base (Redis, bucket, token, logging), the local cache, the generate side's
+section (``worker.generate.settings``) and what only worker processes need. Every variable keeps the name
+and default it had when this was a hand-parsed dataclass.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
+from pydantic import Field
 
 from proxy.protocol.settings import CacheSettings, CommonSettings
+from worker.generate.settings import GenerateSettings
 
 WorkerRole = Literal["generate", "optimize"]
 
@@ -23,7 +23,7 @@ def _hostname_pid() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class WorkerSettings(CommonSettings, CacheSettings):
+class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
     """A generate or optimize worker process (and the ``asyncgrpo worker`` launcher that starts it)."""
 
     bucket: str = Field("file://work/bucket", pattern=r"^(file|s3)://")
@@ -43,13 +43,6 @@ class WorkerSettings(CommonSettings, CacheSettings):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Device of the model: `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`."""
 
-    generation_backend: Literal["transformers", "vllm"] | None = None
-    """Overrides the run config's `sampling.backend` on this generate worker: `transformers` or `vllm`."""
-
-    vllm_engine_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
-    """vLLM engine settings that are not part of the run, as a JSON object passed to `vllm.LLM`, e.g.
-    `{"gpu_memory_utilization": 0.85}` (vllm backend only)."""
-
     visibility_timeout_s: float = Field(1800.0, gt=0.0)
     """Broker visibility timeout in seconds: must exceed the longest task; a killed worker's task comes back
     after it."""
@@ -68,19 +61,6 @@ class WorkerSettings(CommonSettings, CacheSettings):
 
     celery_loglevel: str = Field("INFO", pattern=r"(?i)^(debug|info|warning|error|critical)$")
     """Log level of Celery's own worker lines."""
-
-    @field_validator("vllm_engine_args", mode="before")
-    @classmethod
-    def _json_object(cls, value: Any) -> Any:
-        # Parsed here rather than by pydantic-settings so that a bad value gets a message, not a traceback.
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"not valid JSON ({error}); give a JSON object") from error
-        if not isinstance(value, dict):
-            raise ValueError("must be a JSON object of vllm.LLM arguments")
-        return value
 
 
 def load_worker_settings() -> WorkerSettings:
