@@ -12,9 +12,12 @@ install:
 demo: install
 	asyncgrpo demo
 
+# lint-imports checks the architecture contracts in pyproject.toml ([tool.importlinter]).
 test: install
 	ruff check .
+	lint-imports
 	$(PYTHON) -m pytest -q
 
 lint:
 	ruff check .
+	lint-imports

@@ -1,7 +1,9 @@
-"""Print the run config reference (a Markdown table) from the pydantic model itself.
+"""Print README's reference tables (Markdown) from the pydantic models themselves.
 
-README's "Run config" table is this script's output; tests/test_readme.py fails when they differ.
+README's "Run config" table is this script's output, and its "Environment variables" table the output of
+``--env`` (from the settings classes); tests/test_readme.py fails when either differs.
     python scripts/config_reference.py
+    python scripts/config_reference.py --env
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from pydantic.fields import FieldInfo
 # This checkout's proxy package, not whichever asyncgrpo happens to be installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from proxy.api.settings import ProxySettings
+from proxy.protocol.settings import env_name, field_bounds, shown_default
 from proxy.run.config import RunConfig
+from worker.process.settings import WorkerSettings
 
 
 def _bounds(info: FieldInfo) -> str:
@@ -58,5 +63,31 @@ def reference() -> str:
     return "\n".join(header + rows(RunConfig)) + "\n"
 
 
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def env_reference() -> str:
+    """One row per environment variable of the settings classes: the proxy's, then the workers' own."""
+    roles = {"proxy": ProxySettings.model_fields, "workers": WorkerSettings.model_fields}
+    names = list(dict.fromkeys([*roles["proxy"], *roles["workers"]]))
+    lines = ["| variable | used by | default | bounds | meaning |", "|---|---|---|---|---|"]
+    for name in names:
+        users = [role for role, fields in roles.items() if name in fields]
+        defaults = {role: shown_default(roles[role][name]) for role in users}
+        info = roles[users[0]][name]
+        shown = {role: value if value == "unset" else f"`{value}`" for role, value in defaults.items()}
+        if len(set(shown.values())) == 1:
+            default = shown[users[0]]
+        else:
+            default = ", ".join(f"{role}: {value}" for role, value in shown.items())
+        used_by = "all" if len(users) == len(roles) else users[0]
+        lines.append(
+            f"| `{env_name(name)}` | {used_by} | {_cell(default)} | {_cell(field_bounds(info))} | "
+            f"{_cell(info.description or '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    sys.stdout.write(reference())
+    sys.stdout.write(env_reference() if sys.argv[1:] == ["--env"] else reference())

@@ -19,6 +19,7 @@ from proxy.api.settings import ProxySettings
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits
 from proxy.protocol import log_setup
 from proxy.protocol.schemas import LeaseRecord, StatusResponse
+from proxy.protocol.settings import env_name
 from worker.process import metrics as worker_metrics
 from worker.process.settings import WorkerSettings
 from worker.tools.cli import main as cli_main
@@ -137,15 +138,17 @@ def documented_env_vars() -> dict[str, str]:
 
 
 def settings_env_vars() -> set[str]:
-    """Every variable a process reads: the proxy's settings model (names built from its fields), every name
-    spelled out in the packages (worker settings, logging, CLI, backends), and those the units use."""
-    names = {f"ASYNCGRPO_{field.upper()}" for field in ProxySettings.model_fields}
-    for module in sorted((ROOT / "proxy").glob("*.py")) + sorted((ROOT / "worker").glob("*.py")):
+    """Every variable a process reads: the settings classes' fields (the only code that reads the environment),
+    every name spelled out in the packages (error messages, CLI envvars), and those the units use."""
+    names = {env_name(field) for cls in (ProxySettings, WorkerSettings) for field in cls.model_fields}
+    for module in sorted((ROOT / "proxy").rglob("*.py")) + sorted((ROOT / "worker").rglob("*.py")):
         names |= set(ENV_NAME.findall(module.read_text()))
     names |= {log_setup.LOG_FORMAT_ENV, log_setup.LOG_LEVEL_ENV}
-    for unit in UNITS.glob("*.service"):
-        names |= set(ENV_NAME.findall(unit.read_text()))
-    return names
+    return names | unit_env_vars()
+
+
+def unit_env_vars() -> set[str]:
+    return {name for unit in UNITS.glob("*.service") for name in ENV_NAME.findall(unit.read_text())}
 
 
 def test_env_example_documents_every_variable() -> None:
@@ -154,6 +157,22 @@ def test_env_example_documents_every_variable() -> None:
     assert not missing, f"add these to {ENV_EXAMPLE.relative_to(ROOT)} with a comment: {missing}"
     uncommented = sorted(name for name, comment in documented.items() if len(comment) < 10)
     assert not uncommented, f"give these a comment line above them in the env example: {uncommented}"
+
+
+def test_env_example_names_no_unknown_variable() -> None:
+    """A variable in the example is a setting or one the units read: a misspelt name would be ignored."""
+    unknown = sorted(set(documented_env_vars()) - settings_env_vars())
+    assert not unknown, f"{ENV_EXAMPLE.relative_to(ROOT)} names variables nothing reads: {unknown}"
+
+
+def test_env_example_values_are_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every value the example sets or shows (commented defaults too) passes the settings classes' checks."""
+    for raw in ENV_EXAMPLE.read_text().splitlines():
+        match = re.match(r"^#?(ASYNCGRPO_[A-Z0-9_]+)=(.*)$", raw.strip())
+        if match:
+            monkeypatch.setenv(match.group(1), match.group(2))
+    ProxySettings()
+    WorkerSettings()
 
 
 def test_procfile_starts_every_process_with_real_commands() -> None:

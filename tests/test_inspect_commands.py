@@ -90,4 +90,7 @@ def test_commands_say_what_to_fix_without_a_role(
 ) -> None:
     monkeypatch.setenv("ASYNCGRPO_WORKER_ROLE", "trainer")
     answer = _ask(celery_worker_app, "model_info")
-    assert "ASYNCGRPO_WORKER_ROLE='trainer' is not a worker role" in answer["error"]
+    assert "ASYNCGRPO_WORKER_ROLE='trainer' is invalid: Input should be 'generate' or 'optimize'" in answer["error"]
+    monkeypatch.delenv("ASYNCGRPO_WORKER_ROLE")
+    answer = _ask(celery_worker_app, "model_info")
+    assert "ASYNCGRPO_WORKER_ROLE is not set; start workers with `asyncgrpo worker" in answer["error"]

@@ -1,1 +1,4 @@
-"""protocol."""
+"""protocol.
+
+- ``settings``: the environment settings every process shares (``ASYNCGRPO_*``), on pydantic-settings.
+"""

@@ -1,7 +1,8 @@
 """Logging for every asyncgrpo process (proxy and workers): structlog, configured once per process.
 
 - JSON lines when the output is not a terminal (systemd, containers, log shippers), readable colourless
-  console lines when a person watches a terminal. ``ASYNCGRPO_LOG_FORMAT=json|console`` forces one.
+  console lines when a person watches a terminal. ``ASYNCGRPO_LOG_FORMAT=json|console`` forces one
+  (read through ``proxy.protocol.settings.LogSettings``, like ``ASYNCGRPO_LOG_LEVEL``).
 - Process-wide ids (role, worker id, run) given to ``configure_logging`` go on every line, from every thread;
   per-task ids (task, step, version) are bound with ``structlog.contextvars.bound_contextvars`` around a task
   or request and land on every line logged inside it.
@@ -15,16 +16,17 @@ This module must stay free of torch and of ``worker`` imports: the proxy uses it
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import IO, Any
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from proxy.protocol.settings import LogSettings
+
 LOG_FORMATS = ("auto", "json", "console")
-LOG_FORMAT_ENV = "ASYNCGRPO_LOG_FORMAT"
-LOG_LEVEL_ENV = "ASYNCGRPO_LOG_LEVEL"
+LOG_FORMAT_ENV = "ASYNCGRPO_LOG_FORMAT"  # LogSettings.log_format
+LOG_LEVEL_ENV = "ASYNCGRPO_LOG_LEVEL"  # LogSettings.log_level
 
 # Libraries that log every HTTP call at INFO; one line per request is ours to write, not theirs.
 _NOISY_LOGGERS = ("httpx", "httpcore", "botocore", "boto3", "urllib3", "s3transfer")
@@ -57,7 +59,7 @@ def _process_fields(fields: dict[str, Any]) -> Processor:
 
 
 def _resolve_format(log_format: str | None, stream: IO[str]) -> str:
-    chosen = (log_format or os.environ.get(LOG_FORMAT_ENV) or "auto").lower()
+    chosen = (log_format or LogSettings().log_format).lower()
     if chosen not in LOG_FORMATS:
         raise LoggingConfigError(f"{LOG_FORMAT_ENV}={chosen!r} is unknown; use one of {', '.join(LOG_FORMATS)}")
     if chosen == "auto":
@@ -67,7 +69,7 @@ def _resolve_format(log_format: str | None, stream: IO[str]) -> str:
 
 
 def _resolve_level(level: str | int | None) -> int:
-    raw = level if level is not None else os.environ.get(LOG_LEVEL_ENV, "INFO")
+    raw = level if level is not None else LogSettings().log_level
     if isinstance(raw, int):
         return raw
     resolved = logging.getLevelName(raw.upper())

@@ -5,25 +5,34 @@ config's ``sampling.backend``. Each backend module is imported only when chosen,
 environment never imports vLLM and a vLLM environment never needs the trainer's newer transformers.
 
 vLLM engine settings that are not part of the run (GPU memory share, tensor parallelism, ...) come from
-``ASYNCGRPO_VLLM_ENGINE_ARGS``, a JSON object passed on to ``vllm.LLM``, e.g.
-``{"gpu_memory_utilization": 0.85}``.
+``settings.vllm_engine_args`` (``ASYNCGRPO_VLLM_ENGINE_ARGS``, a JSON object passed on to ``vllm.LLM``, e.g.
+``{"gpu_memory_utilization": 0.85}``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.run.config import RunConfig
 from worker.generate.backend import GenerationBackend
-from worker.process.settings import WorkerSettings
+from worker.generate.settings import GenerateSettings
 
 BACKENDS = ("transformers", "vllm")
-VLLM_ENGINE_ARGS_ENV = "ASYNCGRPO_VLLM_ENGINE_ARGS"
+VLLM_ENGINE_ARGS_ENV = "ASYNCGRPO_VLLM_ENGINE_ARGS"  # GenerateSettings.vllm_engine_args
 
 
-def chosen_backend(config: RunConfig, settings: WorkerSettings) -> str:
+class BackendSettings(Protocol):
+    """What the factory reads of a worker's settings (``WorkerSettings`` has it; no import of that layer)."""
+
+    @property
+    def generation_backend(self) -> str | None: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def vllm_engine_args(self) -> dict[str, Any]: ...
+
+
+def chosen_backend(config: RunConfig, settings: BackendSettings) -> str:
     """The backend name this worker uses; an unknown name is an error naming where it came from."""
     if settings.generation_backend:
         name, source = settings.generation_backend, "ASYNCGRPO_GENERATION_BACKEND"
@@ -47,19 +56,11 @@ def vllm_engine_settings(config: RunConfig) -> dict[str, Any]:
 
 
 def vllm_engine_args_from_env() -> dict[str, Any]:
-    raw = os.environ.get(VLLM_ENGINE_ARGS_ENV, "").strip()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{VLLM_ENGINE_ARGS_ENV} is not valid JSON ({error}); give a JSON object") from error
-    if not isinstance(value, dict):
-        raise ValueError(f"{VLLM_ENGINE_ARGS_ENV} must be a JSON object of vllm.LLM arguments, got {raw!r}")
-    return value
+    """``ASYNCGRPO_VLLM_ENGINE_ARGS`` as a dict; a value that is not a JSON object raises, naming it."""
+    return GenerateSettings().vllm_engine_args
 
 
-def build_generation_backend(config: RunConfig, settings: WorkerSettings) -> GenerationBackend:
+def build_generation_backend(config: RunConfig, settings: BackendSettings) -> GenerationBackend:
     """The generation backend for this worker and run, with the base model loaded."""
     from worker.model.tiny_model import resolve_base_model
 
@@ -73,7 +74,7 @@ def build_generation_backend(config: RunConfig, settings: WorkerSettings) -> Gen
             )
         from worker.generate.vllm_backend import VLLMBackend
 
-        return VLLMBackend(base, **vllm_engine_settings(config), engine_args=vllm_engine_args_from_env())
+        return VLLMBackend(base, **vllm_engine_settings(config), engine_args=settings.vllm_engine_args)
     from worker.generate.transformers_backend import TransformersBackend
 
     return TransformersBackend(base, dtype=config.model.dtype, device=settings.device)

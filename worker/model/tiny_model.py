@@ -11,7 +11,6 @@ scratch on a CPU in seconds, which is what the tests and the local demo rely on.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from proxy.protocol.settings import CacheSettings
 from proxy.run.datasets import repeat_digit_prompts
 
 log = structlog.get_logger()
@@ -95,7 +95,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("ASYNCGRPO_CACHE", str(Path.home() / ".cache" / "asyncgrpo")))
+    """``ASYNCGRPO_CACHE`` (default ``~/.cache/asyncgrpo``)."""
+    return CacheSettings().cache
 
 
 def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:

@@ -13,25 +13,22 @@ that also covers busy workers.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from celery.worker.control import inspect_command
 
 from worker.process.celery_app import app
-from worker.process.launcher import ROLES
+from worker.process.launcher import ROLE_ENV
 from worker.process.runtime import WorkerRuntime, get_runtime
+from worker.process.settings import load_worker_settings
 
-ROLE_ENV = "ASYNCGRPO_WORKER_ROLE"
 __all__ = ["adapter_versions", "app", "model_info"]
 
 
 def _role() -> str:
-    role = os.environ.get(ROLE_ENV, "")
-    if role not in ROLES:
-        raise ValueError(
-            f"{ROLE_ENV}={role!r} is not a worker role; start workers with `asyncgrpo worker generate|optimize`"
-        )
+    role = load_worker_settings().worker_role  # a value that is not a role raises, naming the variable
+    if role is None:
+        raise ValueError(f"{ROLE_ENV} is not set; start workers with `asyncgrpo worker generate|optimize`")
     return role
 
 

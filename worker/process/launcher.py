@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import get_args
 
-ROLES = ("generate", "optimize")
+from worker.process.settings import WorkerRole, load_worker_settings
+
+ROLES: tuple[str, ...] = get_args(WorkerRole)
+# WorkerSettings.worker_role: how the Celery child (tasks, inspect commands) learns its role.
+ROLE_ENV = "ASYNCGRPO_WORKER_ROLE"
 
 
-def celery_worker_argv(role: str, extra_args: list[str]) -> list[str]:
+def celery_worker_argv(role: str, extra_args: list[str], celery_loglevel: str = "INFO") -> list[str]:
     if role not in ROLES:
         raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
     # A unique node name per process so several workers on one machine can be told apart by `celery inspect`.
@@ -32,17 +37,19 @@ def celery_worker_argv(role: str, extra_args: list[str]) -> list[str]:
         "--hostname",
         node_name,
         "--loglevel",
-        os.environ.get("ASYNCGRPO_CELERY_LOGLEVEL", "INFO"),
+        celery_loglevel,
         *extra_args,
     ]
 
 
 def run_worker(role: str, extra_args: list[str]) -> int:
     """Replace this process with the celery worker (so systemd's signals reach it directly)."""
-    argv = celery_worker_argv(role, extra_args)
+    # Read (and checked) here, so a bad variable fails before Celery starts, with a message naming it.
+    settings = load_worker_settings()
+    argv = celery_worker_argv(role, extra_args, settings.celery_loglevel)
     env = dict(os.environ)
     # SIGTERM (spot preemption, systemctl stop) is handled by worker.process.preemption: a short grace period, then
     # the running task goes back to the queue.
-    env["ASYNCGRPO_WORKER_ROLE"] = role
+    env[ROLE_ENV] = role
     os.execvpe(argv[0], argv, env)
     return 0  # not reached: execvpe replaces the process

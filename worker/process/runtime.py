@@ -87,7 +87,7 @@ class WorkerRuntime:
             cache = AdapterCache(
                 self.bucket,
                 context.run,
-                self.settings.cache_dir / "adapters" / self.settings.worker_id,
+                self.settings.cache / "adapters" / self.settings.worker_id,
                 capacity=context.config.async_.max_staleness + 2,
                 on_evict=lambda version: backend.drop_adapter(f"v{version}"),
             )
@@ -121,8 +121,8 @@ def get_runtime(role: str) -> WorkerRuntime:
         _runtime = WorkerRuntime(
             role=role,
             settings=settings,
-            bucket=open_bucket(settings.bucket_url),
-            client=ProxyClient(settings.proxy_url, settings.token),
+            bucket=open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url),
+            client=ProxyClient(settings.proxy_url, settings.token_value()),
         )
         log.info("worker runtime ready", role=role, worker_id=settings.worker_id, proxy=settings.proxy_url)
     return _runtime

@@ -1,73 +1,66 @@
-"""Worker process settings, read once from the environment (systemd EnvironmentFile, Procfile, shell)."""
+"""Worker process settings, read once from the environment (systemd EnvironmentFile, Procfile, shell).
+
+``WorkerSettings`` is the common base (Redis, bucket, token, logging), the local cache, the generate side's
+section (``worker.generate.settings``) and what only worker processes need. Every variable keeps the name
+and default it had when this was a hand-parsed dataclass.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from proxy.protocol.settings import CacheSettings, CommonSettings
+from worker.generate.settings import GenerateSettings
+
+WorkerRole = Literal["generate", "optimize"]
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as error:
-        raise ValueError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {default}") from error
+def _hostname_pid() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as error:
-        raise ValueError(f"{name}={raw!r} is not an integer") from error
+class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
+    """A generate or optimize worker process (and the ``asyncgrpo worker`` launcher that starts it)."""
 
+    bucket: str = Field("file://work/bucket", pattern=r"^(file|s3)://")
+    """The run's bucket: `file:///abs/path` or `s3://bucket/prefix`."""
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    redis_url: str = field(
-        default_factory=lambda: os.environ.get("ASYNCGRPO_REDIS_URL", "redis://127.0.0.1:6379/0")
-    )
-    """Celery broker (the same Redis the proxy keeps its state in)."""
-    proxy_url: str = field(default_factory=lambda: os.environ.get("ASYNCGRPO_PROXY_URL", "http://127.0.0.1:8700"))
-    """Base URL of the run's proxy."""
-    token: str | None = field(default_factory=lambda: os.environ.get("ASYNCGRPO_TOKEN") or None)
-    """Bearer token shared with the proxy."""
-    bucket_url: str = field(default_factory=lambda: os.environ.get("ASYNCGRPO_BUCKET", "file://work/bucket"))
-    """file://PATH or s3://BUCKET/PREFIX; ASYNCGRPO_S3_ENDPOINT_URL selects an S3-compatible store."""
-    worker_id: str = field(
-        default_factory=lambda: os.environ.get("ASYNCGRPO_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    proxy_url: str = Field("http://127.0.0.1:8700", pattern=r"^https?://")
+    """Base URL of the run's proxy, as the workers reach it."""
+
+    worker_id: str = Field(
+        default_factory=_hostname_pid, min_length=1, json_schema_extra={"shown_default": "<hostname>-<pid>"}
     )
     """Unique name of this worker process in heartbeats, leases, rollouts and metrics."""
-    device: str = field(default_factory=lambda: os.environ.get("ASYNCGRPO_DEVICE", "auto"))
-    """'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'."""
-    generation_backend: str | None = field(
-        default_factory=lambda: os.environ.get("ASYNCGRPO_GENERATION_BACKEND") or None
-    )
-    """Overrides the run config's sampling.backend on this generate worker ('transformers' or 'vllm')."""
-    cache_dir: Path = field(
-        default_factory=lambda: Path(
-            os.environ.get("ASYNCGRPO_CACHE", str(Path.home() / ".cache" / "asyncgrpo"))
-        )
-    )
-    """Local cache of adapters and the tiny model."""
-    visibility_timeout_s: float = field(
-        default_factory=lambda: _env_float("ASYNCGRPO_VISIBILITY_TIMEOUT_S", 1800.0)
-    )
-    """Broker visibility timeout: must exceed the longest task; a killed worker's task returns after it."""
-    restore_interval_s: float = field(default_factory=lambda: _env_float("ASYNCGRPO_RESTORE_INTERVAL_S", 2.0))
-    """How often a worker sweeps for tasks of dead workers whose visibility timeout passed."""
-    soft_shutdown_s: float = field(default_factory=lambda: _env_float("ASYNCGRPO_SOFT_SHUTDOWN_S", 20.0))
-    """On SIGTERM, how long a busy worker may finish its task before handing it back."""
-    heartbeat_s: float = field(default_factory=lambda: _env_float("ASYNCGRPO_HEARTBEAT_S", 5.0))
+
+    worker_role: WorkerRole | None = None
+    """Set by `asyncgrpo worker generate|optimize` for the Celery process it starts; never set it yourself."""
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Device of the model: `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`."""
+
+    visibility_timeout_s: float = Field(1800.0, gt=0.0)
+    """Broker visibility timeout in seconds: must exceed the longest task; a killed worker's task comes back
+    after it."""
+
+    restore_interval_s: float = Field(2.0, gt=0.0)
+    """How often (s) a worker sweeps for tasks of dead workers whose visibility timeout passed."""
+
+    soft_shutdown_s: float = Field(20.0, ge=0.0)
+    """On SIGTERM, how long (s) a busy worker may finish its task before handing it back to the queue."""
+
+    heartbeat_s: float = Field(5.0, gt=0.0, le=3600.0)
     """Seconds between heartbeats to the proxy."""
-    metrics_port: int | None = field(default_factory=lambda: _env_int("ASYNCGRPO_METRICS_PORT", None))
+
+    metrics_port: int | None = Field(None, ge=1, le=65535)
     """Prometheus port of this worker process (unset: no endpoint)."""
+
+    celery_loglevel: str = Field("INFO", pattern=r"(?i)^(debug|info|warning|error|critical)$")
+    """Log level of Celery's own worker lines."""
 
 
 def load_worker_settings() -> WorkerSettings:
