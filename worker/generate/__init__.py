@@ -7,4 +7,5 @@ Modules:
     factory               picks a worker's backend (transformers or vLLM)
     transformers_backend  the transformers + PEFT backend (CPU, or CUDA)
     vllm_backend          the vLLM backend (in its own environment)
+    settings              the generate side's settings (backend override, vLLM engine args)
 """

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from proxy.__main__ import main as proxy_main
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
@@ -40,20 +42,9 @@ def run_create(config_path: Path, run_name: str, bucket: str) -> None:
     click.echo(summary)
 
 
-@main.command()
-@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to coordinate.")
-@click.option("--host", envvar="ASYNCGRPO_PROXY_HOST", default="127.0.0.1", show_default=True)
-@click.option("--port", envvar="ASYNCGRPO_PROXY_PORT", default=8700, show_default=True, type=int)
-@click.option(
-    "--insecure-loopback",
-    is_flag=True,
-    help="Allow running without ASYNCGRPO_TOKEN; only accepted with a loopback --host.",
-)
-def proxy(run_name: str, host: str, port: int, insecure_loopback: bool) -> None:
-    """Run the coordinator of RUN (HTTP API, dispatch, GC)."""
-    from proxy.api.app import serve
-
-    serve(run_name=run_name, host=host, port=port, insecure_loopback=insecure_loopback)
+# One definition of the proxy's options: ``python -m proxy`` and ``asyncgrpo proxy`` are the same command. It
+# imports only click and the proxy's settings, so the CLI still loads without torch.
+main.add_command(proxy_main, "proxy")
 
 
 @main.group()
