@@ -1,6 +1,4 @@
-"""Rebuild of an empty Redis from the bucket: the run's snapshot if there is one, else its versions.
-
-Rebuild, when Redis holds nothing for the run:
+"""Rebuild of an empty Redis from the bucket, when Redis holds nothing for the run (invariant 6):
 
 - no snapshot and no version in the bucket: a fresh run (current = -1, the init step will be sent);
 - no snapshot but versions: start at the latest complete version (the prompt order restarts);
