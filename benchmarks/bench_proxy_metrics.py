@@ -80,7 +80,7 @@ def main() -> None:
             def advance() -> None:
                 clock.advance(0.01)  # ticks stay idle: no lease or task deadline is reached
 
-            timed("tick() accounting (_account_waiting)", args.rounds, coord._account_waiting, advance)
+            timed("tick() accounting (WaitingAccount.account)", args.rounds, coord.accounting.account, advance)
             timed("whole idle tick()", args.rounds, coord.tick, advance)
 
             def lease_and_release() -> None:

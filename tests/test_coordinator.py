@@ -23,7 +23,8 @@ from proxy.coordinator.errors import (
     TaskCancelled,
     UnknownTask,
 )
-from proxy.coordinator.service import Coordinator, normalise_reason
+from proxy.coordinator.rollouts import normalise_reason
+from proxy.coordinator.service import Coordinator
 from proxy.protocol.schemas import HeartbeatRequest
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage import bucket_keys

@@ -1,7 +1,9 @@
 """Every refusal of the coordinator, one exception per non-OK return code of its Lua scripts.
 
-The API maps each to an HTTP status and error code; the worker's client maps the code back to its own
-exception, so a refusal keeps its meaning across the wire.
+The API maps each refusal a worker can meet to an HTTP status and error code; the worker's client maps the
+code back to its own exception, so a refusal keeps its meaning across the wire. The declarations of
+``proxy.coordinator.scripts`` name the exception of each code; the last group below are answers the
+coordinator handles itself (they never reach the API).
 """
 
 from __future__ import annotations
@@ -71,8 +73,38 @@ class SnapshotFailed(CoordinatorError):
     """The snapshot could not be written to the bucket; the change is in Redis but not yet durable."""
 
 
-PUBLISH_CONFLICTS: dict[str, type[PublishConflict]] = {
-    "CAS_LOST": CasLost,
-    "BAD_VERSION": BadVersionNumber,
-    "STEP_NOT_CLAIMED": StepNotClaimed,
-}
+class RolloutTooStale(CoordinatorError):
+    """SUBMIT_ROLLOUT refused a rollout as too stale (its groups were requeued); the coordinator raises the
+    protocol's ``StaleRolloutError`` in its place, which names the versions and the knob to change."""
+
+    def __init__(self, message: str, current: int) -> None:
+        super().__init__(message)
+        self.current = int(current)
+
+
+# ---- answers the coordinator handles itself ----
+
+
+class BufferFull(CoordinatorError):
+    """In-flight plus buffered groups would pass ``async.queue_maxsize``: no generate task now."""
+
+
+class EpochMoved(CoordinatorError):
+    """The prompt order position moved between reading it and dispatching; read it again."""
+
+
+class StepNotReady(CoordinatorError):
+    """No step can be claimed now (one is in flight, or too few groups are buffered)."""
+
+    def __init__(self, message: str, dropped: int) -> None:
+        super().__init__(message)
+        self.dropped = int(dropped)
+        """Groups dropped as too stale on the way (a change even though nothing was claimed)."""
+
+
+class StepNoLongerClaimed(CoordinatorError):
+    """The step was published (or forgotten) between reading it and marking its optimize task sent."""
+
+
+class StateExists(CoordinatorError):
+    """A restore found the run's state already in Redis (another restore won); nothing was written."""

@@ -1,109 +1,74 @@
-"""Snapshot of a run's coordinator state in the bucket, and the rebuild of an empty Redis from it.
+"""Snapshot of a run's coordinator state in the bucket: the document, its writer and its reader.
 
 ``runs/<run>/proxy/snapshot.json`` holds what is needed to go on (invariant 6): the current version and the
 manifest sha256 of each published version, the prompt order position, the requeue line, every admitted and
-not yet trained rollout with its groups, the step in flight, the generate tasks in flight, live leases and
-all counters. The coordinator writes it after every change that matters, always before it tells a worker
-that a rollout was admitted and before it sends any task (so a rebuilt proxy never hands out work twice
-under one name).
-
-Rebuild, when Redis holds nothing for the run:
-
-- no snapshot and no version in the bucket: a fresh run (current = -1, the init step will be sent);
-- no snapshot but versions: start at the latest complete version (the prompt order restarts);
-- a snapshot: restore it; if the bucket holds the version the snapshot's in-flight step was to produce
-  (manifest metadata naming that step and base version), adopt it as current and mark the step's groups
-  trained; otherwise keep the step claimed and send it again. Generate tasks that were in flight are
-  cancelled and their prompts requeued (their broker messages may be gone with Redis); leases that have not
-  expired are restored. Task ids carry an incarnation number bumped by every rebuild, so a task handed out
-  before the crash never shares its id with one handed out after.
-
-Rollout retention survives a rebuild: the snapshot carries the ``rollout_retention`` queue, and a rebuild
-(from a snapshot or from the versions alone) also lists ``runs/<run>/rollouts/`` and queues every object
-that is neither in the restored buffer nor in the restored step in flight, at the restored current version
-(their tasks are finished, cancelled by the rebuild, or unknown to it: none of them can be trained any more).
-So a flushed Redis leaks no rollout object, except one a worker writes after the rebuild for a task the
-rebuilt proxy does not know (its submission is refused). A brand-new run lists nothing.
+not yet trained rollout with its groups, the step in flight, the generate tasks in flight, live leases,
+the rollout retention queue and all counters. The coordinator writes it after every change that matters,
+always before it tells a worker that a rollout was admitted and before it sends any task (so a rebuilt proxy
+never hands out work twice under one name). ``proxy.coordinator.rebuild`` reads it back into an empty Redis.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import Any
 
-import structlog
-
+from proxy.coordinator.errors import SnapshotFailed, StateMissing
+from proxy.coordinator.store import RunStore
 from proxy.storage import bucket_keys
-from proxy.storage.bucket import ObjectNotFound
-from proxy.storage.manifest import latest_complete_version, read_manifest
-
-if TYPE_CHECKING:
-    from proxy.coordinator.service import Coordinator
-
-log = structlog.get_logger()
+from proxy.storage.bucket import Bucket, BucketError, ObjectNotFound
 
 SNAPSHOT_FORMAT = 1
-_MAX_ARGS_PER_OP = 1000
 
 
 class SnapshotCorrupt(Exception):
     """The snapshot in the bucket cannot be read; the message names the key and what to do."""
 
 
-def _pairs(flat: list[str]) -> dict[str, str]:
+def pairs(flat: list[str]) -> dict[str, str]:
+    """A Redis hash as HGETALL flattens it, as a dict."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _groups(items: list[list[Any]]) -> dict[str, dict[str, str]]:
-    return {gid: _pairs(record) for gid, record in items}
+    return {gid: pairs(record) for gid, record in items}
 
 
-def read_state_document(coord: Coordinator) -> dict[str, Any] | None:
+def read_state_document(store: RunStore) -> dict[str, Any] | None:
     """The run's state, read atomically from Redis, as the snapshot document; None if Redis has none."""
-    keys = coord.keys
-    reply = coord.script("READ_SNAPSHOT")(
-        keys=[
-            keys.state,
-            keys.counters,
-            keys.rejected_reasons,
-            keys.versions,
-            keys.requeue,
-            keys.buffer,
-            keys.tasks_inflight,
-            keys.leases,
-            keys.rollout_retention,
-        ],
-        args=[keys.prefix],
-    )
-    if reply[0] == "NO_STATE":
+    try:
+        reply = store.scripts.read_snapshot()
+    except StateMissing:
         return None
-    _, state, counters, reasons, versions, requeue, buffer, tasks, step, leases, retention = reply
+    buffer, tasks, step, leases = reply["buffer"], reply["tasks"], reply["step"], reply["leases"]
     return {
         "format": SNAPSHOT_FORMAT,
-        "run": coord.run,
-        "written_at_ms": coord.clock_ms(),
-        "state": _pairs(state),
-        "counters": _pairs(counters),
-        "rejected_reasons": _pairs(reasons),
-        "versions": _pairs(versions),
-        "requeue": list(requeue),
+        "run": store.run,
+        "written_at_ms": store.clock_ms(),
+        "state": pairs(reply["state"]),
+        "counters": pairs(reply["counters"]),
+        "rejected_reasons": pairs(reply["reasons"]),
+        "versions": pairs(reply["versions"]),
+        "requeue": list(reply["requeue"]),
         "buffer": [
-            {"task_id": tid, "rollout": _pairs(rollout), "groups": _groups(groups)} for tid, rollout, groups in buffer
+            {"task_id": tid, "rollout": pairs(rollout), "groups": _groups(groups)} for tid, rollout, groups in buffer
         ],
         "inflight_tasks": [
-            {"task_id": tid, "task": _pairs(task), "groups": _groups(groups)} for tid, task, groups in tasks
+            {"task_id": tid, "task": pairs(task), "groups": _groups(groups)} for tid, task, groups in tasks
         ],
-        "step": {"record": _pairs(step[0]), "groups": _groups(step[1])} if step else None,
-        "leases": [{"lease_id": lease_id, "lease": _pairs(lease)} for lease_id, lease in leases if lease],
+        "step": {"record": pairs(step[0]), "groups": _groups(step[1])} if step else None,
+        "leases": [{"lease_id": lease_id, "lease": pairs(lease)} for lease_id, lease in leases if lease],
         # task id -> version after which its rollout object may be deleted
-        "rollout_retention": {tid: int(float(score)) for tid, score in _pairs(retention).items()},
+        "rollout_retention": {tid: int(float(score)) for tid, score in pairs(reply["retention"]).items()},
     }
 
 
-def load_snapshot(coord: Coordinator) -> dict[str, Any] | None:
-    key = bucket_keys.proxy_snapshot_key(coord.run)
+def load_snapshot(bucket: Bucket, run: str) -> dict[str, Any] | None:
+    """The run's snapshot document from the bucket; None if there is none."""
+    key = bucket_keys.proxy_snapshot_key(run)
     try:
-        data = coord.bucket.get(key)
+        data = bucket.get(key)
     except ObjectNotFound:
         return None
     try:
@@ -113,204 +78,40 @@ def load_snapshot(coord: Coordinator) -> dict[str, Any] | None:
             f"{key} is not valid JSON ({error}); restore it from a backup, or delete it to restart the run's "
             "prompt order from the latest complete version"
         ) from error
-    if document.get("format") != SNAPSHOT_FORMAT or document.get("run") != coord.run:
+    if document.get("format") != SNAPSHOT_FORMAT or document.get("run") != run:
         raise SnapshotCorrupt(
             f"{key} has format {document.get('format')!r} for run {document.get('run')!r}; this proxy reads "
-            f"format {SNAPSHOT_FORMAT} of run {coord.run!r}"
+            f"format {SNAPSHOT_FORMAT} of run {run!r}"
         )
     return document
 
 
-class _Ops:
-    """Redis writes for the restore script, every value a string."""
+class SnapshotWriter:
+    """Writes the snapshot when the store counted a change since the last one (one writer at a time)."""
 
-    def __init__(self, ttl_s: int) -> None:
-        self.ops: list[list[str]] = []
-        self.ttl_s = str(ttl_s)
+    def __init__(self, store: RunStore, bucket: Bucket) -> None:
+        self.store = store
+        self.bucket = bucket
+        self._lock = threading.Lock()
+        self._written_changes = -1
 
-    def hset(self, key: str, mapping: dict[str, Any], *, retire: bool = False) -> None:
-        flat = [str(part) for item in mapping.items() for part in item]
-        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
-            self.ops.append(["HSET", key, *flat[start : start + _MAX_ARGS_PER_OP]])
-        if retire:
-            self.ops.append(["EXPIRE", key, self.ttl_s])
-
-    def rpush(self, key: str, values: list[Any]) -> None:
-        for start in range(0, len(values), _MAX_ARGS_PER_OP):
-            self.ops.append(["RPUSH", key, *(str(v) for v in values[start : start + _MAX_ARGS_PER_OP])])
-
-    def zadd(self, key: str, scores: dict[str, int]) -> None:
-        flat = [str(part) for member, score in scores.items() for part in (score, member)]
-        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
-            self.ops.append(["ZADD", key, *flat[start : start + _MAX_ARGS_PER_OP]])
-
-
-def _rollout_retention(coord: Coordinator, current: int, known: dict[str, int], needed: set[str]) -> dict[str, int]:
-    """The retention queue of a rebuilt run: every rollout object in the bucket but the ``needed`` ones.
-
-    ``known`` (the snapshot's queue) keeps its versions; any other object is queued at ``current``.
-    Nothing is queued when the run keeps every rollout (``rollout_retention_versions = -1``).
-    """
-    if coord.config.async_.rollout_retention_versions < 0:
-        return {}
-    prefix = bucket_keys.rollouts_prefix(coord.run)
-    queue: dict[str, int] = {}
-    for key in coord.bucket.list(prefix):
-        task_id = key.removeprefix(prefix).removesuffix(".safetensors")
-        # Only objects named exactly as the proxy names rollouts; anything else in the folder is left alone.
-        if "/" in task_id or task_id in needed or not _is_rollout_key(coord.run, task_id, key):
-            continue
-        queue[task_id] = min(known.get(task_id, current), current)
-    return queue
-
-
-def _is_rollout_key(run: str, task_id: str, key: str) -> bool:
-    try:
-        return bucket_keys.rollout_key(run, task_id) == key
-    except ValueError:
-        return False
-
-
-def _adoptable(coord: Coordinator, latest: int | None, step: int, base: int) -> str | None:
-    """The manifest sha256 of version ``step`` if the bucket holds it as the result of that very step."""
-    if latest is None or latest != step:
-        return None
-    manifest, sha = read_manifest(coord.bucket, coord.run, step)
-    meta = manifest.metadata
-    if meta.get("step") == step and meta.get("base_version") == base:
-        return sha
-    return None
-
-
-def _fresh_ops(coord: Coordinator, latest: int | None, now: int) -> tuple[_Ops, str]:
-    ops = _Ops(coord.record_ttl_s)
-    state: dict[str, Any] = {
-        "current_version": -1 if latest is None else latest,
-        "step_inflight": -1,
-        "epoch": 0,
-        "epoch_pos": 0,
-        "task_seq": 0,
-        "groups_inflight": 0,
-        "groups_buffered": 0,
-        # Without a snapshot, tasks from before may be out there: never reuse their ids.
-        "incarnation": 0 if latest is None else now,
-    }
-    if latest is not None:
-        _, sha = read_manifest(coord.bucket, coord.run, latest)
-        ops.hset(coord.keys.versions, {str(latest): sha})
-        # No buffer and no step survive without a snapshot: every rollout in the bucket is finished.
-        ops.zadd(coord.keys.rollout_retention, _rollout_retention(coord, latest, {}, set()))
-    ops.hset(coord.keys.state, state)
-    return ops, "fresh" if latest is None else "rebuilt_from_versions"
-
-
-def _rebuild_ops(coord: Coordinator, document: dict[str, Any], latest: int | None, now: int) -> _Ops:
-    keys = coord.keys
-    ops = _Ops(coord.record_ttl_s)
-    state = dict(document["state"])
-    counters = {name: int(value) for name, value in document["counters"].items()}
-    versions = dict(document["versions"])
-    requeue = list(document["requeue"])
-
-    def count(name: str, amount: int = 1) -> None:
-        counters[name] = counters.get(name, 0) + amount
-
-    # Generate tasks in flight: their messages may have vanished with Redis; cancel and requeue.
-    for item in document["inflight_tasks"]:
-        ops.hset(keys.task(item["task_id"]), {**item["task"], "state": "cancelled", "ended_ms": now}, retire=True)
-        for gid, group in item["groups"].items():
-            if group.get("state") == "inflight":
-                ops.hset(keys.group(gid), {**group, "state": "cancelled", "ended_ms": now}, retire=True)
-                requeue.append(group["prompt_index"])
-                count("groups_cancelled")
-        count("tasks_cancelled")
-    state["groups_inflight"] = 0
-
-    buffered = 0
-    for item in document["buffer"]:
-        tid, rollout = item["task_id"], item["rollout"]
-        ops.hset(keys.rollout(tid), rollout)
-        ops.rpush(keys.buffer, [tid])
-        ops.hset(keys.task(tid), {"state": "admitted", "version": rollout["version"]})
-        for gid, group in item["groups"].items():
-            ops.hset(keys.group(gid), group)
-        buffered += len(item["groups"])
-    state["groups_buffered"] = buffered
-
-    current = int(state["current_version"])
-    # Rollouts of the buffer and of a step kept in flight are still needed; a retention queue never holds them.
-    needed = {item["task_id"] for item in document["buffer"]}
-    known = {tid: int(version) for tid, version in document.get("rollout_retention", {}).items()}
-    step_doc = document.get("step")
-    state["step_inflight"] = -1
-    if step_doc:
-        record = step_doc["record"]
-        step, base = int(record["step"]), int(record["base_version"])
-        task_ids = [ref["task_id"] for ref in json.loads(record["rollouts"])]
-        sha = _adoptable(coord, latest, step, base) if base == current else None
-        if sha is not None:
-            versions[str(step)] = sha
-            state["current_version"] = current = step
-            ops.hset(keys.step(step), {**record, "state": "published", "published_ms": now}, retire=True)
-            for gid, group in step_doc["groups"].items():
-                ops.hset(keys.group(gid), {**group, "state": "trained", "ended_ms": now}, retire=True)
-            for tid in task_ids:
-                ops.hset(keys.task(tid), {"state": "admitted"}, retire=True)
-            count("groups_trained", len(step_doc["groups"]))
-            count("publish")
-            known.update({tid: step for tid in task_ids})  # trained into version ``step``
-            log.warning("proxy.rebuild_adopted_version", version=step, base_version=base)
-        else:
-            ops.hset(keys.step(step), {**record, "sent_ms": 0})
-            for gid, group in step_doc["groups"].items():
-                ops.hset(keys.group(gid), group)
-            for tid in task_ids:
-                ops.hset(keys.task(tid), {"state": "admitted"})
-            state["step_inflight"] = step
-            needed.update(task_ids)
-    ops.zadd(keys.rollout_retention, _rollout_retention(coord, current, known, needed))
-    if latest is not None and latest > current:
-        log.error(
-            "proxy.rebuild_version_not_adopted",
-            latest_in_bucket=latest,
-            current=current,
-            hint="the bucket holds a version this run's snapshot does not explain; inspect it before going on",
-        )
-
-    for item in document["leases"]:
-        lease = item["lease"]
-        expires = int(lease["expires_ms"])
-        if expires > now:
-            ops.hset(keys.lease(item["lease_id"]), lease)
-            ops.ops.append(["PEXPIRE", keys.lease(item["lease_id"]), str(expires - now)])
-            ops.ops.append(["ZADD", keys.leases, str(expires), item["lease_id"]])
-
-    if versions:
-        ops.hset(keys.versions, versions)
-    if counters:
-        ops.hset(keys.counters, counters)
-    if document["rejected_reasons"]:
-        ops.hset(keys.rejected_reasons, document["rejected_reasons"])
-    ops.rpush(keys.requeue, requeue)
-    state["incarnation"] = int(state.get("incarnation", 0)) + 1
-    ops.hset(keys.state, state)
-    return ops
-
-
-def restore_state(coord: Coordinator) -> str:
-    """Write the run's state into an empty Redis; returns 'fresh', 'rebuilt', 'rebuilt_from_versions' or
-    'present' (someone else restored it first)."""
-    now = coord.clock_ms()
-    document = load_snapshot(coord)
-    latest = latest_complete_version(coord.bucket, coord.run)
-    if document is None:
-        ops, outcome = _fresh_ops(coord, latest, now)
-    else:
-        ops, outcome = _rebuild_ops(coord, document, latest, now), "rebuilt"
-    reply = coord.script("RESTORE_STATE")(
-        keys=[coord.keys.state], args=[coord.keys.prefix, json.dumps(ops.ops, separators=(",", ":"))]
-    )
-    if reply[0] == "EXISTS":
-        return "present"
-    log.info("proxy.state_restored", run=coord.run, outcome=outcome, latest_in_bucket=latest, ops=int(reply[1]))
-    return outcome
+    def write(self, *, force: bool = False) -> bool:
+        """Write ``runs/<run>/proxy/snapshot.json`` if anything changed since the last one; True if written."""
+        with self._lock:
+            target = self.store.changes
+            if not force and target == self._written_changes:
+                return False
+            document = read_state_document(self.store)
+            if document is None:
+                return False
+            try:
+                self.bucket.put(
+                    bucket_keys.proxy_snapshot_key(self.store.run),
+                    json.dumps(document, separators=(",", ":"), sort_keys=True).encode(),
+                )
+            except (BucketError, OSError) as error:
+                raise SnapshotFailed(
+                    f"could not write the proxy snapshot of run {self.store.run!r}: {error}"
+                ) from error
+            self._written_changes = target
+            return True

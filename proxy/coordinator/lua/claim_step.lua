@@ -1,0 +1,59 @@
+-- claim_step: drop too-stale buffered rollouts, then claim the oldest ones for step current+1
+-- (or claim the init step 0 from base -1 when no version exists yet).
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] buffer  KEYS[5] rollout_retention
+-- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] groups_needed  ARGV[4] max_staleness  ARGV[5] record_ttl_s
+-- ARGV[6] track: rollouts for retention ("1") or keep them all ("0")
+-- returns {"OK", step, base_version, rollouts_json, claimed, dropped}
+--   claimed = "version:admitted_ms:groups,..." per claimed rollout
+--   | {"NOT_READY", why, dropped} | {"NO_STATE"}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local now, needed, max_staleness, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+if num(KEYS[1], 'step_inflight', -1) >= 0 then return {'NOT_READY', 'a step is in flight', 0} end
+local current = num(KEYS[1], 'current_version', -1)
+if current < 0 then
+  redis.call('HSET', key(STEP, 0), 'step', 0, 'base_version', -1, 'rollouts', '[]', 'claimed_ms', now,
+    'sent_ms', 0, 'state', 'claimed', 'groups', 0)
+  redis.call('HSET', KEYS[1], 'step_inflight', 0)
+  redis.call('HINCRBY', KEYS[2], 'steps_claimed', 1)
+  return {'OK', 0, -1, '[]', '', 0}
+end
+local dropped = 0
+for _, tid in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+  local rk = key(ROLLOUT, tid)
+  if current - num(rk, 'version', 0) > max_staleness then
+    redis.call('LREM', KEYS[4], 1, tid)
+    local gids = cjson.decode(redis.call('HGET', rk, 'group_ids'))
+    for _, gid in ipairs(gids) do end_group(gid, 'stale', now, ttl, KEYS[3]) end
+    redis.call('HINCRBY', KEYS[1], 'groups_buffered', -#gids)
+    redis.call('HINCRBY', KEYS[2], 'groups_stale', #gids)
+    redis.call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
+    redis.call('HSET', rk, 'state', 'stale')
+    retire(rk, ttl)
+    retire(key(TASK, tid), ttl)
+    retain_until(KEYS[5], ARGV[6], tid, current)
+    dropped = dropped + #gids
+  end
+end
+if num(KEYS[1], 'groups_buffered', 0) < needed then return {'NOT_READY', 'too few groups buffered', dropped} end
+local step = current + 1
+local refs, claimed, total = {}, {}, 0
+while total < needed do
+  local tid = redis.call('LPOP', KEYS[4])
+  if not tid then break end
+  local rk = key(ROLLOUT, tid)
+  local gids = cjson.decode(redis.call('HGET', rk, 'group_ids'))
+  for _, gid in ipairs(gids) do redis.call('HSET', key(GROUP, gid), 'state', 'claimed', 'step', step) end
+  refs[#refs + 1] = redis.call('HGET', rk, 'ref')
+  local r = redis.call('HMGET', rk, 'version', 'admitted_ms')
+  claimed[#claimed + 1] = r[1] .. ':' .. r[2] .. ':' .. #gids
+  redis.call('HSET', rk, 'state', 'claimed', 'step', step)
+  total = total + #gids
+end
+local rollouts = '[' .. table.concat(refs, ',') .. ']'
+redis.call('HINCRBY', KEYS[1], 'groups_buffered', -total)
+redis.call('HSET', key(STEP, step), 'step', step, 'base_version', current, 'rollouts', rollouts, 'claimed_ms', now,
+  'sent_ms', 0, 'state', 'claimed', 'groups', total)
+redis.call('HSET', KEYS[1], 'step_inflight', step)
+redis.call('HINCRBY', KEYS[2], 'steps_claimed', 1)
+redis.call('HINCRBY', KEYS[2], 'groups_claimed', total)
+return {'OK', step, current, rollouts, table.concat(claimed, ','), dropped}

@@ -1,0 +1,46 @@
+-- dispatch_generate: create one generate task; requeued prompts first, then the epoch permutation.
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] tasks_inflight
+-- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] deadline_ms  ARGV[4] groups_per_task  ARGV[5] queue_maxsize
+-- ARGV[6] epoch (expected)  ARGV[7] epoch_pos (expected)  ARGV[8] num_prompts  ARGV[9] run
+-- ARGV[10..] candidates: groups_per_task prompt indices of the permutation from (epoch, epoch_pos) on
+-- returns {"OK", task_id, groups_json} | {"NO_ROOM"} (buffer full) | {"RETRY"} (epoch_pos moved)
+--   | {"NO_STATE"}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local now, k, n = ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[8])
+if #ARGV - 9 < k then return redis.error_reply('dispatch_generate: fewer candidates than groups_per_task') end
+local inflight, buffered = num(KEYS[1], 'groups_inflight', 0), num(KEYS[1], 'groups_buffered', 0)
+if inflight + buffered + k > tonumber(ARGV[5]) then return {'NO_ROOM'} end
+local epoch, pos = num(KEYS[1], 'epoch', 0), num(KEYS[1], 'epoch_pos', 0)
+if epoch ~= tonumber(ARGV[6]) or pos ~= tonumber(ARGV[7]) then return {'RETRY'} end
+local seq = redis.call('HINCRBY', KEYS[1], 'task_seq', 1)
+local task_id = 'gen-' .. ARGV[9] .. '-' .. num(KEYS[1], 'incarnation', 0) .. '-' .. string.format('%08d', seq)
+local indices, from_requeue, used = {}, 0, 0
+while #indices < k do
+  local idx = redis.call('LPOP', KEYS[3])
+  if not idx then break end
+  indices[#indices + 1] = idx
+  from_requeue = from_requeue + 1
+end
+while #indices < k do
+  used = used + 1
+  indices[#indices + 1] = ARGV[9 + used]
+end
+pos = pos + used
+while pos >= n do pos = pos - n; epoch = epoch + 1 end
+local gids, parts = {}, {}
+for i, idx in ipairs(indices) do
+  local gid = task_id .. '.' .. (i - 1)
+  gids[i] = gid
+  redis.call('HSET', key(GROUP, gid), 'prompt_index', idx, 'state', 'inflight', 'task_id', task_id,
+    'dispatched_ms', now)
+  parts[i] = '{"group_id":"' .. gid .. '","prompt_index":' .. idx .. '}'
+end
+redis.call('HSET', key(TASK, task_id), 'state', 'inflight', 'group_ids', '["' .. table.concat(gids, '","') .. '"]',
+  'dispatched_ms', now, 'deadline_ms', ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[3], task_id)
+redis.call('HINCRBY', KEYS[1], 'groups_inflight', k)
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'epoch_pos', pos)
+redis.call('HINCRBY', KEYS[2], 'tasks_dispatched', 1)
+redis.call('HINCRBY', KEYS[2], 'groups_dispatched', k)
+redis.call('HINCRBY', KEYS[2], 'groups_requeue_served', from_requeue)
+return {'OK', task_id, '[' .. table.concat(parts, ',') .. ']'}

@@ -1,0 +1,17 @@
+-- restore_state: write a whole run state (fresh or rebuilt from the bucket) iff the run has none.
+-- KEYS[1] state
+-- ARGV[1] prefix  ARGV[2] ops_json: [[command, key, args...], ...] with command in HSET, RPUSH, ZADD,
+--   PEXPIRE, EXPIRE and every key under the prefix; the ops must write the state key
+-- returns {"OK", applied} (ops) | {"EXISTS"} (a state is already there; nothing written)
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'EXISTS'} end
+local allowed = {HSET = true, RPUSH = true, ZADD = true, PEXPIRE = true, EXPIRE = true}
+local ops = cjson.decode(ARGV[2])
+for i, op in ipairs(ops) do
+  if not allowed[op[1]] then return redis.error_reply('restore_state: op ' .. i .. ' uses ' .. tostring(op[1])) end
+  if string.sub(op[2], 1, #PREFIX) ~= PREFIX then
+    return redis.error_reply('restore_state: op ' .. i .. ' writes ' .. op[2] .. ' outside the run')
+  end
+end
+for _, op in ipairs(ops) do redis.call(unpack(op)) end
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('restore_state: the ops wrote no state') end
+return {'OK', #ops}

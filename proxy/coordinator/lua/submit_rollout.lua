@@ -1,0 +1,95 @@
+-- submit_rollout: admit a generate task's rollout iff current - version <= max_staleness.
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] requeue  KEYS[5] tasks_inflight
+-- KEYS[6] buffer  KEYS[7] rollout_retention
+-- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] max_staleness  ARGV[4] record_ttl_s  ARGV[5] task_id
+-- ARGV[6] worker_id  ARGV[7] version  ARGV[8] ref_json: the rollout ref (as the optimize task will carry it)
+-- ARGV[9] admitted_json: group ids  ARGV[10] rejected_json: [[group_id, reason], ...]
+-- ARGV[11] omitted_reason: recorded for groups of the task the submission does not mention
+-- ARGV[12] track: rollouts for retention ("1") or keep them all ("0")
+-- a refused late or repeated submission (STALE, CANCELLED, DUPLICATE of a finished rollout) puts its
+-- rollout object, possibly written again just now, back under retention
+-- returns {"OK", current} | {"DUPLICATE", current} | {"STALE", current} (groups requeued)
+--   | {"CANCELLED"} | {"UNKNOWN_TASK"} | {"BAD_ROLLOUT", message} (nothing changed) | {"NO_STATE"}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local now, max_staleness, ttl, tid = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local track = ARGV[12]
+local tk = key(TASK, tid)
+local tstate = redis.call('HGET', tk, 'state')
+local current = num(KEYS[1], 'current_version', -1)
+if not tstate then return {'UNKNOWN_TASK'} end
+if tstate == 'admitted' then
+  redis.call('HINCRBY', KEYS[2], 'rollouts_duplicate', 1)
+  local rstate = redis.call('HGET', key(ROLLOUT, tid), 'state')
+  if rstate ~= 'buffered' and rstate ~= 'claimed' then retain_until(KEYS[7], track, tid, current) end
+  return {'DUPLICATE', current}
+end
+if tstate == 'stale' then
+  retain_until(KEYS[7], track, tid, current)
+  return {'STALE', current}
+end
+if tstate ~= 'inflight' then
+  retain_until(KEYS[7], track, tid, current)
+  return {'CANCELLED'}
+end
+local version = tonumber(ARGV[7])
+if version > current then
+  return {'BAD_ROLLOUT', 'rollout version v' .. version .. ' is newer than the current version v' .. current}
+end
+local task_groups = cjson.decode(redis.call('HGET', tk, 'group_ids'))
+local member, fate = {}, {}
+for _, gid in ipairs(task_groups) do member[gid] = true end
+for _, gid in ipairs(cjson.decode(ARGV[9])) do
+  if not member[gid] then return {'BAD_ROLLOUT', 'group ' .. gid .. ' is not part of task ' .. tid} end
+  if fate[gid] then return {'BAD_ROLLOUT', 'group ' .. gid .. ' is listed twice'} end
+  fate[gid] = true
+end
+for _, pair in ipairs(cjson.decode(ARGV[10])) do
+  local gid = pair[1]
+  if not member[gid] then return {'BAD_ROLLOUT', 'group ' .. gid .. ' is not part of task ' .. tid} end
+  if fate[gid] then return {'BAD_ROLLOUT', 'group ' .. gid .. ' is listed twice'} end
+  fate[gid] = pair[2]
+end
+local stale = current - version > max_staleness
+local admitted, rejected, dropped = {}, 0, 0
+for _, gid in ipairs(task_groups) do
+  local f = fate[gid] or ARGV[11]
+  if f == true then
+    if stale then
+      end_group(gid, 'stale', now, ttl, KEYS[4])
+      dropped = dropped + 1
+    else
+      redis.call('HSET', key(GROUP, gid), 'state', 'buffered', 'version', version, 'admitted_ms', now)
+      admitted[#admitted + 1] = gid
+    end
+  else
+    redis.call('HSET', key(GROUP, gid), 'reason', f)
+    end_group(gid, 'rejected', now, ttl, nil)
+    redis.call('HINCRBY', KEYS[3], f, 1)
+    rejected = rejected + 1
+  end
+end
+redis.call('ZREM', KEYS[5], tid)
+redis.call('HINCRBY', KEYS[1], 'groups_inflight', -#task_groups)
+redis.call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
+if stale then
+  redis.call('HSET', tk, 'state', 'stale', 'version', version, 'worker_id', ARGV[6], 'ended_ms', now)
+  retire(tk, ttl)
+  redis.call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
+  redis.call('HINCRBY', KEYS[2], 'groups_stale', dropped)
+  retain_until(KEYS[7], track, tid, current)
+  return {'STALE', current}
+end
+redis.call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'ended_ms', now)
+if #admitted > 0 then
+  redis.call('HSET', key(ROLLOUT, tid), 'ref', ARGV[8], 'version', version, 'admitted_ms', now,
+    'group_ids', ARGV[9], 'groups', #admitted, 'worker_id', ARGV[6], 'state', 'buffered')
+  redis.call('RPUSH', KEYS[6], tid)
+  redis.call('HINCRBY', KEYS[1], 'groups_buffered', #admitted)
+else
+  -- every group rejected: nothing of this rollout will be trained
+  retire(tk, ttl)
+  retain_until(KEYS[7], track, tid, current)
+end
+redis.call('HINCRBY', KEYS[2], 'rollouts_admitted', 1)
+redis.call('HINCRBY', KEYS[2], 'groups_admitted', #admitted)
+return {'OK', current}

@@ -1,0 +1,242 @@
+"""Rebuild of an empty Redis from the bucket, when Redis holds nothing for the run (invariant 6):
+
+- no snapshot and no version in the bucket: a fresh run (current = -1, the init step will be sent);
+- no snapshot but versions: start at the latest complete version (the prompt order restarts);
+- a snapshot: restore it; if the bucket holds the version the snapshot's in-flight step was to produce
+  (manifest metadata naming that step and base version), adopt it as current and mark the step's groups
+  trained; otherwise keep the step claimed and send it again. Generate tasks that were in flight are
+  cancelled and their prompts requeued (their broker messages may be gone with Redis); leases that have not
+  expired are restored. Task ids carry an incarnation number bumped by every rebuild, so a task handed out
+  before the crash never shares its id with one handed out after.
+
+Rollout retention survives a rebuild: the snapshot carries the ``rollout_retention`` queue, and a rebuild
+(from a snapshot or from the versions alone) also lists ``runs/<run>/rollouts/`` and queues every object
+that is neither in the restored buffer nor in the restored step in flight, at the restored current version
+(their tasks are finished, cancelled by the rebuild, or unknown to it: none of them can be trained any more).
+So a flushed Redis leaks no rollout object, except one a worker writes after the rebuild for a task the
+rebuilt proxy does not know (its submission is refused). A brand-new run lists nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from proxy.coordinator.errors import StateExists
+from proxy.coordinator.snapshot import load_snapshot
+from proxy.coordinator.store import RunStore
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket
+from proxy.storage.manifest import latest_complete_version, read_manifest
+
+log = structlog.get_logger()
+
+_MAX_ARGS_PER_OP = 1000
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """What a rebuild reads: the store it writes into, the bucket and the run's config."""
+
+    store: RunStore
+    bucket: Bucket
+    config: RunConfig
+
+
+class _Ops:
+    """Redis writes for the restore script, every value a string."""
+
+    def __init__(self, ttl_s: int) -> None:
+        self.ops: list[list[str]] = []
+        self.ttl_s = str(ttl_s)
+
+    def hset(self, key: str, mapping: dict[str, Any], *, retire: bool = False) -> None:
+        flat = [str(part) for item in mapping.items() for part in item]
+        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
+            self.ops.append(["HSET", key, *flat[start : start + _MAX_ARGS_PER_OP]])
+        if retire:
+            self.ops.append(["EXPIRE", key, self.ttl_s])
+
+    def rpush(self, key: str, values: list[Any]) -> None:
+        for start in range(0, len(values), _MAX_ARGS_PER_OP):
+            self.ops.append(["RPUSH", key, *(str(v) for v in values[start : start + _MAX_ARGS_PER_OP])])
+
+    def zadd(self, key: str, scores: dict[str, int]) -> None:
+        flat = [str(part) for member, score in scores.items() for part in (score, member)]
+        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
+            self.ops.append(["ZADD", key, *flat[start : start + _MAX_ARGS_PER_OP]])
+
+
+def _rollout_retention(src: _Sources, current: int, known: dict[str, int], needed: set[str]) -> dict[str, int]:
+    """The retention queue of a rebuilt run: every rollout object in the bucket but the ``needed`` ones.
+
+    ``known`` (the snapshot's queue) keeps its versions; any other object is queued at ``current``.
+    Nothing is queued when the run keeps every rollout (``rollout_retention_versions = -1``).
+    """
+    if src.config.async_.rollout_retention_versions < 0:
+        return {}
+    prefix = bucket_keys.rollouts_prefix(src.store.run)
+    queue: dict[str, int] = {}
+    for key in src.bucket.list(prefix):
+        task_id = key.removeprefix(prefix).removesuffix(".safetensors")
+        # Only objects named exactly as the proxy names rollouts; anything else in the folder is left alone.
+        if "/" in task_id or task_id in needed or not _is_rollout_key(src.store.run, task_id, key):
+            continue
+        queue[task_id] = min(known.get(task_id, current), current)
+    return queue
+
+
+def _is_rollout_key(run: str, task_id: str, key: str) -> bool:
+    try:
+        return bucket_keys.rollout_key(run, task_id) == key
+    except ValueError:
+        return False
+
+
+def _adoptable(src: _Sources, latest: int | None, step: int, base: int) -> str | None:
+    """The manifest sha256 of version ``step`` if the bucket holds it as the result of that very step."""
+    if latest is None or latest != step:
+        return None
+    manifest, sha = read_manifest(src.bucket, src.store.run, step)
+    meta = manifest.metadata
+    if meta.get("step") == step and meta.get("base_version") == base:
+        return sha
+    return None
+
+
+def _fresh_ops(src: _Sources, latest: int | None, now: int) -> tuple[_Ops, str]:
+    ops = _Ops(src.store.record_ttl_s)
+    state: dict[str, Any] = {
+        "current_version": -1 if latest is None else latest,
+        "step_inflight": -1,
+        "epoch": 0,
+        "epoch_pos": 0,
+        "task_seq": 0,
+        "groups_inflight": 0,
+        "groups_buffered": 0,
+        # Without a snapshot, tasks from before may be out there: never reuse their ids.
+        "incarnation": 0 if latest is None else now,
+    }
+    if latest is not None:
+        _, sha = read_manifest(src.bucket, src.store.run, latest)
+        ops.hset(src.store.keys.versions, {str(latest): sha})
+        # No buffer and no step survive without a snapshot: every rollout in the bucket is finished.
+        ops.zadd(src.store.keys.rollout_retention, _rollout_retention(src, latest, {}, set()))
+    ops.hset(src.store.keys.state, state)
+    return ops, "fresh" if latest is None else "rebuilt_from_versions"
+
+
+def _rebuild_ops(src: _Sources, document: dict[str, Any], latest: int | None, now: int) -> _Ops:
+    keys = src.store.keys
+    ops = _Ops(src.store.record_ttl_s)
+    state = dict(document["state"])
+    counters = {name: int(value) for name, value in document["counters"].items()}
+    versions = dict(document["versions"])
+    requeue = list(document["requeue"])
+
+    def count(name: str, amount: int = 1) -> None:
+        counters[name] = counters.get(name, 0) + amount
+
+    # Generate tasks in flight: their messages may have vanished with Redis; cancel and requeue.
+    for item in document["inflight_tasks"]:
+        ops.hset(keys.task(item["task_id"]), {**item["task"], "state": "cancelled", "ended_ms": now}, retire=True)
+        for gid, group in item["groups"].items():
+            if group.get("state") == "inflight":
+                ops.hset(keys.group(gid), {**group, "state": "cancelled", "ended_ms": now}, retire=True)
+                requeue.append(group["prompt_index"])
+                count("groups_cancelled")
+        count("tasks_cancelled")
+    state["groups_inflight"] = 0
+
+    buffered = 0
+    for item in document["buffer"]:
+        tid, rollout = item["task_id"], item["rollout"]
+        ops.hset(keys.rollout(tid), rollout)
+        ops.rpush(keys.buffer, [tid])
+        ops.hset(keys.task(tid), {"state": "admitted", "version": rollout["version"]})
+        for gid, group in item["groups"].items():
+            ops.hset(keys.group(gid), group)
+        buffered += len(item["groups"])
+    state["groups_buffered"] = buffered
+
+    current = int(state["current_version"])
+    # Rollouts of the buffer and of a step kept in flight are still needed; a retention queue never holds them.
+    needed = {item["task_id"] for item in document["buffer"]}
+    known = {tid: int(version) for tid, version in document.get("rollout_retention", {}).items()}
+    step_doc = document.get("step")
+    state["step_inflight"] = -1
+    if step_doc:
+        record = step_doc["record"]
+        step, base = int(record["step"]), int(record["base_version"])
+        task_ids = [ref["task_id"] for ref in json.loads(record["rollouts"])]
+        sha = _adoptable(src, latest, step, base) if base == current else None
+        if sha is not None:
+            versions[str(step)] = sha
+            state["current_version"] = current = step
+            ops.hset(keys.step(step), {**record, "state": "published", "published_ms": now}, retire=True)
+            for gid, group in step_doc["groups"].items():
+                ops.hset(keys.group(gid), {**group, "state": "trained", "ended_ms": now}, retire=True)
+            for tid in task_ids:
+                ops.hset(keys.task(tid), {"state": "admitted"}, retire=True)
+            count("groups_trained", len(step_doc["groups"]))
+            count("publish")
+            known.update({tid: step for tid in task_ids})  # trained into version ``step``
+            log.warning("proxy.rebuild_adopted_version", version=step, base_version=base)
+        else:
+            ops.hset(keys.step(step), {**record, "sent_ms": 0})
+            for gid, group in step_doc["groups"].items():
+                ops.hset(keys.group(gid), group)
+            for tid in task_ids:
+                ops.hset(keys.task(tid), {"state": "admitted"})
+            state["step_inflight"] = step
+            needed.update(task_ids)
+    ops.zadd(keys.rollout_retention, _rollout_retention(src, current, known, needed))
+    if latest is not None and latest > current:
+        log.error(
+            "proxy.rebuild_version_not_adopted",
+            latest_in_bucket=latest,
+            current=current,
+            hint="the bucket holds a version this run's snapshot does not explain; inspect it before going on",
+        )
+
+    for item in document["leases"]:
+        lease = item["lease"]
+        expires = int(lease["expires_ms"])
+        if expires > now:
+            ops.hset(keys.lease(item["lease_id"]), lease)
+            ops.ops.append(["PEXPIRE", keys.lease(item["lease_id"]), str(expires - now)])
+            ops.ops.append(["ZADD", keys.leases, str(expires), item["lease_id"]])
+
+    if versions:
+        ops.hset(keys.versions, versions)
+    if counters:
+        ops.hset(keys.counters, counters)
+    if document["rejected_reasons"]:
+        ops.hset(keys.rejected_reasons, document["rejected_reasons"])
+    ops.rpush(keys.requeue, requeue)
+    state["incarnation"] = int(state.get("incarnation", 0)) + 1
+    ops.hset(keys.state, state)
+    return ops
+
+
+def restore_state(store: RunStore, bucket: Bucket, config: RunConfig) -> str:
+    """Write the run's state into an empty Redis; returns 'fresh', 'rebuilt', 'rebuilt_from_versions' or
+    'present' (someone else restored it first)."""
+    src = _Sources(store, bucket, config)
+    now = store.clock_ms()
+    document = load_snapshot(bucket, store.run)
+    latest = latest_complete_version(bucket, store.run)
+    if document is None:
+        ops, outcome = _fresh_ops(src, latest, now)
+    else:
+        ops, outcome = _rebuild_ops(src, document, latest, now), "rebuilt"
+    try:
+        reply = store.scripts.restore_state(ops_json=json.dumps(ops.ops, separators=(",", ":")))
+    except StateExists:
+        return "present"
+    log.info("proxy.state_restored", run=store.run, outcome=outcome, latest_in_bucket=latest, ops=int(reply["applied"]))
+    return outcome

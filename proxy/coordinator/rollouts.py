@@ -1,0 +1,93 @@
+"""Rollout submission: admit a generate task's rollout into the buffer iff it is fresh enough.
+
+A rollout made with version ``n`` is admitted iff ``current - n <= async.max_staleness`` (invariant 2);
+a stale one is counted and its prompts are requeued. Groups the worker rejected (bad input) end with a
+normalised reason; groups the submission does not mention end as ``missing_from_rollout``. The snapshot is
+written before the worker hears "admitted", so an admitted rollout survives a proxy crash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from proxy.coordinator.errors import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
+from proxy.coordinator.retention import track_flag
+from proxy.coordinator.snapshot import SnapshotWriter
+from proxy.coordinator.store import RunStore
+from proxy.protocol.schemas import RolloutSubmission, SubmitResult
+from proxy.protocol.staleness import StaleRolloutError
+from proxy.run.config import AsyncConfig
+from proxy.storage import bucket_keys
+
+MAX_REJECT_REASONS = 32
+"""Distinct rejection reasons kept as metric labels; further ones are counted as 'other'."""
+OMITTED_GROUP_REASON = "missing_from_rollout"
+
+
+def normalise_reason(reason: str) -> str:
+    """A rejection reason as a bounded metric label: lower-case ``[a-z0-9_]``, at most 40 characters."""
+    label = re.sub(r"[^a-z0-9_]+", "_", reason.strip().lower()).strip("_")[:40]
+    return label or "unspecified"
+
+
+class RolloutIntake:
+    """Admits (or refuses) the rollouts of one run."""
+
+    def __init__(self, store: RunStore, async_config: AsyncConfig, snapshots: SnapshotWriter) -> None:
+        self.store = store
+        self.config = async_config
+        self.snapshots = snapshots
+
+    def _rejected(self, submission: RolloutSubmission) -> list[list[str]]:
+        """[[group_id, reason], ...] with reasons normalised and capped at MAX_REJECT_REASONS labels."""
+        known_reasons = set(self.store.redis.hkeys(self.store.keys.rejected_reasons))
+        rejected = []
+        for item in submission.rejected_groups:
+            reason = normalise_reason(item.reason)
+            if reason not in known_reasons and len(known_reasons) >= MAX_REJECT_REASONS:
+                reason = "other"
+            rejected.append([item.group_id, reason])
+        return rejected
+
+    def submit(self, submission: RolloutSubmission) -> SubmitResult:
+        """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout."""
+        store = self.store
+        expected_key = bucket_keys.rollout_key(store.run, submission.task_id)
+        if submission.key != expected_key:
+            raise BadRollout(f"rollout key {submission.key!r} must be {expected_key!r} for task {submission.task_id}")
+        ref = {
+            "task_id": submission.task_id,
+            "key": submission.key,
+            "sha256": submission.sha256,
+            "version": submission.version,
+            "group_ids": submission.group_ids,
+        }
+        try:
+            reply = store.scripts.submit_rollout(
+                now_ms=store.clock_ms(),
+                max_staleness=self.config.max_staleness,
+                record_ttl_s=store.record_ttl_s,
+                task_id=submission.task_id,
+                worker_id=submission.worker_id,
+                version=submission.version,
+                ref_json=json.dumps(ref, separators=(",", ":")),
+                admitted_json=json.dumps(submission.group_ids),
+                rejected_json=json.dumps(self._rejected(submission)),
+                omitted_reason=OMITTED_GROUP_REASON,
+                track=track_flag(self.config),
+            )
+        except RolloutTooStale as stale:
+            store.mark_changed()
+            self.snapshots.write()
+            raise StaleRolloutError(submission.version, stale.current, self.config.max_staleness) from None
+        except UnknownTask:
+            raise
+        except TaskCancelled:
+            store.mark_changed()  # its rollout went (back) under retention
+            raise
+        # A duplicate may have put a finished rollout back under retention.
+        store.mark_changed()
+        # Admitted (or admitted before): durable in the bucket before the worker hears so.
+        self.snapshots.write()
+        return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")

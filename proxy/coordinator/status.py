@@ -1,0 +1,82 @@
+"""Reading a run's state for people and tools: ``/v1/status`` and ``/v1/run`` (nothing here writes)."""
+
+from __future__ import annotations
+
+from proxy.coordinator.store import RunStore
+from proxy.coordinator.workers import Workers
+from proxy.protocol.schemas import LeaseRecord, RunInfo, StatusResponse
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+
+
+def run_info(store: RunStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
+    """What ``/v1/run`` tells a worker: the run's inputs with their digests, so it can verify what it reads."""
+    return RunInfo(
+        run=store.run,
+        config_key=bucket_keys.config_key(store.run),
+        config_sha256=config_sha256,
+        prompts_key=bucket_keys.prompts_key(store.run),
+        prompts_sha256=prompts_sha256,
+        num_prompts=num_prompts,
+        current_version=store.current_version(),
+    )
+
+
+def _live_leases(store: RunStore, leases: list[tuple[str, float]]) -> list[LeaseRecord]:
+    pipe = store.redis.pipeline(transaction=False)
+    for lease_id, _ in leases:
+        pipe.hgetall(store.keys.lease(lease_id))
+    return [
+        LeaseRecord(
+            lease_id=lease_id,
+            version=int(rec["version"]),
+            worker_id=rec["worker_id"],
+            task_id=rec["task_id"],
+            expires_at=expires / 1000.0,
+        )
+        for (lease_id, expires), rec in zip(leases, pipe.execute(), strict=True)
+        if rec
+    ]
+
+
+def status(store: RunStore, config: RunConfig, workers: Workers) -> StatusResponse:
+    """The run's state and counters, read in one transaction (leases and workers just after)."""
+    keys = store.keys
+    now = store.clock_ms()
+    pipe = store.redis.pipeline(transaction=True)
+    pipe.hgetall(keys.state)
+    pipe.hgetall(keys.counters)
+    pipe.hgetall(keys.rejected_reasons)
+    pipe.llen(keys.requeue)
+    pipe.zcard(keys.tasks_inflight)
+    pipe.zrangebyscore(keys.leases, f"({now}", "+inf", withscores=True)
+    state, counters, reasons, requeued, tasks, leases = pipe.execute()
+    lease_records = _live_leases(store, leases)
+    alive: dict[str, int] = {}
+    for worker in workers.list():
+        if worker.alive:
+            alive[worker.role] = alive.get(worker.role, 0) + 1
+    step_inflight = int(state.get("step_inflight", -1))
+    current = int(state.get("current_version", -1))
+    return StatusResponse(
+        run=store.run,
+        current_version=current,
+        final_version=config.final_version,
+        finished=current >= config.final_version,
+        step_inflight=step_inflight if step_inflight >= 0 else None,
+        epoch=int(state.get("epoch", 0)),
+        epoch_pos=int(state.get("epoch_pos", 0)),
+        groups_buffered=int(state.get("groups_buffered", 0)),
+        groups_inflight=int(state.get("groups_inflight", 0)),
+        groups_requeued=requeued,
+        tasks_inflight=tasks,
+        counters={k: int(v) for k, v in counters.items()},
+        rejected_by_reason={k: int(v) for k, v in reasons.items()},
+        leases=lease_records,
+        workers_alive_by_role=alive,
+    )
+
+
+def group_record(store: RunStore, group_id: str) -> dict[str, str]:
+    """A group's Redis record as it stands (empty once expired)."""
+    return store.redis.hgetall(store.keys.group(group_id))
