@@ -25,7 +25,11 @@ OPTIMIZE_QUEUE = "optimize"
 
 def build_celery_app() -> Celery:
     settings = load_worker_settings()
-    celery = Celery("asyncgrpo", broker=settings.redis_url, include=["worker.process.tasks"])
+    # The worker imports these at start: the tasks, and the custom inspect commands it answers. The `celery
+    # inspect` client side loads the commands through `-A worker.process.inspect_commands`, which imports this.
+    celery = Celery(
+        "asyncgrpo", broker=settings.redis_url, include=["worker.process.tasks", "worker.process.inspect_commands"]
+    )
     celery.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -55,8 +59,3 @@ def build_celery_app() -> Celery:
 
 
 app = build_celery_app()
-
-
-# Registered here, not only in the worker's task modules, so that `celery -A worker.process.celery_app inspect <name>`
-# knows the custom command names on the client side too.
-import worker.process.inspect_commands  # noqa: E402, F401
