@@ -9,7 +9,6 @@ Prints figures; asserts nothing. The step record is a real one (``optimize_job._
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -18,13 +17,15 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
+from proxy.protocol.records import GenerateTimings, StepRecord, StepTimings, UpdateMetrics
+from proxy.protocol.schemas import GroupRef
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import open_bucket
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
-from worker.optimize.job import _step_record
-from worker.optimize.trainer import StepMetrics
+from worker.optimize.step_record import build_step_record
 from worker.process import metrics as worker_metrics
+from worker.process import result_metrics
 from worker.tools.plot import plot_run
 from worker.tools.step_records import load_step_records
 
@@ -39,22 +40,23 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     return statistics.median(runs), max(runs)
 
 
-def make_record(step: int, samples: int) -> dict:
+def make_record(step: int, samples: int) -> StepRecord:
     per_rollout = max(samples // 64, 1)
     rollouts = [
         Rollout("bench", f"t{step}-{i}", max(step - 1 - i % 3, 0), "gen-1",
-                [{"group_id": f"g{step}-{i}", "prompt_index": i}],
+                [GroupRef(group_id=f"g{step}-{i}", prompt_index=i)],
                 [RolloutSample(0, [1] * 32, [2] * 128, [-0.5] * 128, 0.5, 0.0, "stop", {"r": 0.5})
                  for _ in range(per_rollout)])
         for i in range(64)
     ]
-    update = StepMetrics(update=step, loss=0.1, ratio=1.0, kl=0.001, clip_low=0.0, clip_high=0.01, clip_region=0.01,
+    update = UpdateMetrics(update=step, loss=0.1, ratio=1.0, kl=0.001, clip_low=0.0, clip_high=0.01, clip_region=0.01,
                          entropy=1.0, grad_norm=0.5, lr=1e-3, tokens=samples * 128, sequences=samples,
                          micro_batches=8, forward_backward_s=1.0, optimizer_s=0.1)
-    rewards = [s.reward for r in rollouts for s in r.samples]
-    record = _step_record("bench", step, step - 1, "trainer-1", rollouts, [1.0] * 64, [], [update], rewards,
-                          {"step_s": 2.0, "fetch_s": 0.1, "rescore_s": 0.3, "upload_s": 0.05})
-    record["published_at"] = 1_700_000_000.0 + step
+    record = build_step_record(
+        run="bench", step=step, base_version=step - 1, worker_id="trainer-1", rollouts=rollouts, ratios=[1.0] * 64,
+        flagged=[], updates=[update], timings=StepTimings(step_s=2.0, fetch_s=0.1, rescore_s=0.3, upload_s=0.05),
+    )
+    record.published_at = 1_700_000_000.0 + step
     return record
 
 
@@ -65,13 +67,13 @@ def main() -> None:
     args = parser.parse_args()
 
     record = make_record(10, args.samples)
-    summary = GenerateResult("t1", "admitted", 9, 4, 32, 4096, False,
-                             {"adapter_fetch_s": 0.01, "generate_s": 2.0, "score_s": 0.1, "task_s": 2.5}, 0.5).summary()
+    result = GenerateResult("t1", "admitted", 9, 4, 32, 4096, False,
+                            GenerateTimings(adapter_fetch_s=0.01, generate_s=2.0, score_s=0.1, task_s=2.5), 0.5)
 
-    median, worst = timed(lambda: worker_metrics.observe_generate_task(summary), 2000)
+    median, worst = timed(lambda: result_metrics.observe_generate_task(result), 2000)
     print(f"observe_generate_task: median {median * 1e6:.1f} us, max {worst * 1e6:.1f} us")
-    median, worst = timed(lambda: worker_metrics.observe_optimize_step(record, "published"), 200)
-    print(f"observe_optimize_step ({record['samples']} samples): median {median * 1e3:.3f} ms, "
+    median, worst = timed(lambda: result_metrics.observe_optimize_step(record, "published"), 200)
+    print(f"observe_optimize_step ({record.samples} samples): median {median * 1e3:.3f} ms, "
           f"max {worst * 1e3:.3f} ms")
     body = generate_latest(worker_metrics.REGISTRY)
     median, worst = timed(lambda: generate_latest(worker_metrics.REGISTRY), 200)
@@ -79,7 +81,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         bucket = open_bucket(f"file://{tmp}/bucket")
-        small = json.dumps(make_record(1, 64)).encode()
+        small = make_record(1, 64).model_dump_json().encode()
         for step in range(1, args.steps + 1):
             bucket.put(bucket_keys.metrics_key("bench", step), small)
         started = time.perf_counter()

@@ -36,7 +36,7 @@ from proxy.api.app import create_app
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.client import ProxyClient
-from proxy.protocol.schemas import PublishRequest, RolloutSubmission
+from proxy.protocol.schemas import LeaseRequest, PublishRequest, RolloutSubmission
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import open_bucket
@@ -178,10 +178,10 @@ def main() -> None:
             cycles, publishes = run_cycles(
                 coord,
                 args.cycles,
-                client.lease,
-                lambda body: client.submit_rollout(**body.model_dump()),
+                lambda worker_id, task_id: client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id)),
+                client.submit_rollout,
                 client.release,
-                lambda request: client.publish(**request.model_dump()),
+                client.publish,
             )
         finally:
             client.close()

@@ -15,19 +15,20 @@ from redis import Redis
 
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import (
+from proxy.protocol.client import ProxyClient
+from proxy.protocol.errors import (
     BadRequest,
     Cancelled,
     Conflict,
     LeaseLost,
     NotFound,
     NotReady,
-    ProxyClient,
     ProxyError,
     ProxyUnavailable,
     StaleRollout,
     Unauthorized,
 )
+from proxy.protocol.schemas import HeartbeatRequest, LeaseRequest, PublishRequest, RolloutSubmission
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import (
     ManualClock,
@@ -35,6 +36,7 @@ from tests.proxy_harness import (
     file_bucket,
     make_coordinator,
     publish_next,
+    publish_request,
     submission,
     write_fake_version,
 )
@@ -69,22 +71,25 @@ def client_for(url: str, token: str | None = TOKEN) -> ProxyClient:
     return ProxyClient(url, token, timeout_s=5, retries=1, sleep=lambda _: None)
 
 
+LEASE = LeaseRequest(worker_id="gen-1", task_id="t1")
+
+
 def test_each_refusal_maps_to_its_exception(proxy_url: str, coord: Coordinator) -> None:
     client = client_for(proxy_url)
     coord.tick()
     with pytest.raises(NotReady):
-        client.lease("gen-1", "t1")
+        client.lease(LEASE)
     publish_next(coord)
     coord.tick()
     info = client.run_info()
     assert info.current_version == 0 and info.run == "r1"
-    grant = client.lease("gen-1", "t1")
+    grant = client.lease(LEASE)
     assert client.renew(grant.lease_id).version == 0
-    assert client.release(grant.lease_id) is True
+    assert client.release(grant.lease_id).released is True
     with pytest.raises(LeaseLost):
         client.renew(grant.lease_id)
     with pytest.raises(Unauthorized):
-        client_for(proxy_url, token="nope").lease("gen-1", "t1")
+        client_for(proxy_url, token="nope").lease(LEASE)
     with pytest.raises(Unauthorized):
         client_for(proxy_url, token=None).release(grant.lease_id)
 
@@ -92,32 +97,39 @@ def test_each_refusal_maps_to_its_exception(proxy_url: str, coord: Coordinator) 
     submitted = {late["task_id"]}
     advance_version(coord, submitted)
     advance_version(coord, submitted)
-    fields = submission(coord, late, 0).model_dump()
+    stale = submission(coord, late, 0)
     with pytest.raises(StaleRollout) as caught:
-        client.submit_rollout(**fields)
+        client.submit_rollout(stale)
     assert caught.value.status == 409 and caught.value.body["current_version"] == 2
     with pytest.raises(Cancelled):
         client.submit_rollout(
-            **{**fields, "task_id": "gen-r1-0-55555555", "key": "runs/r1/rollouts/gen-r1-0-55555555.safetensors"}
+            stale.model_copy(
+                update={"task_id": "gen-r1-0-55555555", "key": "runs/r1/rollouts/gen-r1-0-55555555.safetensors"}
+            )
         )
     pending = next(t for t in coord.dispatcher.generate if t["task_id"] not in submitted)
-    good = submission(coord, pending, 2).model_dump()
+    good = submission(coord, pending, 2)
     with pytest.raises(BadRequest, match="not part of task"):
-        client.submit_rollout(**{**good, "group_ids": ["gen-r1-0-00000001.0"]})
-    with pytest.raises(BadRequest, match="RolloutSubmission"):
-        client.submit_rollout(**{**good, "sha256": "not-hex"})
-    assert client.submit_rollout(**good).status == "admitted"
-    assert client.submit_rollout(**good).status == "duplicate"
+        client.submit_rollout(good.model_copy(update={"group_ids": ["gen-r1-0-00000001.0"]}))
+    # A body that skipped validation on this side is refused by the proxy's schema (422), the same exception.
+    unchecked = RolloutSubmission.model_construct(**{**good.model_dump(), "sha256": "not-hex"})
+    with pytest.raises(BadRequest, match="does not match the schema") as invalid:
+        client.submit_rollout(unchecked)
+    assert invalid.value.status == 422 and invalid.value.error == "bad_request"
+    assert client.submit_rollout(good).status == "admitted"
+    assert client.submit_rollout(good).status == "duplicate"
 
     sha = write_fake_version(coord.bucket, "r1", 3)
     with pytest.raises(Conflict) as conflict:
-        client.publish(3, 2, 3, "trainer-9", sha)
+        client.publish(publish_request(3, sha, worker_id="trainer-9"))
     assert conflict.value.body["reason"] == "step_not_claimed"
     with pytest.raises(NotFound):
         client.get_step(99)
     assert client.get_step(2).base_version == 1
 
-    client.heartbeat(worker_id="gen-1", role="generate", hostname="h", pid=1, state="idle", versions_cached=[2])
+    assert client.heartbeat(
+        HeartbeatRequest(worker_id="gen-1", role="generate", hostname="h", pid=1, state="idle", versions_cached=[2])
+    ).ok
     assert [w.worker_id for w in client.workers()] == ["gen-1"]
     assert client.status().current_version == 2
     for kind in (StaleRollout, Conflict, LeaseLost, Unauthorized, Cancelled, NotReady, BadRequest, NotFound):
@@ -160,7 +172,9 @@ def test_busy_proxy_is_retried_then_succeeds() -> None:
 
     client, sleeps = _counting_client(handler)
     result = client.submit_rollout(
-        task_id="t1", worker_id="w", version=0, key="k", sha256="a" * 64, group_ids=["t1.0"], num_samples=2
+        RolloutSubmission(
+            task_id="t1", worker_id="w", version=0, key="k", sha256="a" * 64, group_ids=["t1.0"], num_samples=2
+        )
     )
     assert result.status == "admitted" and len(calls) == 3 and len(sleeps) == 2
 
@@ -175,7 +189,7 @@ def test_refusals_are_not_retried(code: int) -> None:
 
     client, sleeps = _counting_client(handler)
     with pytest.raises(ProxyError) as caught:
-        client.publish(1, 0, 1, "w", "a" * 64)
+        client.publish(PublishRequest(version=1, base_version=0, step=1, worker_id="w", manifest_sha256="a" * 64))
     assert len(calls) == 1 and sleeps == [] and caught.value.status == code
 
 

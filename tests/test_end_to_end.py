@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from proxy.coordinator.redis_keys import RunKeys
+from proxy.protocol.records import StepRecord
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import open_bucket
@@ -121,7 +122,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, cluster:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; status={cluster.status()}\n{logs}")
 
 
-def records_of(cluster: LocalCluster) -> list[dict[str, Any]]:
+def records_of(cluster: LocalCluster) -> list[StepRecord]:
     return load_step_records(open_bucket(cluster.bucket_url), cluster.run)
 
 
@@ -165,20 +166,20 @@ def pause_mid_task(
     raise AssertionError(f"could not pause {worker_id} mid-task in {attempts} attempts")
 
 
-def assert_run_invariants(records: list[dict[str, Any]]) -> None:
+def assert_run_invariants(records: list[StepRecord]) -> None:
     """Versions contiguous, nothing staler than allowed, no group trained twice, ratio near 1."""
-    steps = [r["step"] for r in records]
+    steps = [r.step for r in records]
     assert steps == list(range(1, len(records) + 1)), f"step records are not contiguous: {steps}"
     for record in records:
-        assert record["base_version"] == record["step"] - 1
-        assert record["max_staleness"] <= MAX_STALENESS, record["staleness"]
-        assert all(0 <= s <= MAX_STALENESS for s in record["staleness"])
-        assert abs(record["rescore_ratio"] - 1.0) < RATIO_TOLERANCE, record["rollouts"]
-        assert not record["flagged_rollouts"]
-    trained = Counter(g for r in records for rollout in r["rollouts"] for g in rollout["group_ids"])
+        assert record.base_version == record.step - 1
+        assert record.max_staleness <= MAX_STALENESS, record.staleness
+        assert all(0 <= s <= MAX_STALENESS for s in record.staleness)
+        assert record.rescore_ratio is not None and abs(record.rescore_ratio - 1.0) < RATIO_TOLERANCE, record.rollouts
+        assert not record.flagged_rollouts
+    trained = Counter(g for r in records for rollout in r.rollouts for g in rollout.group_ids)
     twice = [g for g, n in trained.items() if n > 1]
     assert not twice, f"groups trained more than once: {twice}"
-    tasks = Counter(rollout["task_id"] for r in records for rollout in r["rollouts"])
+    tasks = Counter(rollout.task_id for r in records for rollout in r.rollouts)
     assert all(n == 1 for n in tasks.values()), tasks
 
 
@@ -213,14 +214,14 @@ def test_short_run_publishes_contiguous_versions_within_staleness(make_cluster: 
     assert status["counters"].get("publish", 0) >= 5  # version 0 and at least 4 steps
     # Retention (async.rollout_retention_versions = 2): rollouts of the first steps are gone from the bucket.
     bucket = open_bucket(cluster.bucket_url)
-    first_steps = {ro["task_id"] for r in records[:2] for ro in r["rollouts"]}
+    first_steps = {ro.task_id for r in records[:2] for ro in r.rollouts}
     wait_for(
         lambda: not first_steps & {k.rsplit("/", 1)[1].removesuffix(".safetensors")
                                    for k in bucket.list(bucket_keys.rollouts_prefix(cluster.run))},
         30, "rollouts of steps 1-2 to be deleted", cluster,
     )
-    assert sum(r["samples"] for r in records) == sum(
-        r["groups"] for r in records
+    assert sum(r.samples for r in records) == sum(
+        r.groups for r in records
     ) * SAMPLES_PER_PROMPT
 
     # Invariant 7: only safetensors and JSON sit in the bucket.
@@ -247,7 +248,7 @@ def test_kill_generate_worker_mid_task_redelivers_it(make_cluster: Callable[...,
     cluster.start_worker("generate", name="gen-b")
 
     def killed_task_trained() -> bool:
-        return any(task_id == ro["task_id"] for r in records_of(cluster) for ro in r["rollouts"])
+        return any(task_id == ro.task_id for r in records_of(cluster) for ro in r.rollouts)
 
     wait_for(killed_task_trained, 180, f"the killed task {task_id} to be redelivered and trained", cluster)
     wait_for(version_reached(cluster, killed_at + 2), 180, "the run to go on", cluster)
@@ -271,7 +272,7 @@ def test_sigterm_hands_the_running_task_back_at_once(make_cluster: Callable[...,
     cluster.start_worker("generate", name="gen-b")
 
     def handed_back_task_trained() -> bool:
-        return any(task_id == ro["task_id"] for r in records_of(cluster) for ro in r["rollouts"])
+        return any(task_id == ro.task_id for r in records_of(cluster) for ro in r.rollouts)
 
     wait_for(handed_back_task_trained, 120, f"the handed-back task {task_id} to be trained", cluster)
     assert_run_invariants(records_of(cluster))
@@ -316,7 +317,7 @@ def test_kill_optimize_worker_mid_step_continues_from_bucket(make_cluster: Calla
     records = records_of(cluster)
     assert_run_invariants(records)
     # opt-b had no state in memory: it loaded the killed step's base version from the bucket.
-    assert any(r["worker_id"] == "opt-b" for r in records)
+    assert any(r.worker_id == "opt-b" for r in records)
     bucket = open_bucket(cluster.bucket_url)
     latest = latest_complete_version(bucket, cluster.run)
     assert latest is not None and latest >= killed_step + 2
@@ -351,6 +352,6 @@ def test_paused_generate_worker_submits_stale_rollout_and_its_prompts_are_redone
         cluster,
     )
     records = records_of(cluster)
-    assert all(task_id != ro["task_id"] for r in records for ro in r["rollouts"]), "a stale rollout was trained"
+    assert all(task_id != ro.task_id for r in records for ro in r.rollouts), "a stale rollout was trained"
     assert_run_invariants(records)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from proxy.protocol.records import StepRecord
 from proxy.run.config import RunConfig, load_run_config
 from worker.generate.factory import (
     VLLM_ENGINE_ARGS_ENV,
@@ -474,7 +475,7 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
         cluster.start_worker("generate", name="gen-1", env={"ASYNCGRPO_GENERATION_BACKEND": backend})
         bucket = open_bucket(cluster.bucket_url)
         deadline = time.monotonic() + 400
-        records: list[dict[str, Any]] = []
+        records: list[StepRecord] = []
         while len(records) < E2E_STEPS:
             cluster.check_children()
             assert time.monotonic() < deadline, f"{backend}: only {len(records)} steps in 400 s: {cluster.status()}"
@@ -485,8 +486,8 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
         cluster.stop()
 
 
-def reward_per_10_steps(records: list[dict[str, Any]]) -> list[float]:
-    rewards = [r["reward_mean"] for r in records]
+def reward_per_10_steps(records: list[StepRecord]) -> list[float]:
+    rewards = [r.reward_mean or 0.0 for r in records]
     return [round(sum(rewards[i : i + 10]) / len(rewards[i : i + 10]), 3) for i in range(0, len(rewards), 10)]
 
 
@@ -500,15 +501,15 @@ def test_run_with_a_vllm_generate_worker_learns_like_one_with_transformers(tmp_p
     assert "generation.vllm_ready" in vllm_log, "the generate worker did not run the vLLM backend"
 
     vllm_curve, transformers_curve = reward_per_10_steps(vllm_records), reward_per_10_steps(transformers_records)
-    ratios = [r["rescore_ratio"] for r in vllm_records]
+    ratios = [r.rescore_ratio for r in vllm_records]
     print(
         f"\nreward per 10 steps: vLLM {vllm_curve}, transformers {transformers_curve}; "
         f"vLLM rescore ratio in [{min(ratios):.7f}, {max(ratios):.7f}]"
     )
     # The trainer rescored every vLLM rollout under the version it claims: the served policy is the trained one.
     assert all(abs(ratio - 1.0) < RATIO_TOLERANCE for ratio in ratios), ratios
-    assert not any(r["flagged_rollouts"] for r in vllm_records)
-    assert all(r["max_staleness"] <= 2 for r in vllm_records)
+    assert not any(r.flagged_rollouts for r in vllm_records)
+    assert all(r.max_staleness <= 2 for r in vllm_records)
     # The bar of the transformers backend's learning test (tests/test_learning.py), and close to its run here.
     first, last = vllm_curve[0], vllm_curve[-1]
     assert last >= 2 * first, f"vLLM run: mean reward went from {first:.3f} to only {last:.3f}"

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proxy.protocol.client import Conflict
+from proxy.protocol.errors import Conflict
+from proxy.protocol.schemas import GroupRef, PublishRequest, RolloutRef
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
@@ -35,14 +36,14 @@ class RecordingProxy:
     """Stands in for ProxyClient: the current version, and the publishes it was asked for."""
 
     current_version: int
-    published: list[dict[str, Any]] = field(default_factory=list)
+    published: list[PublishRequest] = field(default_factory=list)
 
     def run_info(self) -> Any:
         return self
 
-    def publish(self, **request: Any) -> None:
+    def publish(self, request: PublishRequest) -> None:
         self.published.append(request)
-        self.current_version = request["version"]
+        self.current_version = request.version
 
 
 def config() -> RunConfig:
@@ -78,7 +79,7 @@ def wrong_weights(adapter_dir: Path, out: Path) -> Path:
 
 def make_rollout(
     bucket: Bucket, backend: TransformersBackend, adapter: str, task_id: str, worker_id: str, version: int
-) -> dict[str, Any]:
+) -> RolloutRef:
     result = backend.generate(
         ["3=", "5="], adapter=adapter, samples_per_prompt=G, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=7
     )
@@ -97,12 +98,13 @@ def make_rollout(
         for g in range(2)
         for i, c in enumerate(result.results[g].completions)
     ]
-    groups = [{"group_id": f"{task_id}.{g}", "prompt_index": g} for g in range(2)]
+    groups = [GroupRef(group_id=f"{task_id}.{g}", prompt_index=g) for g in range(2)]
     data = encode_rollout(Rollout(RUN, task_id, version, worker_id, groups, samples))
     key = bucket_keys.rollout_key(RUN, task_id)
     bucket.put(key, data)
-    return {"task_id": task_id, "key": key, "sha256": sha256_hex(data), "version": version,
-            "group_ids": [g["group_id"] for g in groups]}
+    return RolloutRef(
+        task_id=task_id, key=key, sha256=sha256_hex(data), version=version, group_ids=[g.group_id for g in groups]
+    )
 
 
 def test_rollout_from_wrong_weights_is_flagged_with_its_worker(
@@ -121,10 +123,11 @@ def test_rollout_from_wrong_weights_is_flagged_with_its_worker(
         bucket=bucket, client=proxy, worker_id="opt-1",
     )
 
-    assert result.status == "published" and proxy.published[0]["version"] == 1
-    flagged = result.record["flagged_rollouts"]
-    assert [(f["task_id"], f["worker_id"]) for f in flagged] == [("t-bad", "gen-bad")]
-    ratios = {r["task_id"]: r["ratio"] for r in result.record["rollouts"]}
+    assert result.status == "published" and proxy.published[0].version == 1
+    assert result.record is not None
+    flagged = result.record.flagged_rollouts
+    assert [(f.task_id, f.worker_id) for f in flagged] == [("t-bad", "gen-bad")]
+    ratios = {r.task_id: r.ratio for r in result.record.rollouts}
     assert abs(ratios["t-good"] - 1) < 1e-4 and abs(ratios["t-bad"] - 1) > config().loss.ratio_flag_tolerance
 
 
@@ -165,8 +168,8 @@ def test_redelivered_step_that_is_published_is_a_no_op(setup: tuple[Trainer, Buc
 class ProxyThatAdoptedOurUpload(RecordingProxy):
     """A rebuilt proxy that already adopted the uploaded version from the bucket: the publish is a conflict."""
 
-    def publish(self, **request: Any) -> None:
-        self.current_version = request["version"]
+    def publish(self, request: PublishRequest) -> None:
+        self.current_version = request.version
         raise Conflict("409 conflict: the current version is already v1")
 
 
@@ -185,3 +188,5 @@ def test_conflict_on_our_own_adopted_upload_still_records_the_step(
     )
     assert result.status == "published" and trainer.version == 1
     assert bucket.head(bucket_keys.metrics_key(RUN, 1)) is not None, "the step record must reach metrics/"
+    # The returned record is the stored one, plus the upload time only this attempt measured.
+    assert result.record is not None and result.record.step == 1 and result.record.timings.upload_s is not None

@@ -13,14 +13,16 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
 
+from proxy.protocol.records import StepRecord, StepTimings, UpdateMetrics
+from proxy.protocol.schemas import GroupRef
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
 from proxy.storage.manifest import IntegrityError, write_version
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.model.policy import Policy, peft_lora_config
-from worker.optimize.job import _step_record
-from worker.optimize.trainer import StepMetrics, Trainer
+from worker.optimize.step_record import build_step_record
+from worker.optimize.trainer import Trainer
 from worker.tools.cli import main
 from worker.tools.export import ADAPTER_FILES, ExportError, export_version
 from worker.tools.plot import PlotError, plot_run
@@ -151,22 +153,24 @@ def test_bad_export_requests_say_what_to_change(published, tmp_path: Path) -> No
         export_version(bucket, RUN, "newest", tmp_path / "b")
 
 
-def _record(step: int, reward: float, stale: int) -> dict:
+def _record(step: int, reward: float, stale: int) -> StepRecord:
     samples = [
         RolloutSample(0, [1, 2], [3] * (4 + step % 3), [-0.3] * (4 + step % 3), reward + 0.1 * i, 0.0, "stop",
                       {"repeat_digit": reward + 0.1 * i})
         for i in range(4)
     ]
-    rollout = Rollout(RUN, f"t{step}", step - 1 - stale, "gen-1", [{"group_id": f"g{step}", "prompt_index": 0}],
+    rollout = Rollout(RUN, f"t{step}", step - 1 - stale, "gen-1", [GroupRef(group_id=f"g{step}", prompt_index=0)],
                       samples)
-    update = StepMetrics(
+    update = UpdateMetrics(
         update=step - 1, loss=0.1, ratio=1.0 + 0.01 * (step % 2), kl=0.001 * step, clip_low=0.0, clip_high=0.01,
         clip_region=0.01, entropy=1.0, grad_norm=0.5, lr=1e-3, tokens=16, sequences=4, micro_batches=1,
         forward_backward_s=0.3, optimizer_s=0.02,
     )
-    record = _step_record(RUN, step, step - 1, "trainer-1", [rollout], [1.0], [], [update],
-                          [s.reward for s in samples], {"step_s": 0.5 + 0.05 * step, "fetch_s": 0.01})
-    record["published_at"] = 1_700_000_000.0 + 2.0 * step
+    record = build_step_record(
+        run=RUN, step=step, base_version=step - 1, worker_id="trainer-1", rollouts=[rollout], ratios=[1.0],
+        flagged=[], updates=[update], timings=StepTimings(step_s=0.5 + 0.05 * step, fetch_s=0.01),
+    )
+    record.published_at = 1_700_000_000.0 + 2.0 * step
     return record
 
 
@@ -182,7 +186,7 @@ def test_plot_writes_a_png_of_the_run(tmp_path: Path) -> None:
         plot_run(bucket, RUN, tmp_path / "empty.png")
     for step in range(1, 13):
         record = _record(step, reward=step / 12, stale=min(step % 3, step - 1))
-        bucket.put(bucket_keys.metrics_key(RUN, step), json.dumps(record).encode())
+        bucket.put(bucket_keys.metrics_key(RUN, step), record.model_dump_json().encode())
     bucket.put(bucket_keys.metrics_key(RUN, 13), b"{not json")  # skipped, not fatal
 
     out = tmp_path / "plots" / "run.png"

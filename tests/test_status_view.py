@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import re
 import threading
 import time
@@ -19,6 +18,7 @@ from rich.console import Console
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.client import ProxyClient
+from proxy.protocol.records import StepRecord, StepTimings
 from proxy.protocol.schemas import HeartbeatRequest
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
@@ -64,13 +64,20 @@ def coordinator(redis_client: Redis, run_bucket: Bucket) -> Coordinator:
     coord.heartbeat(_beat("trainer-1", "optimize"))
     coord.tick()
     for step in (1, 2):
-        record = {
-            "step": step, "version": step, "reward_mean": 0.25 * step, "ratio": 1.0, "kl": 0.001 * step,
-            "max_staleness": step - 1, "completion_length_mean": 5.0 + step, "timings": {"step_s": 1.5},
-            "published_at": time.time() - 10 * (3 - step), "flagged_rollouts": [],
-        }
-        run_bucket.put(bucket_keys.metrics_key(RUN, step), json.dumps(record).encode())
+        run_bucket.put(bucket_keys.metrics_key(RUN, step), _step_record(step).model_dump_json().encode())
     return coord
+
+
+def _step_record(step: int) -> StepRecord:
+    """A step record with the figures the view draws; the rest empty."""
+    return StepRecord(
+        run=RUN, step=step, version=step, base_version=step - 1, worker_id="trainer-1",
+        published_at=time.time() - 10 * (3 - step), samples=8, groups=2, tokens=48, reward_mean=0.25 * step,
+        reward_std=0.1, rewards_by_name={}, rewards_std_by_name={}, completion_length_mean=5.0 + step,
+        truncated_fraction=0.0, staleness=[step - 1], max_staleness=step - 1, ratio=1.0, rescore_ratio=1.0,
+        kl=0.001 * step, entropy=None, clip_low=None, clip_high=None, clip_region=None, loss=None, grad_norm=None,
+        lr=None, updates=[], rollouts=[], flagged_rollouts=[], timings=StepTimings(step_s=1.5),
+    )
 
 
 def _beat(worker_id: str, role: str, versions: list[int] | None = None, task: str | None = None) -> HeartbeatRequest:
@@ -109,7 +116,7 @@ def test_status_shows_version_buffer_trend_and_workers(proxy_url: str, run_bucke
         snapshot = collect_status(client, run_bucket)
     assert snapshot.status.current_version == 2
     assert snapshot.config is not None and snapshot.config.async_.queue_maxsize == 8
-    assert [r["step"] for r in snapshot.records] == [1, 2]
+    assert [r.step for r in snapshot.records] == [1, 2]
 
     text = _text(render_status(snapshot))
     assert "run r1" in text and "v2" in text

@@ -9,12 +9,14 @@ import subprocess
 import httpx
 import pytest
 
+from proxy.protocol.records import FlaggedRollout, GenerateTimings, StepRecord, StepTimings, UpdateMetrics
+from proxy.protocol.schemas import GroupRef
 from tests.fixtures_redis import free_port
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
-from worker.optimize.job import _step_record
-from worker.optimize.trainer import StepMetrics
+from worker.optimize.step_record import build_step_record
 from worker.process import metrics as wm
+from worker.process import result_metrics
 
 
 def value(name: str, **labels: str) -> float:
@@ -42,36 +44,40 @@ def _rollout(task_id: str, version: int, samples: list[RolloutSample]) -> Rollou
         task_id=task_id,
         version=version,
         worker_id="gen-1",
-        groups=[{"group_id": f"{task_id}-g0", "prompt_index": 0}],
+        groups=[GroupRef(group_id=f"{task_id}-g0", prompt_index=0)],
         samples=samples,
     )
 
 
-def _update(index: int, fb_s: float, opt_s: float) -> StepMetrics:
-    return StepMetrics(
+def _update(index: int, fb_s: float, opt_s: float) -> UpdateMetrics:
+    return UpdateMetrics(
         update=index, loss=0.25, ratio=1.01, kl=0.002, clip_low=0.01, clip_high=0.03, clip_region=0.04,
         entropy=1.5, grad_norm=0.7, lr=5e-3, tokens=10, sequences=5, micro_batches=1,
         forward_backward_s=fb_s, optimizer_s=opt_s,
     )
 
 
-def step_record() -> dict:
-    """A step record as optimize_job builds it: base version 5, one rollout of v4 (3 samples), one of v5 (2)."""
+def step_record() -> StepRecord:
+    """A step record as the optimize job builds it: base version 5, one rollout of v4 (3 samples), one of v5 (2)."""
     old = _rollout("t-old", 4, [_sample(0, 4, 1.0), _sample(0, 6, 0.0, "length"), _sample(0, 2, 0.5)])
     new = _rollout("t-new", 5, [_sample(0, 3, 1.0), _sample(0, 5, 1.0)])
-    rewards = [s.reward for r in (old, new) for s in r.samples]
-    flagged = [{"task_id": "t-old", "worker_id": "gen-1", "ratio": 1.2}]
-    return _step_record(
-        "r1", 6, 5, "trainer-1", [old, new], [1.2, 1.0], flagged,
-        [_update(10, 0.3, 0.05), _update(11, 0.2, 0.04)], rewards,
-        {"fetch_s": 0.02, "rescore_s": 0.1, "step_s": 2.0, "upload_s": 0.15},
+    return build_step_record(
+        run="r1",
+        step=6,
+        base_version=5,
+        worker_id="trainer-1",
+        rollouts=[old, new],
+        ratios=[1.2, 1.0],
+        flagged=[FlaggedRollout(task_id="t-old", worker_id="gen-1", ratio=1.2)],
+        updates=[_update(10, 0.3, 0.05), _update(11, 0.2, 0.04)],
+        timings=StepTimings(fetch_s=0.02, rescore_s=0.1, step_s=2.0, upload_s=0.15),
     )
 
 
 def test_generate_task_summary_moves_generate_metrics() -> None:
     result = GenerateResult(
         task_id="task-1", status="admitted", version=7, groups=4, samples=32, tokens=480, reused_rollout=False,
-        timings={"adapter_fetch_s": 0.05, "generate_s": 2.0, "score_s": 0.1, "task_s": 4.0}, reward_mean=0.75,
+        timings=GenerateTimings(adapter_fetch_s=0.05, generate_s=2.0, score_s=0.1, task_s=4.0), reward_mean=0.75,
     )
     before = {
         "tasks": value("asyncgrpo_generate_tasks_total", status="admitted"),
@@ -82,7 +88,7 @@ def test_generate_task_summary_moves_generate_metrics() -> None:
         "task_sum": value("asyncgrpo_generate_task_seconds_sum"),
         "fetch_sum": value("asyncgrpo_generate_adapter_fetch_seconds_sum"),
     }
-    wm.observe_generate_task(result.summary())
+    result_metrics.observe_generate_task(result)
     assert value("asyncgrpo_generate_tasks_total", status="admitted") == before["tasks"] + 1
     assert value("asyncgrpo_generate_tokens_total") == before["tokens"] + 480
     assert value("asyncgrpo_generate_samples_total") == before["samples"] + 32
@@ -102,9 +108,9 @@ def test_reused_and_stale_tasks_count_without_inflating_throughput() -> None:
     stale_errors_before = value("asyncgrpo_worker_errors_total", kind="stale")
     reused = GenerateResult(
         task_id="task-2", status="stale", version=3, groups=2, samples=16, tokens=0, reused_rollout=True,
-        timings={"task_s": 0.2},
+        timings=GenerateTimings(task_s=0.2),
     )
-    wm.observe_generate_task(reused.summary())
+    result_metrics.observe_generate_task(reused)
     assert value("asyncgrpo_generate_tasks_total", status="stale") == stale_before + 1
     assert value("asyncgrpo_worker_errors_total", kind="stale") == stale_errors_before + 1
     assert value("asyncgrpo_generate_tokens_total") == tokens_before
@@ -123,10 +129,10 @@ def test_optimize_step_record_moves_trainer_lag_and_policy_metrics() -> None:
         "publish_sum": value("asyncgrpo_trainer_publish_seconds_sum"),
         "flagged": value("asyncgrpo_policy_flagged_rollouts_total"),
     }
-    wm.observe_optimize_step(record, "published")
+    result_metrics.observe_optimize_step(record, "published")
 
     assert value("asyncgrpo_trainer_steps_total", status="published") == before["published"] + 1
-    assert value("asyncgrpo_trainer_tokens_total") == before["tokens"] + record["tokens"] == before["tokens"] + 20
+    assert value("asyncgrpo_trainer_tokens_total") == before["tokens"] + record.tokens == before["tokens"] + 20
     assert value("asyncgrpo_trainer_tokens_per_second") == pytest.approx(20 / 2.0)
     assert value("asyncgrpo_trainer_samples_per_step") == 5
     assert value("asyncgrpo_trainer_groups_per_step") == 2
@@ -160,7 +166,7 @@ def test_conflict_without_record_counts_status_and_error() -> None:
     conflicts = value("asyncgrpo_trainer_steps_total", status="conflict")
     errors = value("asyncgrpo_worker_errors_total", kind="conflict")
     steps = value("asyncgrpo_trainer_step_seconds_count")
-    wm.observe_optimize_step(None, "conflict")
+    result_metrics.observe_optimize_step(None, "conflict")
     assert value("asyncgrpo_trainer_steps_total", status="conflict") == conflicts + 1
     assert value("asyncgrpo_worker_errors_total", kind="conflict") == errors + 1
     assert value("asyncgrpo_trainer_step_seconds_count") == steps
@@ -201,7 +207,7 @@ def test_task_in_flight_and_worker_info() -> None:
 
 
 def test_endpoint_serves_the_worker_registry_and_promtool_accepts_it(tmp_path) -> None:
-    wm.observe_optimize_step(step_record(), "published")
+    result_metrics.observe_optimize_step(step_record(), "published")
     port = free_port()
     wm.start_metrics_server(port, addr="127.0.0.1")
     wm.start_metrics_server(port, addr="127.0.0.1")  # same port again: a no-op

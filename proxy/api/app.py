@@ -2,20 +2,10 @@
 
 Every POST/DELETE needs ``Authorization: Bearer <ASYNCGRPO_TOKEN>`` (checked with ``hmac.compare_digest``
 before the body is even parsed): 401 otherwise, and nothing changes. A malformed body is a 422 and changes
-nothing. Refusals are JSON ``{"error": <code>, "detail": <sentence>, ...}`` with these codes:
-
-=====  ============  =====================================================================
-409    stale         the rollout is too old; its groups were counted and requeued
-409    not_ready     no version published yet (leases)
-409    conflict      a publish refused (CAS lost, manifest missing or mismatching, ...)
-410    lease_lost    the lease expired or is unknown
-410    cancelled     the generate task was cancelled or is unknown; its groups were requeued
-400    bad_request   a submission that does not match its task
-404    not_found     no such step
-422    bad_request   the body does not match the schema
-503    unavailable   Redis or the bucket is unreachable right now; retry
-401    unauthorized  missing or wrong bearer token
-=====  ============  =====================================================================
+nothing. Refusals are JSON ``{"error": <code>, "detail": <sentence>, ...}``; the codes, their HTTP status and
+the client exception each one raises are the table in ``proxy.protocol.errors``. This module decides which
+coordinator refusal is which code (``REFUSAL_CODES``); a stale refusal also carries ``version``,
+``current_version`` and ``max_staleness``, a publish conflict its ``reason`` and ``current_version``.
 
 Each refusal is counted in ``asyncgrpo_http_errors_total{error=<code>}``.
 
@@ -53,14 +43,17 @@ from proxy.coordinator.errors import (
 )
 from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.service import Coordinator
+from proxy.protocol.errors import error_code
 from proxy.protocol.schemas import (
     ID_PATTERN,
+    ErrorBody,
     HeartbeatRequest,
     HeartbeatResult,
     LeaseGrant,
     LeaseRequest,
     PublishRequest,
     PublishResult,
+    ReleaseResult,
     RenewRequest,
     RolloutSubmission,
     RunInfo,
@@ -84,66 +77,81 @@ class ProxyStartupError(Exception):
     """The proxy cannot start as configured; the message says what to change."""
 
 
-def _error_body(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": error, "detail": detail, **extra})
+# Which coordinator refusal is which protocol error code; the HTTP status comes from the shared table. A
+# subclass takes its nearest listed ancestor's code (UnknownTask is cancelled, CasLost a conflict).
+REFUSAL_CODES: dict[type[Exception], str] = {
+    StaleRolloutError: "stale",
+    NoVersionYet: "not_ready",
+    PublishConflict: "conflict",
+    LeaseLostError: "lease_lost",
+    TaskCancelled: "cancelled",
+    BadRollout: "bad_request",
+    StepNotFound: "not_found",
+    SnapshotFailed: "unavailable",
+    StateMissing: "unavailable",
+    RedisError: "unavailable",
+    BucketError: "unavailable",
+}
+SCHEMA_REFUSAL = "bad_request"
+"""Sent with 422 for a body that does not match its schema."""
+AUTH_REFUSAL = "unauthorized"
+UNAVAILABLE = "unavailable"
+"""Also what ``/healthz`` answers when Redis is unreachable."""
+SENT_CODES = frozenset(REFUSAL_CODES.values()) | {SCHEMA_REFUSAL, AUTH_REFUSAL, UNAVAILABLE}
+"""Every error code this server can send (checked against the table by a test)."""
+
+
+def _error_body(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
+    entry = error_code(code)
+    status = entry.status if status is None else status
+    if status not in entry.statuses:
+        raise ValueError(f"error code {code!r} is never sent with status {status}; see proxy.protocol.errors")
+    body = ErrorBody(error=code, detail=detail, **extra)
+    return JSONResponse(status_code=status, content=jsonable_encoder(body))
 
 
 def _snake(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
 
 
-def _install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
-    def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
-        metrics.count_http_error(error)
-        return _error_body(status, error, detail, **extra)
+def _refusal_code(exc: Exception) -> str:
+    return next(REFUSAL_CODES[kind] for kind in type(exc).__mro__ if kind in REFUSAL_CODES)
+
+
+def _refusal_fields(exc: Exception) -> dict[str, Any]:
+    """What a client needs beyond the sentence to act on a refusal."""
+    if isinstance(exc, StaleRolloutError):
+        return {"version": exc.sample_version, "current_version": exc.current, "max_staleness": exc.max_staleness}
+    if isinstance(exc, PublishConflict):
+        return {"reason": _snake(type(exc).__name__), "current_version": exc.current_version}
+    return {}
+
+
+def install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
+    """Answer every coordinator refusal and schema failure with its code's body; count each by code."""
+
+    def _error(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
+        metrics.count_http_error(code)
+        return _error_body(code, detail, status=status, **extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(
-            422, "bad_request", "the request body does not match the schema", errors=jsonable_encoder(exc.errors())
+            SCHEMA_REFUSAL,
+            "the request body does not match the schema",
+            status=422,
+            errors=jsonable_encoder(exc.errors()),
         )
 
-    @app.exception_handler(StaleRolloutError)
-    async def _stale(_: Request, exc: StaleRolloutError) -> JSONResponse:
-        return _error(
-            409,
-            "stale",
-            str(exc),
-            version=exc.sample_version,
-            current_version=exc.current,
-            max_staleness=exc.max_staleness,
-        )
+    async def _refused(_: Request, exc: Exception) -> JSONResponse:
+        code = _refusal_code(exc)
+        if code == UNAVAILABLE:
+            log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)
+            return _error(code, f"{type(exc).__name__}: {exc}; retry shortly")
+        return _error(code, str(exc), **_refusal_fields(exc))
 
-    @app.exception_handler(NoVersionYet)
-    async def _not_ready(_: Request, exc: NoVersionYet) -> JSONResponse:
-        return _error(409, "not_ready", str(exc))
-
-    @app.exception_handler(PublishConflict)
-    async def _conflict(_: Request, exc: PublishConflict) -> JSONResponse:
-        return _error(409, "conflict", str(exc), reason=_snake(type(exc).__name__), current_version=exc.current_version)
-
-    @app.exception_handler(LeaseLostError)
-    async def _lease_lost(_: Request, exc: LeaseLostError) -> JSONResponse:
-        return _error(410, "lease_lost", str(exc))
-
-    @app.exception_handler(TaskCancelled)
-    async def _cancelled(_: Request, exc: TaskCancelled) -> JSONResponse:
-        return _error(410, "cancelled", str(exc))
-
-    @app.exception_handler(BadRollout)
-    async def _bad(_: Request, exc: BadRollout) -> JSONResponse:
-        return _error(400, "bad_request", str(exc))
-
-    @app.exception_handler(StepNotFound)
-    async def _not_found(_: Request, exc: StepNotFound) -> JSONResponse:
-        return _error(404, "not_found", str(exc))
-
-    async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
-        log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)
-        return _error(503, "unavailable", f"{type(exc).__name__}: {exc}; retry shortly")
-
-    for kind in (SnapshotFailed, StateMissing, RedisError, BucketError):
-        app.add_exception_handler(kind, _unavailable)
+    for kind in REFUSAL_CODES:
+        app.add_exception_handler(kind, _refused)
 
 
 def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0.25, run_loop: bool = True) -> FastAPI:
@@ -198,8 +206,8 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
             header = request.headers.get("authorization", "")
             scheme, _, given = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-                metrics.count_http_error("unauthorized")
-                response: Response = _error_body(401, "unauthorized", "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
+                metrics.count_http_error(AUTH_REFUSAL)
+                response: Response = _error_body(AUTH_REFUSAL, "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 # Refused before routing: one fixed label, so a scanner cannot grow the label set.
                 metrics.http_seconds.labels("unauthorized", request.method).observe(time.perf_counter() - started)
@@ -213,15 +221,15 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         log_line("proxy.request", method=request.method, route=route, status=response.status_code, seconds=seconds)
         return response
 
-    _install_error_handlers(app, metrics)
+    install_error_handlers(app, metrics)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
         try:
             current = coordinator.current_version()
         except RedisError as error:
-            metrics.count_http_error("unavailable")
-            return _error_body(503, "unavailable", f"Redis unreachable: {error}")
+            metrics.count_http_error(UNAVAILABLE)
+            return _error_body(UNAVAILABLE, f"Redis unreachable: {error}")
         return JSONResponse({"status": "ok", "run": coordinator.run, "current_version": current})
 
     @app.get("/metrics")
@@ -248,9 +256,9 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     def renew_lease(lease_id: LeaseId, _: Annotated[RenewRequest | None, Body()] = None) -> LeaseGrant:
         return coordinator.renew(lease_id)
 
-    @app.delete("/v1/leases/{lease_id}")
-    def release_lease(lease_id: LeaseId) -> dict[str, bool]:
-        return {"released": coordinator.release(lease_id)}
+    @app.delete("/v1/leases/{lease_id}", response_model=ReleaseResult)
+    def release_lease(lease_id: LeaseId) -> ReleaseResult:
+        return ReleaseResult(released=coordinator.release(lease_id))
 
     @app.post("/v1/rollouts", response_model=SubmitResult)
     def submit_rollout(submission: RolloutSubmission) -> SubmitResult:

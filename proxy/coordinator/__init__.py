@@ -1,22 +1,25 @@
 """The coordinator: one run's state machine in Redis, one module per concern around a small store.
 
-- ``service``         the ``Coordinator`` facade the HTTP app and tests call, and ``tick()`` (the loop body)
-- ``store``           ``RunStore``: the Redis client, key names, clock, record TTL, bound scripts, rebuild-on-miss
-- ``scripts``         the Lua scripts declared: KEYS, ARGV, answers and the exception of every other code
-- ``lua_script``      how a script is declared, loaded (``importlib.resources``), registered and called
-- ``lua/``            the Lua scripts themselves, one ``<name>.lua`` each, plus ``prelude.lua`` (key helpers)
-- ``redis_keys``      every Redis key name of a run (``RunKeys``)
-- ``errors``          one exception per refusal (non-OK script code) and per coordinator failure
-- ``leases``          grant, renew, release and expire leases on adapter versions; first-use latency
-- ``generate_tasks``  dispatch generate tasks from the requeue line and the seeded prompt order; cancel, expire
-- ``rollouts``        admit a rollout iff fresh enough; rejection reasons as bounded labels
-- ``steps``           claim a step, send or re-send its optimize task, serve its batch, publish (CAS) its version
-- ``workers``         worker heartbeats and the ``/v1/workers`` list
-- ``status``          ``/v1/status`` and ``/v1/run``: read-only views of the state
-- ``retention``       collect old adapter versions and rollout objects past their retention
-- ``snapshot``        the snapshot document, its writer and its reader (``runs/<run>/proxy/snapshot.json``)
-- ``rebuild``         restore an empty Redis from the snapshot, or from the versions in the bucket
-- ``accounting``      time credited to a full buffer (dispatch held back) and to a starved trainer
-- ``dispatch``        send Celery tasks by name (never importing worker code); a recording double for tests
-- ``metrics``         the proxy's Prometheus metrics, read from Redis at scrape time
+Every change to the state is one Lua script (`lua/<name>.lua`, with `prelude.lua` prepended), declared in
+`scripts` with its KEYS, ARGV, answers and the exception of every other return code.
+
+Modules:
+    service         the `Coordinator` facade the HTTP app and the tests call, and `tick()` (the loop body)
+    store           `RunStore`: the Redis client, key names, clock, record TTL, bound scripts, rebuild on a miss
+    scripts         the Lua scripts declared: KEYS, ARGV, answers and the exception of every other code
+    lua_script      how a script is declared, loaded (`importlib.resources`), registered and called
+    redis_keys      every Redis key name of a run (`RunKeys`)
+    errors          one exception per refusal (non-OK script code) and per coordinator failure
+    leases          grant, renew, release and expire leases on adapter versions; first-use latency
+    generate_tasks  dispatch generate tasks from the requeue line and the seeded prompt order; cancel, expire
+    rollouts        admit a rollout iff fresh enough; rejection reasons as bounded labels
+    steps           claim a step, send or re-send its optimize task, serve its batch, publish (CAS) its version
+    workers         worker heartbeats and the `/v1/workers` list
+    status          `/v1/status` and `/v1/run`: read-only views of the state
+    retention       collect old adapter versions and rollout objects past their retention
+    snapshot        the snapshot document, its writer and its reader (`runs/<run>/proxy/snapshot.json`)
+    rebuild         restore an empty Redis from the snapshot, or from the versions in the bucket
+    accounting      time credited to a full buffer (dispatch held back) and to a starved trainer
+    dispatch        send Celery tasks by name (never importing worker code); a recording double for tests
+    metrics         the proxy's Prometheus metrics, read from Redis at scrape time
 """

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
+from proxy.protocol.errors import ERROR_CODES
 from proxy.protocol.schemas import StatusResponse
 
 log = structlog.get_logger()
@@ -62,17 +63,7 @@ MILLISECOND_COUNTERS: dict[str, tuple[str, str]] = {
     ),
 }
 
-HTTP_ERROR_CODES = (
-    "stale",
-    "conflict",
-    "not_ready",
-    "lease_lost",
-    "cancelled",
-    "bad_request",
-    "not_found",
-    "unavailable",
-    "unauthorized",
-)
+HTTP_ERROR_CODES = tuple(ERROR_CODES)
 """The stable ``error`` codes of the proxy's JSON error bodies; the only values of the ``error`` label."""
 OTHER_HTTP_ERROR = "other"
 

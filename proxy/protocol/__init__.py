@@ -1,4 +1,13 @@
-"""protocol.
+"""What a worker needs to talk to the proxy: messages, records, errors, client, settings, logging.
 
-- ``settings``: the environment settings every process shares (``ASYNCGRPO_*``), on pydantic-settings.
+Imports no redis, celery, fastapi, boto3 or torch (an import-linter contract checks it).
+
+Modules:
+    schemas    every JSON message: Celery task kwargs, HTTP request and response bodies
+    records    the records stored in the bucket for other processes: rollout header, step record
+    errors     the error-code table (code, HTTP status, client exception) shared by server and client
+    client     the workers' HTTP client of the proxy: bounded retries, one exception per error code
+    staleness  the staleness rule, used at admit, at claim and by the trainer
+    settings   the environment settings every process shares (`ASYNCGRPO_*`), on pydantic-settings
+    log_setup  one structlog configuration per process (JSON or console)
 """

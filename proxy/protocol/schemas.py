@@ -29,20 +29,32 @@ class _Response(BaseModel):
 
 
 class GroupRef(_Request):
-    """One prompt group to generate: G completions of the prompt at ``prompt_index``."""
+    """One prompt group to generate: G completions of the prompt at ``prompt_index``.
+
+    Hop: dispatched by the proxy in a generate task, passed by the task to the generate job, and stored in
+    the rollout header (``proxy.protocol.records.RolloutHeader.groups``) for the optimize worker.
+    """
 
     group_id: str = _ID
     prompt_index: int = Field(ge=0)
 
 
 class GenerateTaskMessage(_Request):
+    """Kwargs of ``asyncgrpo.generate``: sent by the proxy (``proxy.coordinator.dispatch``) through the
+    broker, validated by ``worker.process.tasks.generate``."""
+
     run: str
     task_id: str = _ID
     groups: list[GroupRef] = Field(min_length=1)
 
 
 class RolloutRef(_Request):
-    """An admitted rollout object, as named in an optimize task and in ``GET /v1/steps/{step}``."""
+    """An admitted rollout object, as named in an optimize task and in ``GET /v1/steps/{step}``.
+
+    Hop: made by the proxy from an admitted ``RolloutSubmission`` when it claims a step, sent in the
+    optimize task, and handed as is by the task to the optimize job, which fetches ``key`` and checks it
+    against ``sha256``, ``version`` and ``task_id``.
+    """
 
     task_id: str = _ID
     key: str = Field(min_length=1)
@@ -52,6 +64,9 @@ class RolloutRef(_Request):
 
 
 class OptimizeTaskMessage(_Request):
+    """Kwargs of ``asyncgrpo.optimize``: sent by the proxy through the broker, validated by
+    ``worker.process.tasks.optimize``. Step 0 (the init version) names no rollouts."""
+
     run: str
     step: int = Field(ge=0)
     base_version: int = Field(ge=-1)
@@ -71,11 +86,17 @@ class RenewRequest(_Request):
 
 
 class RejectedGroup(_Request):
+    """A group the generate worker refused as bad input, with the reason: in the rollout header and in the
+    submission, where the proxy counts it as rejected."""
+
     group_id: str = _ID
     reason: str = Field(min_length=1, max_length=200)
 
 
 class RolloutSubmission(_Request):
+    """``POST /v1/rollouts``: the generate worker submits the rollout object it wrote; the proxy admits it
+    (or refuses it as stale, cancelled, bad)."""
+
     task_id: str = _ID
     worker_id: str = _ID
     version: int = Field(ge=0)
@@ -88,6 +109,9 @@ class RolloutSubmission(_Request):
 
 
 class PublishRequest(_Request):
+    """``POST /v1/versions``: the optimize worker asks the proxy to publish the version it uploaded, by
+    compare-and-set from ``base_version``."""
+
     version: int = Field(ge=0)
     base_version: int = Field(ge=-1)
     step: int = Field(ge=0)
@@ -96,6 +120,8 @@ class PublishRequest(_Request):
 
 
 class HeartbeatRequest(_Request):
+    """``POST /v1/workers/heartbeat``: every worker, every few seconds, from a background thread."""
+
     worker_id: str = _ID
     role: Literal["generate", "optimize"]
     hostname: str = Field(min_length=1, max_length=255)
@@ -147,6 +173,13 @@ class PublishResult(_Response):
 
 class HeartbeatResult(_Response):
     ok: bool = True
+
+
+class ReleaseResult(_Response):
+    """Answer to ``DELETE /v1/leases/{lease_id}``."""
+
+    released: bool
+    """False when the lease had already lapsed or was unknown."""
 
 
 class WorkerRecord(_Response):

@@ -1,9 +1,10 @@
-"""Storage: the bucket every run lives in, its keys and its manifests.
+"""The bucket every run lives in: its interface, its backends, its keys and its manifests.
 
-- ``interface``: the ``Bucket`` interface, ``ObjectInfo``, the errors and the key rules.
-- ``file_bucket``: the ``file://`` backend (atomic, create-only writes by link).
-- ``s3_bucket``: the ``s3://`` backend (If-None-Match, multipart).
-- ``bucket``: ``open_bucket(url)``, and everything above importable from one place.
-- ``bucket_keys``: every bucket key; nothing else formats keys.
-- ``manifest``: version manifests: files first, manifest last; verified reads and fetches.
+Modules:
+    interface    the `Bucket` interface, `ObjectInfo`, the errors and the key rules
+    file_bucket  the `file://` backend: atomic writes, create-only by link
+    s3_bucket    the `s3://` backend: If-None-Match, multipart
+    bucket       `open_bucket(url)`, and every bucket name importable from one place
+    bucket_keys  every bucket key; nothing else formats keys
+    manifest     version manifests: files first, manifest last; verified reads and fetches
 """

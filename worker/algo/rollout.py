@@ -6,7 +6,8 @@ aligned with ``completion_ids``: the logprob of each sampled token under the sam
 (temperature applied) of the version named in the header. Per-sample arrays (``rewards``, ``advantages``,
 ``sample_group``, ``reward/<name>``) have one entry per completion, groups in header order, G per group.
 
-Only numpy and safetensors: no torch needed to read or write one, and no pickle anywhere.
+The header is ``proxy.protocol.records.RolloutHeader``. Only numpy, safetensors and pydantic: no torch
+needed to read or write one, and no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
-ROLLOUT_FORMAT = 1
+from proxy.protocol.records import ROLLOUT_FORMAT, GenerateTimings, RolloutExtra, RolloutHeader
+from proxy.protocol.schemas import GroupRef
+
 _HEADER_FIELD = "asyncgrpo"
 
 
@@ -42,29 +45,31 @@ class RolloutSample:
 
 @dataclass
 class Rollout:
+    """One generate task's samples in memory: what the generate job writes and the optimize job reads."""
+
     run: str
     task_id: str
     version: int
     worker_id: str
-    groups: list[dict[str, Any]]  # [{"group_id": str, "prompt_index": int}], in sample order
+    groups: list[GroupRef]  # in sample order
     samples: list[RolloutSample]
-    timings: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    timings: GenerateTimings = field(default_factory=GenerateTimings)
+    extra: RolloutExtra = field(default_factory=RolloutExtra)
 
-    def header(self) -> dict[str, Any]:
-        return {
-            "format": ROLLOUT_FORMAT,
-            "run": self.run,
-            "task_id": self.task_id,
-            "version": self.version,
-            "worker_id": self.worker_id,
-            "groups": self.groups,
-            "finish_reasons": [sample.finish_reason for sample in self.samples],
-            "reward_names": sorted({name for s in self.samples for name in s.rewards_by_name}),
-            "rewards": [sample.reward for sample in self.samples],
-            "timings": self.timings,
-            "extra": self.extra,
-        }
+    def header(self) -> RolloutHeader:
+        return RolloutHeader(
+            format=ROLLOUT_FORMAT,
+            run=self.run,
+            task_id=self.task_id,
+            version=self.version,
+            worker_id=self.worker_id,
+            groups=self.groups,
+            finish_reasons=[sample.finish_reason for sample in self.samples],
+            reward_names=sorted({name for s in self.samples for name in s.rewards_by_name}),
+            rewards=[sample.reward for sample in self.samples],
+            timings=self.timings,
+            extra=self.extra,
+        )
 
 
 def _flatten(sequences: list[list[int]] | list[list[float]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
@@ -100,26 +105,31 @@ def encode_rollout(rollout: Rollout) -> bytes:
         "sample_group": np.array([s.group_index for s in samples], dtype=np.int64),
     }
     header = rollout.header()
-    for name in header["reward_names"]:
+    for name in header.reward_names:
         tensors[f"reward/{name}"] = np.array(
             [s.rewards_by_name.get(name, 0.0) for s in samples], dtype=np.float32
         )
-    return save_tensors(tensors, metadata={_HEADER_FIELD: json.dumps(header, sort_keys=True)})
+    metadata = json.dumps(header.model_dump(mode="json"), sort_keys=True)
+    return save_tensors(tensors, metadata={_HEADER_FIELD: metadata})
 
 
-def read_rollout_header(data: bytes) -> dict[str, Any]:
+def read_rollout_header(data: bytes) -> RolloutHeader:
     """The JSON header alone, without decoding the tensors (safetensors: u64 length, then JSON)."""
     if len(data) < 8:
         raise RolloutFormatError("rollout object is shorter than a safetensors header")
     (length,) = struct.unpack("<Q", data[:8])
     try:
         raw = json.loads(data[8 : 8 + length])
-        header = json.loads(raw["__metadata__"][_HEADER_FIELD])
+        text = raw["__metadata__"][_HEADER_FIELD]
     except (ValueError, KeyError, TypeError) as error:
         raise RolloutFormatError(f"rollout object has no asyncgrpo header: {error}") from error
-    if header.get("format") != ROLLOUT_FORMAT:
+    try:
+        header = RolloutHeader.model_validate_json(text)
+    except ValidationError as error:
+        raise RolloutFormatError(f"rollout header does not match RolloutHeader: {error}") from error
+    if header.format != ROLLOUT_FORMAT:
         raise RolloutFormatError(
-            f"rollout format {header.get('format')!r} is not {ROLLOUT_FORMAT}; upgrade the worker that reads it"
+            f"rollout format {header.format!r} is not {ROLLOUT_FORMAT}; upgrade the worker that reads it"
         )
     return header
 
@@ -133,7 +143,7 @@ def decode_rollout(data: bytes) -> Rollout:
     rewards = tensors["rewards"].tolist()
     advantages = tensors["advantages"].tolist()
     groups_of = tensors["sample_group"].tolist()
-    by_name = {name: tensors[f"reward/{name}"].tolist() for name in header["reward_names"]}
+    by_name = {name: tensors[f"reward/{name}"].tolist() for name in header.reward_names}
     samples = [
         RolloutSample(
             group_index=groups_of[i],
@@ -142,18 +152,18 @@ def decode_rollout(data: bytes) -> Rollout:
             behavior_logprobs=logprobs[i],
             reward=rewards[i],
             advantage=advantages[i],
-            finish_reason=header["finish_reasons"][i],
+            finish_reason=header.finish_reasons[i],
             rewards_by_name={name: values[i] for name, values in by_name.items()},
         )
         for i in range(len(completions))
     ]
     return Rollout(
-        run=header["run"],
-        task_id=header["task_id"],
-        version=header["version"],
-        worker_id=header["worker_id"],
-        groups=header["groups"],
+        run=header.run,
+        task_id=header.task_id,
+        version=header.version,
+        worker_id=header.worker_id,
+        groups=header.groups,
         samples=samples,
-        timings=header.get("timings", {}),
-        extra=header.get("extra", {}),
+        timings=header.timings,
+        extra=header.extra,
     )

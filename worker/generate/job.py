@@ -14,7 +14,10 @@ from typing import Any
 
 import structlog
 
-from proxy.protocol.client import Cancelled, LeaseLost, ProxyClient, ProxyError, StaleRollout
+from proxy.protocol.client import ProxyClient
+from proxy.protocol.errors import Cancelled, LeaseLost, ProxyError, StaleRollout
+from proxy.protocol.records import GenerateTimings, RolloutExtra
+from proxy.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket
@@ -30,6 +33,8 @@ log = structlog.get_logger()
 
 @dataclass
 class GenerateResult:
+    """What one generate task did; the task logs and returns its ``summary()`` and feeds it to the metrics."""
+
     task_id: str
     status: str  # admitted | duplicate | stale | cancelled | rejected
     version: int
@@ -37,10 +42,11 @@ class GenerateResult:
     samples: int
     tokens: int
     reused_rollout: bool
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: GenerateTimings = field(default_factory=GenerateTimings)
     reward_mean: float | None = None
 
     def summary(self) -> dict[str, Any]:
+        """The task's JSON result (and its log line's fields)."""
         return {
             "task_id": self.task_id,
             "status": self.status,
@@ -50,7 +56,7 @@ class GenerateResult:
             "tokens": self.tokens,
             "reused_rollout": self.reused_rollout,
             "reward_mean": self.reward_mean,
-            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+            "timings": {name: round(seconds, 4) for name, seconds in self.timings.model_dump().items()},
         }
 
 
@@ -94,7 +100,7 @@ def run_generate_task(
     *,
     run: str,
     task_id: str,
-    groups: list[dict[str, Any]],
+    groups: list[GroupRef],
     config: RunConfig,
     prompts: list[dict[str, Any]],
     bucket: Bucket,
@@ -111,28 +117,27 @@ def run_generate_task(
         # A redelivery after the first attempt wrote its rollout: submit that object, generate nothing.
         data = bucket.get(key)
         header = read_rollout_header(data)
-        rejected = header.get("extra", {}).get("rejected_groups", [])
         return _submit(
-            client, run, task_id, worker_id, header["version"], key, data, header["groups"], rejected, {},
-            len(header["rewards"]), reused=True, started=started,
+            client, run, task_id, worker_id, header.version, key, data, header.groups, header.extra.rejected_groups,
+            GenerateTimings(), len(header.rewards), reused=True, started=started,
         )
 
-    lease = client.lease(worker_id=worker_id, task_id=task_id)
-    timings: dict[str, float] = {}
+    lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id))
+    timings = GenerateTimings()
     with LeaseKeeper(client, lease.lease_id, lease.ttl_s) as keeper:
         fetch_started = time.perf_counter()
         adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
         adapter = bucket_keys.adapter_name(lease.version)
         backend.load_adapter(adapter, lease.version, adapter_dir)
-        timings["adapter_fetch_s"] = time.perf_counter() - fetch_started
+        timings.adapter_fetch_s = time.perf_counter() - fetch_started
 
         accepted, rejected = _split_bad_prompts(groups, prompts, backend, config)
         samples: list[RolloutSample] = []
         tokens = 0
         if accepted:
             gen_started = time.perf_counter()
-            texts = [prompts[g["prompt_index"]]["prompt"] for g in accepted]
-            answers = [prompts[g["prompt_index"]].get("answer") for g in accepted]
+            texts = [prompts[group.prompt_index]["prompt"] for group in accepted]
+            answers = [prompts[group.prompt_index].get("answer") for group in accepted]
             result = backend.generate(
                 texts,
                 adapter=adapter,
@@ -142,10 +147,10 @@ def run_generate_task(
                 top_p=config.sampling.top_p,
                 seed=_task_seed(config.seed, task_id),
             )
-            timings["generate_s"] = time.perf_counter() - gen_started
+            timings.generate_s = time.perf_counter() - gen_started
             score_started = time.perf_counter()
             samples, tokens = _score(result, texts, answers, config)
-            timings["score_s"] = time.perf_counter() - score_started
+            timings.score_s = time.perf_counter() - score_started
         if keeper.lost:
             log.warning("submitting after the lease was lost; the proxy decides on staleness", task_id=task_id)
 
@@ -157,7 +162,7 @@ def run_generate_task(
         groups=accepted,
         samples=samples,
         timings=timings,
-        extra={"rejected_groups": rejected},
+        extra=RolloutExtra(rejected_groups=rejected),
     )
     data = encode_rollout(rollout)
     bucket.put(key, data)
@@ -174,28 +179,23 @@ def _task_seed(run_seed: int, task_id: str) -> int:
 
 
 def _split_bad_prompts(
-    groups: list[dict[str, Any]], prompts: list[dict[str, Any]], backend: GenerationBackend, config: RunConfig
-) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    accepted: list[dict[str, Any]] = []
-    rejected: list[dict[str, str]] = []
+    groups: list[GroupRef], prompts: list[dict[str, Any]], backend: GenerationBackend, config: RunConfig
+) -> tuple[list[GroupRef], list[RejectedGroup]]:
+    accepted: list[GroupRef] = []
+    rejected: list[RejectedGroup] = []
     limit = config.model.max_prompt_length
-    in_range = [g for g in groups if 0 <= g["prompt_index"] < len(prompts)]
+    in_range = [group for group in groups if 0 <= group.prompt_index < len(prompts)]
     for group in groups:
         if group not in in_range:
             rejected.append(
-                {"group_id": group["group_id"], "reason": f"prompt index {group['prompt_index']} out of range"}
+                RejectedGroup(group_id=group.group_id, reason=f"prompt index {group.prompt_index} out of range")
             )
-    lengths = backend.tokenize([prompts[g["prompt_index"]]["prompt"] for g in in_range]) if in_range else []
+    lengths = backend.tokenize([prompts[group.prompt_index]["prompt"] for group in in_range]) if in_range else []
     for group, token_ids in zip(in_range, lengths, strict=True):
-        index = group["prompt_index"]
         length = len(token_ids)
         if length > limit:
-            rejected.append(
-                {
-                    "group_id": group["group_id"],
-                    "reason": f"prompt {index} has {length} tokens > model.max_prompt_length={limit}",
-                }
-            )
+            reason = f"prompt {group.prompt_index} has {length} tokens > model.max_prompt_length={limit}"
+            rejected.append(RejectedGroup(group_id=group.group_id, reason=reason))
             continue
         accepted.append(group)
     return accepted, rejected
@@ -239,9 +239,9 @@ def _submit(
     version: int,
     key: str,
     data: bytes,
-    groups: list[dict[str, Any]],
-    rejected: list[dict[str, str]],
-    timings: dict[str, float],
+    groups: list[GroupRef],
+    rejected: list[RejectedGroup],
+    timings: GenerateTimings,
     num_samples: int,
     *,
     reused: bool,
@@ -249,29 +249,30 @@ def _submit(
     tokens: int = 0,
     reward_mean: float | None = None,
 ) -> GenerateResult:
-    stats = {"tokens": tokens, **timings}
+    # Free-form figures about the task; the proxy decides nothing on them.
+    stats: dict[str, float | int | None] = {"tokens": tokens, **timings.model_dump()}
     if reward_mean is not None:
         stats["reward_mean"] = reward_mean
+    submission = RolloutSubmission(
+        task_id=task_id,
+        worker_id=worker_id,
+        version=version,
+        key=key,
+        sha256=sha256_hex(data),
+        group_ids=[group.group_id for group in groups],
+        num_samples=num_samples,
+        rejected_groups=rejected,
+        stats=stats,
+    )
     try:
-        answer = client.submit_rollout(
-            task_id=task_id,
-            worker_id=worker_id,
-            version=version,
-            key=key,
-            sha256=sha256_hex(data),
-            group_ids=[g["group_id"] for g in groups],
-            num_samples=num_samples,
-            rejected_groups=rejected,
-            stats=stats,
-        )
-        status = answer.status
+        status = client.submit_rollout(submission).status
     except StaleRollout as error:
         log.warning("rollout refused as stale", task_id=task_id, error=str(error))
         status = "stale"
     except Cancelled as error:
         log.warning("rollout refused: task was cancelled by the proxy", task_id=task_id, error=str(error))
         status = "cancelled"
-    timings = {**timings, "task_s": time.perf_counter() - started}
+    timings = timings.model_copy(update={"task_s": time.perf_counter() - started})
     return GenerateResult(
         task_id=task_id,
         status=status,

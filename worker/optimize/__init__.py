@@ -2,6 +2,9 @@
 
 Modules:
     job            one optimize task: load state, fetch rollouts, rescore, step, upload, publish
-    trainer        rescoring, micro-batched AdamW steps, LR schedule, version files
+    trainer        micro-batched AdamW steps, LR schedule, version files
     trainer_state  adapter and trainer state to and from safetensors + JSON
+    batch          train samples from rollouts, split into updates, packed into micro-batches
+    rescore        rescoring under the claimed versions, ratios, flagging a worker's wrong weights
+    step_record    builds the `StepRecord` of a step
 """

@@ -6,9 +6,7 @@ optimizer over them, the count of updates taken (which drives the learning-rate 
 serialises all of it; ``load_version_files`` restores it, and the next update is bit-identical to the one a
 never-stopped trainer would take (same device, same config).
 
-A batch is packed into micro-batches under ``optimizer.micro_batch_tokens`` padded tokens: samples sorted by
-length, each micro-batch laid out as left-padded prompts followed by right-padded completions, so the logits of
-all completion tokens are the last ``C + 1`` positions. Gradients accumulate over micro-batches with the
+A batch is packed into micro-batches (``worker.optimize.batch``); gradients accumulate over them with the
 normalisers of the whole step (see ``worker.algo.grpo``), then are clipped by global norm, and AdamW applies them.
 A non-finite loss or gradient norm raises :class:`~worker.algo.grpo.NonFiniteError` and applies no update.
 """
@@ -17,12 +15,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import structlog
 import torch
 
+from proxy.protocol.records import UpdateMetrics
 from proxy.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from proxy.storage.bucket_keys import (
     ADAPTER_CONFIG_NAME,
@@ -32,6 +30,7 @@ from proxy.storage.bucket_keys import (
 )
 from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs
 from worker.model.policy import TRAIN_ADAPTER, Policy, trainable_parameters, wrap_with_lora
+from worker.optimize.batch import MicroBatch, TrainSample, collate, pack_micro_batches
 from worker.optimize.trainer_state import (
     VERSION_FILE_NAMES,
     TrainerState,
@@ -44,53 +43,6 @@ from worker.optimize.trainer_state import (
 )
 
 log = structlog.get_logger()
-
-
-@dataclass
-class TrainSample:
-    """One completion to train on: tokens, the behaviour logprob of each completion token, its advantage."""
-
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    behavior_logprobs: list[float]
-    advantage: float
-    version: int = 0  # the policy version that sampled it (for staleness bookkeeping; not used by the math)
-
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("a train sample needs at least one prompt token")
-        if len(self.completion_token_ids) != len(self.behavior_logprobs):
-            raise ValueError(
-                f"a train sample has {len(self.completion_token_ids)} completion tokens but "
-                f"{len(self.behavior_logprobs)} behaviour logprobs; they must align one to one"
-            )
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_token_ids) + len(self.completion_token_ids)
-
-
-@dataclass
-class StepMetrics:
-    update: int  # 0-based index of this optimizer update in the run
-    loss: float
-    ratio: float
-    kl: float  # k3 of the behaviour policy against the current one (staleness drift)
-    clip_low: float
-    clip_high: float
-    clip_region: float
-    entropy: float
-    grad_norm: float  # before clipping
-    lr: float
-    tokens: int
-    sequences: int
-    micro_batches: int
-    forward_backward_s: float
-    optimizer_s: float
-    kl_ref: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def learning_rate_at(update: int, optimizer: OptimizerConfig) -> float:
@@ -108,28 +60,6 @@ def learning_rate_at(update: int, optimizer: OptimizerConfig) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices into micro-batches of at most ``token_budget`` padded tokens (rows x longest).
-
-    Longest first, so rows of similar length share a batch; a sample longer than the budget goes alone.
-    Deterministic for given lengths.
-    """
-    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    current_longest = 0
-    for index in order:
-        longest = max(current_longest, lengths[index])
-        if current and (len(current) + 1) * longest > token_budget:
-            batches.append(current)
-            current, longest = [], lengths[index]
-        current.append(index)
-        current_longest = longest
-    if current:
-        batches.append(current)
-    return batches
-
-
 def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]) -> float:
     """Token mean of exp(logprobs - behaviour): 1 when a rollout was made by the weights rescoring it."""
     total, count = 0.0, 0
@@ -138,48 +68,6 @@ def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]
             total += math.exp(c - b)
             count += 1
     return total / count if count else 1.0
-
-
-@dataclass
-class _MicroBatch:
-    indices: list[int]
-    input_ids: torch.Tensor  # (B, P + C): left-padded prompts, then right-padded completions
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    completion_ids: torch.Tensor  # (B, C)
-    mask: torch.Tensor  # (B, C) bool: real completion tokens
-    behavior_logprobs: torch.Tensor  # (B, C) float32
-    advantages: torch.Tensor  # (B,) float32
-
-
-def _collate(samples: list[TrainSample], indices: list[int], pad_id: int, device: torch.device) -> _MicroBatch:
-    chosen = [samples[index] for index in indices]
-    prompt_width = max(len(s.prompt_token_ids) for s in chosen)
-    completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
-    rows = len(chosen)
-    input_ids = torch.full((rows, prompt_width + completion_width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    mask = torch.zeros((rows, completion_width), dtype=torch.bool)
-    behavior = torch.zeros((rows, completion_width), dtype=torch.float32)
-    for row, sample in enumerate(chosen):
-        prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
-        start = prompt_width - len(prompt)
-        input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion, dtype=torch.long)
-        attention[row, start : prompt_width + len(completion)] = 1
-        mask[row, : len(completion)] = True
-        behavior[row, : len(completion)] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    return _MicroBatch(
-        indices=indices,
-        input_ids=input_ids.to(device),
-        attention_mask=attention.to(device),
-        position_ids=positions.to(device),
-        completion_ids=input_ids[:, prompt_width:].to(device),
-        mask=mask.to(device),
-        behavior_logprobs=behavior.to(device),
-        advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
-    )
 
 
 class Trainer:
@@ -236,7 +124,7 @@ class Trainer:
 
     # --- forward -----------------------------------------------------------------------------------------
 
-    def _completion_logits(self, batch: _MicroBatch) -> torch.Tensor:
+    def _completion_logits(self, batch: MicroBatch) -> torch.Tensor:
         """Temperature-scaled logits at the positions that predict each completion token: (B, C, V)."""
         width = batch.completion_ids.shape[1]
         output = self.model(
@@ -248,11 +136,11 @@ class Trainer:
         )
         return output.logits[:, -width - 1 : -1, :].float() / self.temperature
 
-    def _batches(self, samples: list[TrainSample]) -> list[_MicroBatch]:
+    def _batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         if not samples:
             raise ValueError("no samples given")
         plan = pack_micro_batches([s.length for s in samples], self.optimizer_cfg.micro_batch_tokens)
-        return [_collate(samples, indices, self.policy.pad_token_id, self.policy.device) for indices in plan]
+        return [collate(samples, indices, self.policy.pad_token_id, self.policy.device) for indices in plan]
 
     @torch.no_grad()
     def rescore(self, samples: list[TrainSample]) -> list[list[float]]:
@@ -266,14 +154,14 @@ class Trainer:
         return result
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: _MicroBatch) -> torch.Tensor:
+    def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         # With LoRA, the reference (base) model is the same network with its adapter switched off.
         with self.model.disable_adapter():
             return token_logprobs(self._completion_logits(batch), batch.completion_ids)
 
     # --- one optimizer update ----------------------------------------------------------------------------
 
-    def step(self, samples: list[TrainSample]) -> StepMetrics:
+    def step(self, samples: list[TrainSample]) -> UpdateMetrics:
         """One AdamW update over ``samples``; returns its metrics. Raises NonFiniteError without updating."""
         batches = self._batches(samples)
         step_tokens = sum(len(s.completion_token_ids) for s in samples)
@@ -294,7 +182,7 @@ class Trainer:
                 self._rng_cuda = torch.cuda.get_rng_state(self.policy.device)
         return metrics
 
-    def _update(self, batches: list[_MicroBatch], sequences: int, step_tokens: int) -> StepMetrics:
+    def _update(self, batches: list[MicroBatch], sequences: int, step_tokens: int) -> UpdateMetrics:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
@@ -349,7 +237,7 @@ class Trainer:
         self.updates += 1
         self.version = None
         mean = {key: value / step_tokens for key, value in weighted.items()}
-        return StepMetrics(
+        return UpdateMetrics(
             update=update,
             loss=loss_total,
             ratio=mean["ratio"],

@@ -10,4 +10,5 @@ Modules:
     heartbeat         heartbeats to the proxy from a background thread
     inspect_commands  custom `celery inspect` commands
     metrics           the workers' Prometheus metrics
+    result_metrics    the metrics each task's result moves (`GenerateResult`, `StepRecord`)
 """

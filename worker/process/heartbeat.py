@@ -16,6 +16,7 @@ import httpx
 import structlog
 
 from proxy.protocol.client import ProxyClient, ProxyError
+from proxy.protocol.schemas import HeartbeatRequest
 
 log = structlog.get_logger()
 
@@ -48,15 +49,17 @@ class Heartbeat:
     def beat(self) -> None:
         state = self.describe()
         self.client.heartbeat(
-            worker_id=self.worker_id,
-            role=self.role,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            state=state.get("state", "idle"),
-            versions_cached=state.get("versions_cached", []),
-            current_task=state.get("current_task"),
-            metrics_port=self.metrics_port,
-            info=state.get("info", {}),
+            HeartbeatRequest(
+                worker_id=self.worker_id,
+                role=self.role,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                state=state.get("state", "idle"),
+                versions_cached=state.get("versions_cached", []),
+                current_task=state.get("current_task"),
+                metrics_port=self.metrics_port,
+                info=state.get("info", {}),
+            )
         )
 
     def _loop(self) -> None:

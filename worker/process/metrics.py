@@ -5,8 +5,8 @@ so that the endpoint shows exactly the worker's metrics and a test can list what
 start with ``asyncgrpo_``, carry their unit, and every label has a small fixed set of values (a status, an
 error kind, a reward function name from the run config): never a task id, step or version.
 
-The tasks call the ``observe_*`` functions with what they already have: ``GenerateResult.summary()`` on the
-generate side and the optimize step record (``runs/<run>/metrics/step-S.json``) on the optimize side.
+This module defines the families, the endpoint and the process-level observations (errors, idle time, tasks
+in flight); ``worker.process.result_metrics`` moves the rest from each finished task's result.
 
 Reading the bottleneck pair: ``asyncgrpo_trainer_rollout_wait_seconds`` grows when the trainer sits idle for
 want of samples (generation is the bottleneck); ``asyncgrpo_generate_backpressure_seconds`` grows when
@@ -19,7 +19,6 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import structlog
 from prometheus_client import (
@@ -285,141 +284,3 @@ def task_in_flight(role: str) -> Iterator[None]:
         yield
     finally:
         gauge.dec()
-
-
-def _number(value: Any) -> float | None:
-    """A finite float, or None for a missing or non-finite figure (a step with no tokens has no ratio)."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _set(gauge: Gauge, value: Any) -> None:
-    number = _number(value)
-    if number is not None:
-        gauge.set(number)
-
-
-def _observe(histogram: Histogram, value: Any) -> None:
-    number = _number(value)
-    if number is not None and number >= 0:
-        histogram.observe(number)
-
-
-def observe_generate_task(summary: dict[str, Any]) -> None:
-    """Record one finished generate task from ``GenerateResult.summary()``."""
-    status = summary.get("status", "other")
-    if status not in GENERATE_STATUSES:
-        log.warning("unknown generate status not counted", status=status)
-    else:
-        GENERATE_TASKS.labels(status=status).inc()
-    if status == "stale":
-        observe_error("stale")
-    timings = summary.get("timings") or {}
-    _observe(GENERATE_TASK_SECONDS, timings.get("task_s"))
-    if summary.get("reused_rollout"):
-        # A redelivered task resubmitted an earlier rollout: nothing was generated this time.
-        return
-    _observe(GENERATE_ADAPTER_FETCH_SECONDS, timings.get("adapter_fetch_s"))
-    _observe(GENERATE_SAMPLING_SECONDS, timings.get("generate_s"))
-    _observe(GENERATE_SCORING_SECONDS, timings.get("score_s"))
-    tokens = int(summary.get("tokens") or 0)
-    samples = int(summary.get("samples") or 0)
-    GENERATE_TOKENS.inc(tokens)
-    GENERATE_SAMPLES.inc(samples)
-    GENERATE_GROUPS.inc(int(summary.get("groups") or 0))
-    sampling_s = _number(timings.get("generate_s"))
-    if sampling_s:
-        GENERATE_TOKENS_PER_SECOND.set(tokens / sampling_s)
-    task_s = _number(timings.get("task_s"))
-    if task_s:
-        GENERATE_SAMPLES_PER_SECOND.set(samples / task_s)
-    _set(GENERATE_VERSION, summary.get("version"))
-    _set(GENERATE_REWARD_MEAN, summary.get("reward_mean"))
-
-
-def _update_seconds(record: dict[str, Any], name: str) -> float | None:
-    """A step's ``name`` seconds: from its timings, else summed over its optimizer updates."""
-    direct = _number((record.get("timings") or {}).get(name))
-    if direct is not None:
-        return direct
-    values = [_number(update.get(name)) for update in record.get("updates") or [] if isinstance(update, dict)]
-    found = [v for v in values if v is not None]
-    return sum(found) if found else None
-
-
-def observe_optimize_step(record: dict[str, Any] | None, status: str) -> None:
-    """Record one finished optimize task: its ``status`` and, when it trained, its step record."""
-    if status not in OPTIMIZE_STATUSES:
-        log.warning("unknown optimize status not counted", status=status)
-    else:
-        TRAINER_STEPS.labels(status=status).inc()
-    if status == "conflict":
-        observe_error("conflict")
-    if record is None:
-        return
-    timings = record.get("timings") or {}
-    step_s = _number(timings.get("step_s"))
-    _observe(TRAINER_STEP_SECONDS, step_s)
-    _observe(TRAINER_FORWARD_BACKWARD_SECONDS, _update_seconds(record, "forward_backward_s"))
-    _observe(TRAINER_OPTIMIZER_SECONDS, _update_seconds(record, "optimizer_s"))
-    _observe(TRAINER_FETCH_SECONDS, timings.get("fetch_s"))
-    _observe(TRAINER_RESCORE_SECONDS, timings.get("rescore_s"))
-    _observe(TRAINER_PUBLISH_SECONDS, timings.get("upload_s"))
-
-    tokens = int(record.get("tokens") or 0)
-    samples = int(record.get("samples") or 0)
-    groups = int(record.get("groups") or 0)
-    TRAINER_TOKENS.inc(tokens)
-    TRAINER_SAMPLES.inc(samples)
-    TRAINER_GROUPS.inc(groups)
-    TRAINER_SAMPLES_PER_STEP.set(samples)
-    TRAINER_GROUPS_PER_STEP.set(groups)
-    if step_s:
-        TRAINER_TOKENS_PER_SECOND.set(tokens / step_s)
-    _set(TRAINER_VERSION, record.get("version"))
-    _set(TRAINER_LAST_PUBLISH_TIMESTAMP, record.get("published_at"))
-
-    _observe_staleness(record)
-    _observe_policy(record)
-
-
-def _observe_staleness(record: dict[str, Any]) -> None:
-    stalenesses = record.get("staleness") or []
-    rollouts = record.get("rollouts") or []
-    if len(rollouts) == len(stalenesses):
-        # One observation per completion: a rollout of 32 samples weighs 32 times one of a single sample.
-        for value, rollout in zip(stalenesses, rollouts, strict=True):
-            for _ in range(int(rollout.get("samples") or 0)):
-                SAMPLE_STALENESS_VERSIONS.observe(value)
-    else:
-        for value in stalenesses:
-            SAMPLE_STALENESS_VERSIONS.observe(value)
-    _set(STEP_MAX_STALENESS_VERSIONS, record.get("max_staleness"))
-
-
-def _observe_policy(record: dict[str, Any]) -> None:
-    _set(POLICY_RATIO, record.get("ratio"))
-    _set(POLICY_RESCORE_RATIO, record.get("rescore_ratio"))
-    _set(POLICY_KL, record.get("kl"))
-    _set(POLICY_ENTROPY_NATS, record.get("entropy"))
-    for bound in CLIP_BOUNDS:
-        _set(POLICY_CLIP_FRACTION.labels(bound=bound), record.get(f"clip_{bound}"))
-    _set(POLICY_LOSS, record.get("loss"))
-    _set(POLICY_GRAD_NORM, record.get("grad_norm"))
-    _set(POLICY_LEARNING_RATE, record.get("lr"))
-    _set(POLICY_REWARD_MEAN, record.get("reward_mean"))
-    _set(POLICY_REWARD_STD, record.get("reward_std"))
-    for name, value in (record.get("rewards_by_name") or {}).items():
-        _set(POLICY_REWARD_FUNCTION_MEAN.labels(reward=name), value)
-    for name, value in (record.get("rewards_std_by_name") or {}).items():
-        _set(POLICY_REWARD_FUNCTION_STD.labels(reward=name), value)
-    _set(POLICY_COMPLETION_LENGTH_TOKENS, record.get("completion_length_mean"))
-    _set(POLICY_TRUNCATED_RATIO, record.get("truncated_fraction"))
-    flagged = record.get("flagged_rollouts") or []
-    if flagged:
-        POLICY_FLAGGED_ROLLOUTS.inc(len(flagged))

@@ -13,7 +13,7 @@ import structlog
 from celery import signals
 from celery.exceptions import Reject
 
-from proxy.protocol.client import Conflict, NotReady, ProxyError, ProxyUnavailable
+from proxy.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
 from proxy.protocol.log_setup import configure_logging
 from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage
 from proxy.protocol.staleness import StaleRolloutError
@@ -22,7 +22,7 @@ from proxy.storage.manifest import IntegrityError
 from worker.generate.job import run_generate_task
 from worker.optimize.job import run_initialize, run_optimize_step
 from worker.process import metrics as worker_metrics
-from worker.process import preemption
+from worker.process import preemption, result_metrics
 from worker.process.celery_app import app
 from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat
 
@@ -127,7 +127,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         result = run_generate_task(
             run=message.run,
             task_id=message.task_id,
-            groups=[group.model_dump() for group in message.groups],
+            groups=message.groups,
             config=context.config,
             prompts=context.prompts,
             bucket=runtime.bucket,
@@ -136,9 +136,8 @@ def generate(**payload: Any) -> dict[str, Any]:
             adapter_cache=runtime.adapter_cache(context),
             worker_id=runtime.settings.worker_id,
         )
-        summary = result.summary()
-        worker_metrics.observe_generate_task(summary)
-        return summary
+        result_metrics.observe_generate_task(result)
+        return result.summary()
 
     return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
 
@@ -165,14 +164,14 @@ def optimize(**payload: Any) -> dict[str, Any]:
                 run=message.run,
                 step=message.step,
                 base_version=message.base_version,
-                rollout_refs=[ref.model_dump() for ref in message.rollouts],
+                rollout_refs=message.rollouts,
                 config=context.config,
                 trainer=trainer,
                 bucket=runtime.bucket,
                 client=runtime.client,
                 worker_id=runtime.settings.worker_id,
             )
-        worker_metrics.observe_optimize_step(result.record, result.status)
+        result_metrics.observe_optimize_step(result.record, result.status)
         return result.summary()
 
     return _run("optimize", f"step-{message.step}", body, run=message.run, step=message.step)

@@ -22,6 +22,8 @@ from rich.live import Live
 from rich.table import Table
 
 from proxy.protocol.log_setup import configure_logging
+from proxy.protocol.records import StepRecord
+from proxy.protocol.schemas import StatusResponse
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import open_bucket
@@ -61,44 +63,43 @@ generate_task_timeout_s = 120
 
 
 def summarize(
-    records: list[dict[str, Any]], status: dict[str, Any], wall_s: float, samples_per_prompt: int
+    records: list[StepRecord], status: StatusResponse, wall_s: float, samples_per_prompt: int
 ) -> dict[str, Any]:
-    rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
+    """The demo's closing figures (the one JSON line of ``--json``)."""
+    rewards = [r.reward_mean for r in records if r.reward_mean is not None]
     first, last = rewards[:10], rewards[-10:]
-    counters = status.get("counters", {})
+    groups_stale = status.counters.get("groups_stale", 0)
     return {
         "steps": len(records),
-        "versions_published": status.get("current_version", -1) + 1,
+        "versions_published": status.current_version + 1,
         "reward_first10": round(sum(first) / len(first), 4) if first else None,
         "reward_last10": round(sum(last) / len(last), 4) if last else None,
-        "max_staleness_trained": max((r["max_staleness"] for r in records), default=0),
-        "samples_trained": sum(r["samples"] for r in records),
-        "samples_dropped_stale": counters.get("groups_stale", 0) * samples_per_prompt,
-        "groups_dropped_stale": counters.get("groups_stale", 0),
-        "mean_rescore_ratio": round(
-            sum(r["rescore_ratio"] for r in records if r.get("rescore_ratio")) / max(1, len(records)), 6
-        ),
-        "flagged_rollouts": sum(len(r.get("flagged_rollouts", [])) for r in records),
+        "max_staleness_trained": max((r.max_staleness for r in records), default=0),
+        "samples_trained": sum(r.samples for r in records),
+        "samples_dropped_stale": groups_stale * samples_per_prompt,
+        "groups_dropped_stale": groups_stale,
+        "mean_rescore_ratio": round(sum(r.rescore_ratio or 0.0 for r in records) / max(1, len(records)), 6),
+        "flagged_rollouts": sum(len(r.flagged_rollouts) for r in records),
         "wall_s": round(wall_s, 1),
     }
 
 
-def _progress_table(records: list[dict[str, Any]], status: dict[str, Any], started: float) -> Table:
+def _progress_table(records: list[StepRecord], status: StatusResponse, started: float) -> Table:
     table = Table(title="asyncgrpo demo", show_lines=False)
     for column in ("step", "version", "reward", "staleness", "tokens/s", "buffered", "in flight", "workers"):
         table.add_column(column)
-    last = records[-1] if records else {}
+    last = records[-1] if records else None
     elapsed = max(time.monotonic() - started, 1e-6)
-    tokens = sum(r.get("tokens", 0) for r in records)
-    workers = status.get("workers_alive_by_role", {})
+    tokens = sum(r.tokens for r in records)
+    workers = status.workers_alive_by_role
     table.add_row(
-        str(last.get("step", "-")),
-        str(status.get("current_version", "-")),
-        f"{last['reward_mean']:.3f}" if last.get("reward_mean") is not None else "-",
-        str(last.get("max_staleness", "-")),
+        str(last.step) if last else "-",
+        str(status.current_version),
+        f"{last.reward_mean:.3f}" if last and last.reward_mean is not None else "-",
+        str(last.max_staleness) if last else "-",
         f"{tokens / elapsed:.0f}",
-        str(status.get("groups_buffered", "-")),
-        str(status.get("groups_inflight", "-")),
+        str(status.groups_buffered),
+        str(status.groups_inflight),
         ", ".join(f"{role}={count}" for role, count in sorted(workers.items())) or "-",
     )
     return table
@@ -140,15 +141,13 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
         cluster.start_worker("optimize", env=threads)
         for _ in range(generate_workers):
             cluster.start_worker("generate", env=threads)
-        records: list[dict[str, Any]] = []
-        status: dict[str, Any] = {}
         with Live(console=console, refresh_per_second=2, transient=as_json) as live:
             while True:
                 cluster.check_children()
-                status = cluster.status()
+                status = StatusResponse.model_validate(cluster.status())
                 records = load_step_records(bucket, RUN_NAME)
                 live.update(_progress_table(records, status, started))
-                if status.get("finished") and len(records) >= status["final_version"]:
+                if status.finished and len(records) >= status.final_version:
                     break
                 time.sleep(1.0)
         summary = summarize(records, status, time.monotonic() - started, SAMPLES_PER_PROMPT)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import structlog
 
+from proxy.protocol.records import StepRecord
 from proxy.storage.bucket import Bucket
 from worker.tools.step_records import load_step_records
 
@@ -23,39 +23,32 @@ class PlotError(ValueError):
     """Nothing to plot, or no way to plot it; the message says what to do."""
 
 
-def _value(record: dict[str, Any], key: str) -> float:
-    value = record.get(key)
-    if value is None or isinstance(value, bool):
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
+def _value(value: float | None) -> float:
+    """A figure to draw; a missing one (a mean over nothing) leaves a gap."""
+    return math.nan if value is None else float(value)
 
 
-def _mean(values: list[Any]) -> float:
-    numbers = [float(v) for v in values if isinstance(v, int | float)]
-    return sum(numbers) / len(numbers) if numbers else math.nan
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
-def _throughput_series(records: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+def _throughput_series(records: list[StepRecord]) -> tuple[list[float], list[float]]:
     """(trainer tokens/s of step compute, run tokens/s of wall clock between publishes) per record."""
     compute, wall = [], []
     previous_time: float | None = None
     for record in records:
-        tokens = _value(record, "tokens")
-        step_s = _value((record.get("timings") or {}), "step_s")
-        compute.append(tokens / step_s if step_s and step_s > 0 else math.nan)
-        published = _value(record, "published_at")
+        step_s = record.timings.step_s
+        compute.append(record.tokens / step_s if step_s else math.nan)
+        published = record.published_at
         if previous_time is not None and published > previous_time:
-            wall.append(tokens / (published - previous_time))
+            wall.append(record.tokens / (published - previous_time))
         else:
             wall.append(math.nan)
-        previous_time = published if not math.isnan(published) else previous_time
+        previous_time = published
     return compute, wall
 
 
-def plot_records(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+def plot_records(records: list[StepRecord], out: Path, title: str = "") -> Path:
     """Draw ``records`` (step records, any order) into the PNG ``out``; returns ``out``."""
     if not records:
         raise PlotError("there are no step records to plot yet; wait for the first published step")
@@ -67,35 +60,34 @@ def plot_records(records: list[dict[str, Any]], out: Path, title: str = "") -> P
     except ImportError as error:
         raise PlotError("plotting needs matplotlib: pip install 'asyncgrpo[plot]'") from error
 
-    records = sorted(records, key=lambda r: r["step"])
-    steps = [r["step"] for r in records]
+    records = sorted(records, key=lambda r: r.step)
+    steps = [r.step for r in records]
     figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     reward_ax, ratio_ax, staleness_ax, throughput_ax = axes.flat
 
-    reward_mean = [_value(r, "reward_mean") for r in records]
-    reward_std = [_value(r, "reward_std") for r in records]
+    reward_mean = [_value(r.reward_mean) for r in records]
+    reward_std = [_value(r.reward_std) for r in records]
     reward_ax.plot(steps, reward_mean, label="reward mean", color="tab:blue")
     low = [m - s if not math.isnan(s) else m for m, s in zip(reward_mean, reward_std, strict=True)]
     high = [m + s if not math.isnan(s) else m for m, s in zip(reward_mean, reward_std, strict=True)]
     reward_ax.fill_between(steps, low, high, alpha=0.2, color="tab:blue", label="± std")
-    names = sorted({name for r in records for name in (r.get("rewards_by_name") or {})})
+    names = sorted({name for r in records for name in r.rewards_by_name})
     if len(names) > 1:
         for name in names:
-            reward_ax.plot(steps, [_value(r.get("rewards_by_name") or {}, name) for r in records], label=name,
-                           linewidth=0.8)
+            reward_ax.plot(steps, [_value(r.rewards_by_name.get(name)) for r in records], label=name, linewidth=0.8)
     reward_ax.set_ylabel("reward")
     reward_ax.set_title("reward")
     reward_ax.legend(loc="best", fontsize="small")
 
-    ratio_ax.plot(steps, [_value(r, "ratio") for r in records], label="ratio (train)", color="tab:green")
-    ratio_ax.plot(steps, [_value(r, "rescore_ratio") for r in records], label="ratio (rescore)",
+    ratio_ax.plot(steps, [_value(r.ratio) for r in records], label="ratio (train)", color="tab:green")
+    ratio_ax.plot(steps, [_value(r.rescore_ratio) for r in records], label="ratio (rescore)",
                   color="tab:olive", linestyle="--")
     ratio_ax.axhline(1.0, color="grey", linewidth=0.8)
     ratio_ax.set_title("importance ratio π/π_behaviour")
     ratio_ax.legend(loc="best", fontsize="small")
 
-    staleness_ax.plot(steps, [_mean(r.get("staleness") or []) for r in records], label="mean", color="tab:orange")
-    staleness_ax.plot(steps, [_value(r, "max_staleness") for r in records], label="max", color="tab:red",
+    staleness_ax.plot(steps, [_mean(r.staleness) for r in records], label="mean", color="tab:orange")
+    staleness_ax.plot(steps, [r.max_staleness for r in records], label="max", color="tab:red",
                       drawstyle="steps-mid")
     staleness_ax.set_ylabel("versions")
     staleness_ax.set_xlabel("step")

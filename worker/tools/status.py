@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 from rich.console import Console, Group, RenderableType
@@ -21,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from proxy.protocol.client import ProxyClient, ProxyError
+from proxy.protocol.records import StepRecord
 from proxy.protocol.schemas import StatusResponse, WorkerRecord
 from proxy.run.config import RunConfig
 from proxy.run.store import load_run
@@ -37,7 +37,7 @@ RECENT_STEPS = 30
 class StatusSnapshot:
     status: StatusResponse
     workers: list[WorkerRecord]
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
     config: RunConfig | None = None
     taken_at: float = field(default_factory=time.time)
     bucket_error: str | None = None
@@ -81,16 +81,13 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}"
-    return str(value)
+def _fmt(value: float, digits: int = 4) -> str:
+    return f"{value:.{digits}g}"
 
 
-def _numbers(records: list[dict[str, Any]], key: str) -> list[float]:
-    return [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+def _present(values: list[float | None]) -> list[float]:
+    """The figures the records have (a mean over nothing is None)."""
+    return [float(value) for value in values if value is not None]
 
 
 def _run_table(snapshot: StatusSnapshot) -> Table:
@@ -143,25 +140,23 @@ def _trend_table(snapshot: StatusSnapshot) -> RenderableType:
     table.add_column("first", justify="right")
     table.add_column("last", justify="right")
     limit = snapshot.config.async_.max_staleness if snapshot.config is not None else None
+    staleness_label = "max staleness" + (f" (limit {limit})" if limit is not None else "")
     rows = [
-        ("reward mean", _numbers(records, "reward_mean")),
-        ("ratio", _numbers(records, "ratio")),
-        ("kl (k3)", _numbers(records, "kl")),
-        ("completion length", _numbers(records, "completion_length_mean")),
-        ("max staleness" + (f" (limit {limit})" if limit is not None else ""), _numbers(records, "max_staleness")),
-        ("step seconds", [float(r["timings"]["step_s"]) for r in records
-                          if isinstance((r.get("timings") or {}).get("step_s"), int | float)]),
+        ("reward mean", _present([r.reward_mean for r in records])),
+        ("ratio", _present([r.ratio for r in records])),
+        ("kl (k3)", _present([r.kl for r in records])),
+        ("completion length", _present([r.completion_length_mean for r in records])),
+        (staleness_label, _present([r.max_staleness for r in records])),
+        ("step seconds", _present([r.timings.step_s for r in records])),
     ]
     for name, values in rows:
         if values:
             table.add_row(name, sparkline(values), _fmt(values[0]), _fmt(values[-1]))
-    flagged = sum(len(r.get("flagged_rollouts") or []) for r in records)
+    flagged = sum(len(r.flagged_rollouts) for r in records)
     if flagged:
         table.add_row("ratio-flagged rollouts", Text(str(flagged), style="red"), "", "")
     last = records[-1]
-    published = last.get("published_at")
-    if isinstance(published, int | float):
-        table.add_row("last step", f"step {last['step']}, {_age(snapshot.taken_at - published)}", "", "")
+    table.add_row("last step", f"step {last.step}, {_age(snapshot.taken_at - last.published_at)}", "", "")
     return table
 
 

@@ -2,17 +2,18 @@
 
 The optimize worker copies each published version's step record there (the original sits in the version's
 folder, covered by its manifest, until the version is collected). These copies feed ``asyncgrpo status``
-and ``asyncgrpo plot``: display only, never training, so they are read as they are.
+and ``asyncgrpo plot``: display only, never training, so they are read as they are, each parsed as a
+``proxy.protocol.records.StepRecord``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
+from proxy.protocol.records import StepRecord
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, ObjectNotFound
 
@@ -31,7 +32,7 @@ def step_record_steps(bucket: Bucket, run: str) -> list[int]:
     return sorted(steps)
 
 
-def load_step_records(bucket: Bucket, run: str, *, last: int | None = None) -> list[dict[str, Any]]:
+def load_step_records(bucket: Bucket, run: str, *, last: int | None = None) -> list[StepRecord]:
     """The run's step records in step order (only the ``last`` ones when given).
 
     A record that cannot be parsed is skipped with a warning naming its key, so one bad object does not hide
@@ -46,14 +47,11 @@ def load_step_records(bucket: Bucket, run: str, *, last: int | None = None) -> l
     for step in steps:
         key = bucket_keys.metrics_key(run, step)
         try:
-            record = json.loads(bucket.get(key))
+            data = bucket.get(key)
         except ObjectNotFound:
             continue  # collected between the listing and the read
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            log.warning("step record is not valid JSON; skipped", key=key, error=str(error))
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            log.warning("step record has no integer 'step'; skipped", key=key)
-            continue
-        records.append(record)
+        try:
+            records.append(StepRecord.model_validate_json(data))
+        except ValidationError as error:
+            log.warning("step record does not parse as a StepRecord; skipped", key=key, error=str(error))
     return records

@@ -1,0 +1,127 @@
+"""The generate job with real parts (tiny model, FileBucket, adapter cache) and a recording stand-in for the
+proxy: the typed messages it sends (lease request, submission) match the rollout header it wrote, bad prompts
+are rejected with their reason, and a redelivered task resubmits the same rollout without a new lease."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from proxy.protocol.schemas import (
+    GroupRef,
+    LeaseGrant,
+    LeaseRequest,
+    ReleaseResult,
+    RolloutSubmission,
+    SubmitResult,
+)
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, open_bucket
+from proxy.storage.manifest import write_version
+from worker.algo.rollout import decode_rollout, read_rollout_header
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.job import GenerateResult, run_generate_task
+from worker.generate.transformers_backend import TransformersBackend
+from worker.model.policy import Policy
+from worker.optimize.trainer import Trainer
+
+RUN = "gen-job"
+TASK = "gen-gen-job-0-00000001"
+PROMPTS: list[dict[str, str | None]] = [
+    {"prompt": "3=", "answer": "3"},
+    {"prompt": "7=", "answer": "7"},
+    {"prompt": "1" * 40 + "=", "answer": "1"},
+]
+
+
+@dataclass
+class RecordingProxy:
+    """Stands in for ProxyClient: grants leases on version 0 and admits every submission."""
+
+    manifest_sha256: str
+    leases: list[LeaseRequest] = field(default_factory=list)
+    submissions: list[RolloutSubmission] = field(default_factory=list)
+
+    def lease(self, request: LeaseRequest) -> LeaseGrant:
+        self.leases.append(request)
+        return LeaseGrant(
+            lease_id="lease-1", version=0, adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
+            manifest_key=bucket_keys.manifest_key(RUN, 0), manifest_sha256=self.manifest_sha256, ttl_s=60.0,
+            expires_at=0.0,
+        )
+
+    def renew(self, lease_id: str) -> LeaseGrant:
+        raise AssertionError(f"a 60 s lease ({lease_id}) needs no renewal in this test")
+
+    def release(self, lease_id: str) -> ReleaseResult:
+        return ReleaseResult(released=True)
+
+    def submit_rollout(self, submission: RolloutSubmission) -> SubmitResult:
+        status = "duplicate" if any(s.task_id == submission.task_id for s in self.submissions) else "admitted"
+        self.submissions.append(submission)
+        return SubmitResult(status=status)
+
+
+def config() -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "model": {"max_prompt_length": 8},
+            "sampling": {"samples_per_prompt": 2, "max_completion_length": 4},
+            "rewards": [{"name": "repeat_digit"}],
+        }
+    )
+
+
+@pytest.fixture
+def bucket_with_v0(tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None) -> tuple[Bucket, str]:
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), config())
+    _, manifest_sha = write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
+    return bucket, manifest_sha
+
+
+def test_generate_sends_typed_messages_that_match_its_rollout(
+    bucket_with_v0: tuple[Bucket, str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bucket, manifest_sha = bucket_with_v0
+    proxy = RecordingProxy(manifest_sha256=manifest_sha)
+    groups = [
+        GroupRef(group_id=f"{TASK}.0", prompt_index=0),
+        GroupRef(group_id=f"{TASK}.1", prompt_index=2),  # too long for max_prompt_length
+        GroupRef(group_id=f"{TASK}.2", prompt_index=9),  # no such prompt
+        GroupRef(group_id=f"{TASK}.3", prompt_index=1),
+    ]
+
+    def generate() -> GenerateResult:
+        return run_generate_task(
+            run=RUN, task_id=TASK, groups=groups, config=config(), prompts=PROMPTS, bucket=bucket, client=proxy,
+            backend=TransformersBackend(str(tiny_model_dir)),
+            adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2), worker_id="gen-1",
+        )
+
+    first = generate()
+    assert first.status == "admitted" and not first.reused_rollout
+    assert first.groups == 2 and first.samples == 4 and first.timings.task_s is not None
+    assert proxy.leases == [LeaseRequest(worker_id="gen-1", task_id=TASK)]
+
+    submitted = proxy.submissions[0]
+    data = bucket.get(submitted.key)
+    header = read_rollout_header(data)
+    assert submitted.key == bucket_keys.rollout_key(RUN, TASK) and submitted.version == header.version == 0
+    assert header.groups == [groups[0], groups[3]]
+    assert submitted.group_ids == [group.group_id for group in header.groups]
+    assert header.extra.rejected_groups == submitted.rejected_groups
+    reasons = {rejected.group_id: rejected.reason for rejected in submitted.rejected_groups}
+    assert "max_prompt_length=8" in reasons[f"{TASK}.1"] and "out of range" in reasons[f"{TASK}.2"]
+    assert header.timings.generate_s is not None and header.timings.task_s is None
+    rollout = decode_rollout(data)
+    assert rollout.groups == header.groups and len(rollout.samples) == submitted.num_samples == 4
+
+    again = generate()  # a redelivery: the rollout is in the bucket, so no lease and no sampling
+    assert again.status == "duplicate" and again.reused_rollout and len(proxy.leases) == 1
+    resubmitted = proxy.submissions[1]
+    fields = ("task_id", "version", "key", "sha256", "group_ids", "num_samples", "rejected_groups")
+    assert resubmitted.model_dump(include=set(fields)) == submitted.model_dump(include=set(fields))
