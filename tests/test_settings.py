@@ -24,12 +24,6 @@ SETTINGS_MODULES = {
     "worker/process/settings.py",
     "worker/generate/settings.py",
 }
-# Modules that still read the environment themselves, each waiting for a change outside this branch (see
-# tracker issue 9). The test fails once one is fixed, so that it is taken off this list.
-PENDING = {
-    "worker/process/tasks.py",  # _role(): os.environ["ASYNCGRPO_WORKER_ROLE"] -> load_worker_settings().worker_role
-    "worker/tools/demo.py",  # REDIS_URL / ASYNCGRPO_REDIS_URL -> CommonSettings().redis_url
-}
 
 
 @pytest.fixture(autouse=True)
@@ -205,7 +199,4 @@ def test_only_the_settings_modules_read_the_environment() -> None:
             relative = path.relative_to(ROOT).as_posix()
             if relative not in SETTINGS_MODULES and (lines := _environment_reads(path)):
                 offenders[relative] = lines
-    new = {path: lines for path, lines in offenders.items() if path not in PENDING}
-    assert not new, f"read these through a settings class (proxy/protocol/settings.py or a role's): {new}"
-    fixed = sorted(PENDING - set(offenders))
-    assert not fixed, f"these no longer read the environment; take them off PENDING: {fixed}"
+    assert not offenders, f"read these through a settings class (proxy/protocol/settings.py or a role's): {offenders}"

@@ -322,7 +322,7 @@ def serve(run_name: str, host: str, port: int, insecure_loopback: bool = False) 
     from proxy.storage.bucket import open_bucket
 
     settings = ProxySettings()
-    token = settings.token.get_secret_value() if settings.token else None
+    token = settings.token_value()
     try:
         check_can_serve(host, token, insecure_loopback)
         if not settings.bucket:
@@ -332,7 +332,7 @@ def serve(run_name: str, host: str, port: int, insecure_loopback: bool = False) 
     except ProxyStartupError as error:
         raise SystemExit(f"asyncgrpo proxy: {error}") from error
     configure_logging(role="proxy", run=run_name)
-    bucket = open_bucket(settings.bucket)
+    bucket = open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url)
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
     coordinator = Coordinator.from_bucket(
         redis, bucket, run_name, CeleryDispatcher(settings.redis_url), worker_alive_s=settings.worker_alive_s

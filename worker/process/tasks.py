@@ -3,7 +3,6 @@ a small JSON result. All the work is in ``worker.generate.job`` and ``worker.opt
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from worker.process import metrics as worker_metrics
 from worker.process import preemption, result_metrics
 from worker.process.celery_app import app
 from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat
+from worker.process.settings import load_worker_settings
 
 log = structlog.get_logger()
 
@@ -51,7 +51,7 @@ RETRY_OPTIONS = {
 
 
 def _role() -> str:
-    return os.environ.get("ASYNCGRPO_WORKER_ROLE", "generate")
+    return load_worker_settings().worker_role or "generate"
 
 
 @signals.setup_logging.connect

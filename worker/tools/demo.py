@@ -1,6 +1,6 @@
 """``asyncgrpo demo``: the whole system on one machine, on the tiny model and the toy task.
 
-Starts (or reuses, via REDIS_URL) Redis, keeps a ``file://`` bucket in a work folder, creates the run from
+Starts (or reuses, via ASYNCGRPO_REDIS_URL) Redis, keeps a ``file://`` bucket in a work folder, creates the run from
 the embedded default config, and runs the proxy, ``generate_workers`` generate workers and one optimize
 worker as separate real processes. Shows live progress, ends with a summary (``--json``: one JSON line),
 and stops every child on the way out, Ctrl-C included.
@@ -9,7 +9,6 @@ and stops every child on the way out, Ctrl-C included.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from rich.table import Table
 from proxy.protocol.log_setup import configure_logging
 from proxy.protocol.records import StepRecord
 from proxy.protocol.schemas import StatusResponse
+from proxy.protocol.settings import CommonSettings
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import open_bucket
@@ -124,7 +124,9 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
     console = Console(stderr=as_json)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="asyncgrpo-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    redis_url = os.environ.get("REDIS_URL") or os.environ.get("ASYNCGRPO_REDIS_URL")
+    # A Redis named in ASYNCGRPO_REDIS_URL is reused; otherwise the cluster starts a private redis-server.
+    settings = CommonSettings()
+    redis_url = settings.redis_url if "redis_url" in settings.model_fields_set else None
     cluster = LocalCluster(workdir=workdir, run=RUN_NAME, redis_url=redis_url)
     _stop_on_signals()
     started = time.monotonic()

@@ -109,7 +109,7 @@ class LocalCluster:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ClusterError(
-                "no Redis reachable and no redis-server installed: set REDIS_URL to a running Redis, or "
+                "no Redis reachable and no redis-server installed: set ASYNCGRPO_REDIS_URL to a running Redis, or "
                 "install one (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
             )
         port = free_port()
