@@ -96,3 +96,34 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles (break them; an import inside a function does not count as a fix): " + (
         "; ".join(" -> ".join(cycle) for cycle in cycles)
     )
+
+
+EVENT_NAME = re.compile(r"[a-z_]+(\.[a-z_]+)+")
+LOG_METHODS = frozenset({"debug", "info", "warning", "error", "exception", "critical"})
+
+
+def test_log_events_are_dotted_names() -> None:
+    """One style of event names (`generate.submitted`): a dashboard or `grep` can match an event exactly, and
+    what varies goes in key=value fields, never in the event. An f-string may only fill in the role."""
+    offenders = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LOG_METHODS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "log"
+                and node.args
+            ):
+                continue
+            event = node.args[0]
+            if isinstance(event, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "role" for v in event.values)
+            elif isinstance(event, ast.Constant) and isinstance(event.value, str):
+                text = event.value
+            else:
+                text = ast.unparse(event)
+            if not EVENT_NAME.fullmatch(text):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {text!r}")
+    assert not offenders, f"name these events component.what_happened: {offenders}"

@@ -41,7 +41,7 @@ def test_json_lines_carry_process_and_task_ids_from_every_source(monkeypatch: py
     assert configure_logging(stream=stream, role="generate", worker="host-1-generate-0", run="r1") == "json"
     log = structlog.get_logger()
     with structlog.contextvars.bound_contextvars(task_id="gen-r1-0-00000007", version=12):
-        log.info("generate task done", seconds=1.25)
+        log.info("generate.task_done", seconds=1.25)
         logging.getLogger("celery.worker").warning("celery says %s", "hello")
     thread = threading.Thread(target=lambda: log.warning("heartbeat failed", error="timeout"))
     thread.start()
@@ -49,7 +49,7 @@ def test_json_lines_carry_process_and_task_ids_from_every_source(monkeypatch: py
     log.debug("hidden at INFO")
 
     task_line, celery_line, thread_line = json_lines(stream)
-    assert task_line["event"] == "generate task done" and task_line["level"] == "info"
+    assert task_line["event"] == "generate.task_done" and task_line["level"] == "info"
     assert task_line["task_id"] == "gen-r1-0-00000007" and task_line["version"] == 12 and task_line["seconds"] == 1.25
     assert celery_line["event"] == "celery says hello" and celery_line["logger"] == "celery.worker"
     assert celery_line["task_id"] == "gen-r1-0-00000007" and celery_line["level"] == "warning"

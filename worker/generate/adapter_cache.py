@@ -61,7 +61,7 @@ class AdapterCache:
             shutil.rmtree(path)
         fetch_version(self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256)
         self.last_fetch_s = time.perf_counter() - started
-        log.info("adapter fetched", version=version, seconds=round(self.last_fetch_s, 4))
+        log.info("generate.adapter_fetched", version=version, seconds=round(self.last_fetch_s, 4))
         self._entries[version] = (path, manifest_sha256)
         while len(self._entries) > self.capacity:
             oldest = next(iter(self._entries))

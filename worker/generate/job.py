@@ -81,7 +81,7 @@ class LeaseKeeper:
         try:
             self.client.release(self.lease_id)
         except (LeaseLost, ProxyError) as error:
-            log.info("lease release failed", lease_id=self.lease_id, error=str(error))
+            log.info("generate.lease_release_failed", lease_id=self.lease_id, error=str(error))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -90,10 +90,10 @@ class LeaseKeeper:
             except LeaseLost:
                 # The version may be collected now; we keep our local copy and let the proxy judge staleness.
                 self.lost = True
-                log.warning("lease lost while generating", lease_id=self.lease_id)
+                log.warning("generate.lease_lost", lease_id=self.lease_id)
                 return
             except ProxyError as error:
-                log.warning("lease renewal failed", lease_id=self.lease_id, error=str(error))
+                log.warning("generate.lease_renew_failed", lease_id=self.lease_id, error=str(error))
 
 
 def run_generate_task(
@@ -152,7 +152,7 @@ def run_generate_task(
             samples, tokens = _score(result, texts, answers, config)
             timings.score_s = time.perf_counter() - score_started
         if keeper.lost:
-            log.warning("submitting after the lease was lost; the proxy decides on staleness", task_id=task_id)
+            log.warning("generate.submit_after_lease_lost", task_id=task_id)
 
     rollout = Rollout(
         run=run,
@@ -267,10 +267,10 @@ def _submit(
     try:
         status = client.submit_rollout(submission).status
     except StaleRollout as error:
-        log.warning("rollout refused as stale", task_id=task_id, error=str(error))
+        log.warning("generate.rollout_stale", task_id=task_id, error=str(error))
         status = "stale"
     except Cancelled as error:
-        log.warning("rollout refused: task was cancelled by the proxy", task_id=task_id, error=str(error))
+        log.warning("generate.rollout_cancelled", task_id=task_id, error=str(error))
         status = "cancelled"
     timings = timings.model_copy(update={"task_s": time.perf_counter() - started})
     return GenerateResult(

@@ -96,7 +96,7 @@ def _uploaded_attempt(bucket: Bucket, run: str, step: int, base_version: int) ->
             read_verified(bucket, bucket_keys.adapter_file_key(run, step, name), entry.sha256)
     except (IntegrityError, ObjectNotFound) as error:
         # A torn earlier attempt (never published): remove it so this attempt can write a clean one.
-        log.warning("discarding a broken earlier upload", step=step, error=str(error))
+        log.warning("optimize.broken_upload_discarded", step=step, error=str(error))
         delete_version(bucket, run, step)
         return None
     return manifest_sha
@@ -128,7 +128,7 @@ def run_initialize(
             PublishRequest(version=0, base_version=-1, step=0, worker_id=worker_id, manifest_sha256=manifest_sha)
         )
     except Conflict as error:
-        log.warning("version 0 publish lost the compare-and-set", error=str(error))
+        log.warning("optimize.init_publish_lost", error=str(error))
         return OptimizeResult(step=0, status="conflict", version=0)
     trainer.version = 0
     return OptimizeResult(step=0, status="published", version=0)
@@ -151,7 +151,7 @@ def run_optimize_step(
         raise ValueError(f"optimize step {step} must start from version {step - 1}, not {base_version}")
     current = client.run_info().current_version
     if current >= step:
-        log.info("step already published; redelivery is a no-op", step=step, current=current)
+        log.info("optimize.step_already_published", step=step, current=current)
         _ensure_step_record(bucket, run, step)
         return OptimizeResult(step=step, status="already_published", version=current)
 
@@ -177,14 +177,14 @@ def run_optimize_step(
     except Conflict as error:
         if not _published_is_ours(bucket, run, step, manifest_sha, client):
             # Someone else published this version (we were a zombie or a redelivery): drop our work.
-            log.warning("publish lost the compare-and-set; dropping this step's work", step=step, error=str(error))
+            log.warning("optimize.publish_lost", step=step, error=str(error))
             trainer.version = None  # force a reload from the bucket next time
             forget_adapter_weights(run, step)
             _ensure_step_record(bucket, run, step)
             return OptimizeResult(step=step, status="conflict", version=step)
         # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
         # publish went through and only its answer was lost.
-        log.info("our upload was already published", step=step)
+        log.info("optimize.upload_already_published", step=step)
     stored = _copy_step_record(bucket, run, step)
     if stored is not None and record is not None:
         # The stored record was written before its own upload; only this attempt knows how long that took.
@@ -213,7 +213,7 @@ def _ensure_step_record(bucket: Bucket, run: str, step: int) -> None:
     try:
         _copy_step_record(bucket, run, step)
     except ObjectNotFound:
-        log.warning("step record lost with its collected version", step=step)
+        log.warning("optimize.step_record_lost", step=step)
 
 
 def _fetch_rollouts(bucket: Bucket, refs: list[RolloutRef]) -> list[Rollout]:
@@ -245,7 +245,7 @@ def _train_and_upload(
         load_started = time.perf_counter()
         load_trainer_version(trainer, bucket, run, base_version)
         load_s = time.perf_counter() - load_started
-        log.info("trainer state loaded from the bucket", version=base_version, seconds=load_s)
+        log.info("optimize.trainer_state_loaded", version=base_version, seconds=load_s)
 
     fetch_started = time.perf_counter()
     rollouts = _fetch_rollouts(bucket, refs)

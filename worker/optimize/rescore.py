@@ -118,7 +118,8 @@ def flag_drifting_rollouts(
         if ratio is not None and abs(ratio - 1.0) > tolerance:
             flagged.append(FlaggedRollout(task_id=rollout.task_id, worker_id=rollout.worker_id, ratio=ratio))
             log.warning(
-                "rollout ratio drifts from 1: its worker may serve the wrong weights",
+                "optimize.rollout_ratio_drift",
+                hint="its worker may serve the wrong weights",
                 task_id=rollout.task_id, worker=rollout.worker_id, version=rollout.version, ratio=ratio,
             )
     return flagged

@@ -68,5 +68,5 @@ class Heartbeat:
                 self.beat()
             except (ProxyError, httpx.HTTPError) as error:
                 # The proxy may be restarting; the next beat will tell it we are alive.
-                log.warning("heartbeat failed", error=str(error))
+                log.warning("worker.heartbeat_failed", error=str(error))
             self._stop.wait(self.interval_s)

@@ -243,7 +243,7 @@ def start_metrics_server(port: int | None, addr: str = "0.0.0.0", role: str | No
                 "ASYNCGRPO_METRICS_PORT"
             ) from error
         _server_port = port
-    log.info("metrics endpoint started", port=port, addr=addr)
+    log.info("worker.metrics_started", port=port, addr=addr)
 
 
 def set_worker_info(role: str, worker_id: str, device: str, backend: str) -> None:
@@ -256,7 +256,7 @@ def set_worker_info(role: str, worker_id: str, device: str, backend: str) -> Non
 def observe_error(kind: str) -> None:
     """Count one error of a bounded ``kind``; an unknown kind is counted as "other" (and logged)."""
     if kind not in ERROR_KINDS:
-        log.warning("unknown error kind counted as 'other'", kind=kind, known=list(ERROR_KINDS))
+        log.warning("worker.metrics_unknown_error_kind", kind=kind, known=list(ERROR_KINDS))
         kind = "other"
     WORKER_ERRORS.labels(kind=kind).inc()
 

@@ -59,9 +59,9 @@ def task_running() -> Iterator[None]:
 def _on_terminate(signum: int, _frame: FrameType | None) -> None:
     worker_state.should_stop = 0  # warm shutdown: no new task; Celery exits after the current one
     if not _task_running:
-        log.warning("worker stopping on signal", signal=signum)
+        log.warning("worker.stopping", signal=signum)
         return
-    log.warning("worker stopping on signal; the running task gets a grace period", signal=signum, grace_s=_grace_s)
+    log.warning("worker.stopping_after_grace", signal=signum, grace_s=_grace_s)
     if _grace_s <= 0:
         raise WorkerPreempted(f"signal {signum}")
     signal.setitimer(signal.ITIMER_REAL, _grace_s)

@@ -41,7 +41,7 @@ def _observe(histogram: Histogram, value: float | None) -> None:
 def observe_generate_task(result: GenerateResult) -> None:
     """Record one finished generate task."""
     if result.status not in m.GENERATE_STATUSES:
-        log.warning("unknown generate status not counted", status=result.status)
+        log.warning("worker.metrics_unknown_generate_status", status=result.status)
     else:
         m.GENERATE_TASKS.labels(status=result.status).inc()
     if result.status == "stale":
@@ -70,7 +70,7 @@ def observe_generate_task(result: GenerateResult) -> None:
 def observe_optimize_step(record: StepRecord | None, status: str) -> None:
     """Record one finished optimize task: its ``status`` and, when it trained, its step record."""
     if status not in m.OPTIMIZE_STATUSES:
-        log.warning("unknown optimize status not counted", status=status)
+        log.warning("worker.metrics_unknown_optimize_status", status=status)
     else:
         m.TRAINER_STEPS.labels(status=status).inc()
     if status == "conflict":

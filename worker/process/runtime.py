@@ -124,7 +124,7 @@ def get_runtime(role: str) -> WorkerRuntime:
             bucket=open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url),
             client=ProxyClient(settings.proxy_url, settings.token_value()),
         )
-        log.info("worker runtime ready", role=role, worker_id=settings.worker_id, proxy=settings.proxy_url)
+        log.info("worker.runtime_ready", role=role, worker_id=settings.worker_id, proxy=settings.proxy_url)
     return _runtime
 
 

@@ -93,12 +93,12 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
             yield
     except preemption.WorkerPreempted as error:
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
-        log.warning("task handed back to the queue", task=task_name, reason=str(error))
+        log.warning("worker.task_handed_back", task=task_name, reason=str(error))
         raise Reject(str(error), requeue=True) from error
     except BaseException as error:
         kind = next((k for t, k in _ERROR_KINDS.items() if isinstance(error, t)), "other")
         worker_metrics.observe_error(kind)
-        log.exception("task failed", task=task_name, error_kind=kind, seconds=time.perf_counter() - started)
+        log.exception("worker.task_failed", task=task_name, error_kind=kind, seconds=time.perf_counter() - started)
         raise
     finally:
         runtime.current_task = None
@@ -111,7 +111,7 @@ def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, An
         started = time.perf_counter()
         with _task_scope(role, runtime, task_name):
             summary = body(runtime)
-        log.info(f"{role} task done", seconds=round(time.perf_counter() - started, 4), **summary)
+        log.info(f"{role}.task_done", seconds=round(time.perf_counter() - started, 4), **summary)
         return summary
 
 

@@ -117,7 +117,7 @@ def export_version(
     merged_dir = None
     if config is not None:
         merged_dir = merge_adapter(out_dir, config, out_dir / MERGED_DIR_NAME, device=device)
-    log.info("version exported", run=run, version=number, out=str(out_dir), merged=merged_dir is not None)
+    log.info("tools.version_exported", run=run, version=number, out=str(out_dir), merged=merged_dir is not None)
     return ExportResult(run=run, version=number, adapter_dir=out_dir, merged_dir=merged_dir, sha256=sha256)
 
 

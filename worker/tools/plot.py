@@ -110,7 +110,7 @@ def plot_records(records: list[StepRecord], out: Path, title: str = "") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, format="png", dpi=100)
     plt.close(figure)
-    log.info("plot written", path=str(out), steps=len(records))
+    log.info("tools.plot_written", path=str(out), steps=len(records))
     return out
 
 

@@ -57,7 +57,7 @@ def collect_status(
         except BucketError as error:
             # The proxy's view is still worth showing when the bucket is unreachable from this terminal.
             snapshot.bucket_error = f"{type(error).__name__}: {error}"
-            log.warning("status: bucket unreadable", error=str(error))
+            log.warning("tools.status_bucket_unreadable", error=str(error))
     return snapshot
 
 

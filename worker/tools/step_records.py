@@ -53,5 +53,5 @@ def load_step_records(bucket: Bucket, run: str, *, last: int | None = None) -> l
         try:
             records.append(StepRecord.model_validate_json(data))
         except ValidationError as error:
-            log.warning("step record does not parse as a StepRecord; skipped", key=key, error=str(error))
+            log.warning("tools.step_record_skipped", key=key, error=str(error))
     return records
