@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures_redis",
     "tests.fixtures_s3",
     "tests.fixtures_model",
+    "tests.fixtures_coordinator",
 ]

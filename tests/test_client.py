@@ -3,15 +3,11 @@ checked against a real uvicorn server."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from redis import Redis
 
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
@@ -29,12 +25,10 @@ from proxy.protocol.errors import (
     Unauthorized,
 )
 from proxy.protocol.schemas import HeartbeatRequest, LeaseRequest, PublishRequest, RolloutSubmission
+from tests.fixtures_coordinator import served
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import (
-    ManualClock,
     advance_version,
-    file_bucket,
-    make_coordinator,
     publish_next,
     publish_request,
     submission,
@@ -45,26 +39,9 @@ TOKEN = "client-test-token"
 
 
 @pytest.fixture
-def coord(redis_client: Redis, tmp_path: Path) -> Coordinator:
-    return make_coordinator(redis_client, file_bucket(tmp_path), clock=ManualClock())
-
-
-@pytest.fixture
 def proxy_url(coord: Coordinator) -> Iterator[str]:
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(coord, TOKEN, run_loop=False), host="127.0.0.1", port=port, log_config=None, log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(create_app(coord, TOKEN, run_loop=False)) as url:
+        yield url
 
 
 def client_for(url: str, token: str | None = TOKEN) -> ProxyClient:

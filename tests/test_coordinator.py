@@ -43,16 +43,6 @@ from tests.proxy_harness import (
 )
 
 
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def coord(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> Coordinator:
-    return make_coordinator(redis_client, file_bucket(tmp_path), clock=clock)
-
-
 def started(coord: Coordinator) -> Coordinator:
     """Init step sent and version 0 published; generate tasks dispatched."""
     coord.tick()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from redis import Redis
 
 from proxy.api.app import ProxyStartupError, check_can_serve, create_app, is_loopback, serve
 from proxy.coordinator.service import Coordinator
+from tests.fixtures_coordinator import API_TOKEN
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,
@@ -20,28 +20,17 @@ from tests.proxy_harness import (
     write_fake_version,
 )
 
-TOKEN = "s3cret-token"
+TOKEN = API_TOKEN
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def coord(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> Coordinator:
-    coord = make_coordinator(redis_client, file_bucket(tmp_path), clock=clock)
+def coord(coord: Coordinator) -> Coordinator:
+    """The plugin's fresh coordinator, started: version 0 published and generate tasks dispatched."""
     coord.tick()
     publish_next(coord)
     coord.tick()
     return coord
-
-
-@pytest.fixture
-def http(coord: Coordinator) -> Iterator[TestClient]:
-    with TestClient(create_app(coord, TOKEN, run_loop=False)) as client:
-        yield client
 
 
 def state_of(coord: Coordinator) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from redis import Redis
 from proxy.api.app import create_app
 from proxy.coordinator.metrics import HTTP_ERROR_CODES
 from proxy.coordinator.service import Coordinator
+from tests.fixtures_coordinator import API_TOKEN
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,
@@ -30,24 +30,8 @@ from tests.proxy_harness import (
     write_fake_version,
 )
 
-TOKEN = "metrics-token"
+TOKEN = API_TOKEN
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def coord(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> Coordinator:
-    return make_coordinator(redis_client, file_bucket(tmp_path), clock=clock)
-
-
-@pytest.fixture
-def http(coord: Coordinator) -> Iterator[TestClient]:
-    with TestClient(create_app(coord, TOKEN, run_loop=False)) as client:
-        yield client
 
 
 def start(coord: Coordinator) -> None:

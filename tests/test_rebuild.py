@@ -26,11 +26,6 @@ from tests.proxy_harness import (
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def bucket(tmp_path: Path) -> Bucket:
     return file_bucket(tmp_path)
 

@@ -24,11 +24,6 @@ from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, publ
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def bucket(tmp_path: Path) -> Bucket:
     return file_bucket(tmp_path)
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import io
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from click.testing import CliRunner
 from redis import Redis
 from rich.console import Console
@@ -23,6 +21,7 @@ from proxy.protocol.schemas import HeartbeatRequest
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
+from tests.fixtures_coordinator import served
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, advance_version, make_coordinator, small_config
 from worker.tools.cli import main
@@ -90,19 +89,8 @@ def _beat(worker_id: str, role: str, versions: list[int] | None = None, task: st
 @pytest.fixture
 def proxy_url(coordinator: Coordinator) -> Iterator[str]:
     """The proxy's real app on a real port (no housekeeping loop: the test drives the coordinator)."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(coordinator, "tok", run_loop=False), host="127.0.0.1", port=port, log_config=None)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(create_app(coordinator, "tok", run_loop=False)) as url:
+        yield url
 
 
 def _text(renderable) -> str:
