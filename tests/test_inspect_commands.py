@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +21,7 @@ from proxy.run.config import RunConfig
 from proxy.storage.bucket import open_bucket
 from proxy.storage.manifest import write_version
 from tests.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from tests.fixtures_redis import free_port
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.transformers_backend import TransformersBackend
 from worker.process import runtime as runtime_module
@@ -94,3 +100,40 @@ def test_commands_say_what_to_fix_without_a_role(
     monkeypatch.delenv("ASYNCGRPO_WORKER_ROLE")
     answer = _ask(celery_worker_app, "model_info")
     assert "ASYNCGRPO_WORKER_ROLE is not set; start workers with `asyncgrpo worker" in answer["error"]
+
+
+def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_path: Path) -> None:
+    """`asyncgrpo worker generate` as an operator starts it: the Celery app's `include` loads the commands."""
+    env = {
+        **os.environ,
+        "ASYNCGRPO_REDIS_URL": redis_url,
+        "ASYNCGRPO_BUCKET": f"file://{tmp_path / 'bucket'}",
+        "ASYNCGRPO_PROXY_URL": f"http://127.0.0.1:{free_port()}",  # no proxy: heartbeats fail, and are only logged
+        "ASYNCGRPO_WORKER_ID": "inspect-real-0",
+        "ASYNCGRPO_HEARTBEAT_S": "60",
+        "ASYNCGRPO_CACHE": str(tmp_path / "cache"),
+    }
+    command = [sys.executable, "-m", "worker.tools.cli", "worker", "generate"]
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    client = Celery("asyncgrpo-inspect-client", broker=redis_url)
+    client.conf.update(task_serializer="json", accept_content=["json"], result_backend=None)
+    try:
+        deadline = time.monotonic() + 90
+        replies: dict = {}
+        while not replies:
+            assert process.poll() is None, f"the worker exited: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no answer from the worker: {log_path.read_text()[-3000:]}"
+            replies = client.control.inspect(timeout=2, limit=1)._request("adapter_versions") or {}
+        (answer,) = replies.values()
+        assert answer.get("role") == "generate", f"the worker does not know the command: {answer}"
+        assert answer["worker_id"] == "inspect-real-0"
+        assert answer["versions_cached"] == []
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
