@@ -24,16 +24,6 @@ from proxy.run.config import RunConfig
 from worker.process.settings import WorkerSettings
 
 
-def _bounds(info: FieldInfo) -> str:
-    parts = []
-    for item in info.metadata:
-        for name, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "len >=")):
-            value = getattr(item, name, None)
-            if value is not None:
-                parts.append(f"{symbol} {value}")
-    return ", ".join(parts)
-
-
 def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
         value: Any = info.default_factory()
@@ -54,7 +44,7 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
             lines.extend(rows(annotation, key + "."))
             continue
         description = (info.description or "").replace("|", "\\|")
-        lines.append(f"| `{key}` | `{_default(info)}` | {_bounds(info)} | {description} |")
+        lines.append(f"| `{key}` | `{_default(info)}` | {field_bounds(info)} | {description} |")
     return lines
 
 
