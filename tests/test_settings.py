@@ -16,6 +16,7 @@ from proxy.protocol.settings import CacheSettings, LogSettings, SettingsError, S
 from proxy.storage.bucket import S3Bucket, open_bucket
 from worker.process import launcher
 from worker.process.settings import WorkerSettings
+from worker.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS_MODULES = {
@@ -200,3 +201,23 @@ def test_only_the_settings_modules_read_the_environment() -> None:
             if relative not in SETTINGS_MODULES and (lines := _environment_reads(path)):
                 offenders[relative] = lines
     assert not offenders, f"read these through a settings class (proxy/protocol/settings.py or a role's): {offenders}"
+
+
+def test_the_command_line_takes_its_defaults_from_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    out = str(tmp_path / "plot.png")
+    missing = runner.invoke(cli_main, ["plot", "--out", out])
+    assert missing.exit_code == 2 and "missing --run: pass it or set ASYNCGRPO_RUN" in missing.output
+
+    monkeypatch.setenv("ASYNCGRPO_RUN", "from-env")
+    monkeypatch.setenv("ASYNCGRPO_BUCKET", "nope")
+    bad = runner.invoke(cli_main, ["plot", "--out", out])
+    assert bad.exit_code == 2 and "ASYNCGRPO_BUCKET='nope' is invalid" in bad.output
+
+    # Both values come from the environment: the plot finds the (empty) run in that bucket.
+    monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
+    empty = runner.invoke(cli_main, ["plot", "--out", out])
+    assert empty.exit_code == 1 and "run 'from-env' has no step records" in empty.output
+    # An option given on the command line wins over the variable.
+    flag = runner.invoke(cli_main, ["plot", "--run", "from-flag", "--out", out])
+    assert "run 'from-flag' has no step records" in flag.output

@@ -7,16 +7,43 @@ work in an install without torch.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from proxy.__main__ import main as proxy_main
+from proxy.protocol.settings import CommonSettings, SettingsError, env_name
+from worker.process.settings import WorkerSettings
+
+
+def from_settings(
+    field: str, settings_class: type[CommonSettings] = CommonSettings, *, required_as: str | None = None
+) -> Callable[[], str | None]:
+    """An option's default read from the settings (``ASYNCGRPO_<FIELD>``), so the command line sees what the
+    processes see, validated the same way; a bad value is a usage error that names the variable. With
+    ``required_as`` (the option's flag), neither the option nor the variable given is a usage error too (click
+    takes a callable default's None as a value, so ``required=True`` alone would not catch it)."""
+
+    def default() -> str | None:
+        try:
+            settings = settings_class()
+        except SettingsError as error:
+            raise click.UsageError(str(error)) from None
+        value = settings.token_value() if field == "token" else getattr(settings, field)
+        if value is None and required_as:
+            raise click.UsageError(f"missing {required_as}: pass it or set {env_name(field)}")
+        return value
+
+    return default
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Asynchronous GRPO with LoRA over Celery, Redis and a bucket."""
+
+
+BUCKET_HELP = "file://PATH or s3://BUCKET/PREFIX [default: ASYNCGRPO_BUCKET]."
 
 
 @main.group()
@@ -27,7 +54,7 @@ def run() -> None:
 @run.command("create")
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--run", "run_name", required=True, help="Run name: the bucket prefix runs/<name>/.")
-@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--bucket", default=from_settings("bucket", required_as="--bucket"), help=BUCKET_HELP)
 def run_create(config_path: Path, run_name: str, bucket: str) -> None:
     """Validate CONFIG_PATH (TOML) and write the config and the prompts into the bucket."""
     from proxy.run.config import ConfigError
@@ -87,11 +114,11 @@ def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_worker
 
 
 @main.command()
-@click.option("--proxy", "proxy_url", envvar="ASYNCGRPO_PROXY_URL", default="http://127.0.0.1:8700", show_default=True,
-              help="Base URL of the run's proxy.")
-@click.option("--token", envvar="ASYNCGRPO_TOKEN", default=None, help="Bearer token (not needed for reading).")
-@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", default=None,
-              help="The run's bucket, for its config and step records (reward trend, staleness).")
+@click.option("--proxy", "proxy_url", default=from_settings("proxy_url", WorkerSettings),
+              help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].")
+@click.option("--token", default=from_settings("token"), help="Bearer token [default: ASYNCGRPO_TOKEN].")
+@click.option("--bucket", default=from_settings("bucket"),
+              help="The run's bucket, for its config and step records [default: ASYNCGRPO_BUCKET].")
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
 def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, interval: float) -> None:
@@ -108,8 +135,9 @@ def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, i
 
 
 @main.command()
-@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to plot.")
-@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--run", "run_name", default=from_settings("run", required_as="--run"),
+              help="Run to plot [default: ASYNCGRPO_RUN].")
+@click.option("--bucket", default=from_settings("bucket", required_as="--bucket"), help=BUCKET_HELP)
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file.")
 def plot(run_name: str, bucket: str, out_path: Path) -> None:
     """Plot reward, ratio, staleness and throughput against step, from the run's step records."""
@@ -124,8 +152,9 @@ def plot(run_name: str, bucket: str, out_path: Path) -> None:
 
 
 @main.command()
-@click.option("--run", "run_name", envvar="ASYNCGRPO_RUN", required=True, help="Run to export from.")
-@click.option("--bucket", envvar="ASYNCGRPO_BUCKET", required=True, help="file://PATH or s3://BUCKET/PREFIX.")
+@click.option("--run", "run_name", default=from_settings("run", required_as="--run"),
+              help="Run to export from [default: ASYNCGRPO_RUN].")
+@click.option("--bucket", default=from_settings("bucket", required_as="--bucket"), help=BUCKET_HELP)
 @click.option("--version", "version", required=True, help="Version number, or 'latest'.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="New or empty folder for the adapter (and merged/ with --merge).")
