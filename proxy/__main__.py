@@ -41,6 +41,7 @@ def main(run_name: str | None, host: str | None, port: int | None, insecure_loop
         host=host or settings.proxy_host,
         port=port or settings.proxy_port,
         insecure_loopback=insecure_loopback,
+        settings=settings,
     )
 
 

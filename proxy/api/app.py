@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from proxy.api.settings import ProxySettings
 from proxy.coordinator.errors import (
     BadRollout,
     LeaseLostError,
@@ -311,17 +312,19 @@ def check_can_serve(host: str, token: str | None, insecure_loopback: bool) -> No
         )
 
 
-def serve(run_name: str, host: str, port: int, insecure_loopback: bool = False) -> None:
-    """Run the coordinator of ``run_name`` until SIGINT/SIGTERM (settings from ``ASYNCGRPO_*``)."""
+def serve(
+    run_name: str, host: str, port: int, insecure_loopback: bool = False, settings: ProxySettings | None = None
+) -> None:
+    """Run the coordinator of ``run_name`` until SIGINT/SIGTERM; ``settings`` as the caller already read them
+    (else from ``ASYNCGRPO_*``)."""
     import uvicorn
     from redis import Redis
 
-    from proxy.api.settings import ProxySettings
     from proxy.coordinator.dispatch import CeleryDispatcher
     from proxy.protocol.log_setup import configure_logging
     from proxy.storage.bucket import open_bucket
 
-    settings = ProxySettings()
+    settings = settings or ProxySettings()
     token = settings.token_value()
     try:
         check_can_serve(host, token, insecure_loopback)
