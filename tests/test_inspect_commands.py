@@ -64,7 +64,15 @@ def celery_worker_app(redis_url: str) -> Iterator[Celery]:
         task_serializer="json", accept_content=["json"], result_backend=None, worker_hijack_root_logger=False
     )
     with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, shutdown_timeout=10):
+        _wait_until_listening(app)
         yield app
+
+
+def _wait_until_listening(app: Celery) -> None:
+    """Broadcasts sent before the worker subscribes to its control channel are lost (Redis pub/sub): wait for a pong."""
+    deadline = time.monotonic() + 30
+    while not app.control.ping(timeout=1):
+        assert time.monotonic() < deadline, "the in-process worker never answered a ping"
 
 
 def _ask(app: Celery, command: str) -> dict:
