@@ -20,6 +20,7 @@ Modules:
     snapshot        the snapshot document, its writer and its reader (`runs/<run>/proxy/snapshot.json`)
     rebuild         restore an empty Redis from the snapshot, or from the versions in the bucket
     accounting      time credited to a full buffer (dispatch held back) and to a starved trainer
+    pacing          how many groups to keep in flight plus buffered, from the measured trainer and generate times
     dispatch        send Celery tasks by name (never importing worker code); a recording double for tests
     metrics         the proxy's Prometheus metrics, read from Redis at scrape time
 """

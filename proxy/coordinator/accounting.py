@@ -8,6 +8,8 @@ restart; ``/metrics`` exports them in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from proxy.coordinator.store import RunStore
 from proxy.run.config import RunConfig
 
@@ -15,9 +17,12 @@ from proxy.run.config import RunConfig
 class WaitingAccount:
     """Credits the time between ticks to what the proxy was waiting on."""
 
-    def __init__(self, store: RunStore, config: RunConfig) -> None:
+    def __init__(
+        self, store: RunStore, config: RunConfig, inflight_limit: Callable[[], int] | None = None
+    ) -> None:
         self.store = store
         self.config = config
+        self.inflight_limit = inflight_limit or (lambda: config.async_.queue_maxsize)
         # The end of the previous tick and what the proxy saw then: (ms, held back, trainer starved).
         self._last_tick: tuple[int, bool, bool] | None = None
 
@@ -46,6 +51,6 @@ class WaitingAccount:
         )
         if current >= self.config.final_version:
             return False, False
-        held_back = inflight + buffered + cfg.groups_per_task > cfg.queue_maxsize
+        held_back = inflight + buffered + cfg.groups_per_task > self.inflight_limit()
         starved = step_inflight < 0 and current >= 0 and buffered < cfg.groups_per_step * cfg.publish_every
         return held_back, starved

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 
 import structlog
 
@@ -60,9 +61,13 @@ class PromptOrder:
 class GenerateTasks:
     """Dispatch, cancel and expire the generate tasks of one run."""
 
-    def __init__(self, store: RunStore, config: RunConfig, num_prompts: int) -> None:
+    def __init__(
+        self, store: RunStore, config: RunConfig, num_prompts: int, inflight_limit: Callable[[], int] | None = None
+    ) -> None:
         self.store = store
         self.config = config.async_
+        # Groups allowed in flight plus buffered (``proxy.coordinator.pacing``); queue_maxsize when not paced.
+        self.inflight_limit = inflight_limit or (lambda: self.config.queue_maxsize)
         self.num_prompts = num_prompts
         self.order = PromptOrder(config.seed, num_prompts)
 
@@ -78,7 +83,7 @@ class GenerateTasks:
                     now_ms=store.clock_ms(),
                     deadline_ms=deadline,
                     groups_per_task=cfg.groups_per_task,
-                    queue_maxsize=cfg.queue_maxsize,
+                    queue_maxsize=self.inflight_limit(),
                     epoch=epoch,
                     epoch_pos=pos,
                     num_prompts=self.num_prompts,

@@ -31,6 +31,7 @@ from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.leases import Leases, live_leased_versions
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits
+from proxy.coordinator.pacing import InflightPacer
 from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.retention import Retention
@@ -125,12 +126,13 @@ class Coordinator:
         self.metrics = metrics or ProxyMetrics()
         self.snapshots = SnapshotWriter(self.store, bucket)
         self.leases = Leases(self.store, config.async_, self.metrics)
-        self.tasks = GenerateTasks(self.store, config, num_prompts)
+        self.pacer = InflightPacer(config.async_, self.store.clock_ms)
+        self.tasks = GenerateTasks(self.store, config, num_prompts, inflight_limit=self.pacer.limit)
         self.rollouts = RolloutIntake(self.store, config.async_, self.snapshots)
         self.steps = Steps(self.store, config.async_, bucket, self.snapshots, self.metrics)
         self.heartbeats = Workers(self.store, worker_alive_s)
         self.retention = Retention(self.store, config.async_, bucket, self.snapshots)
-        self.accounting = WaitingAccount(self.store, config)
+        self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
 
     @classmethod
     def from_bucket(cls, redis: Redis, bucket: Bucket, run: str, dispatcher: Dispatcher, **kwargs: Any) -> Coordinator:
@@ -192,7 +194,9 @@ class Coordinator:
     # ---- requests (the HTTP API) ----
 
     def lease(self, worker_id: str, task_id: str) -> LeaseGrant:
-        return self.leases.grant(worker_id, task_id)
+        grant = self.leases.grant(worker_id, task_id)
+        self.pacer.leased(task_id)
+        return grant
 
     def renew(self, lease_id: str) -> LeaseGrant:
         return self.leases.renew(lease_id)
@@ -202,14 +206,18 @@ class Coordinator:
 
     def submit(self, submission: RolloutSubmission) -> SubmitResult:
         """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout."""
-        return self.rollouts.submit(submission)
+        result = self.rollouts.submit(submission)
+        self.pacer.submitted(submission.task_id, submission.worker_id)
+        return result
 
     def get_step(self, step: int) -> StepBatch:
         return self.steps.get(step)
 
     def publish(self, request: PublishRequest) -> PublishResult:
         """CAS ``current == base_version -> version`` after checking the manifest in the bucket."""
-        return self.steps.publish(request)
+        result = self.steps.publish(request)
+        self.pacer.published(request.version)
+        return result
 
     def heartbeat(self, report: HeartbeatRequest) -> None:
         self.heartbeats.heartbeat(report)
@@ -310,6 +318,8 @@ class Coordinator:
                 unsent.append(message.task_id)
         self.cancel_tasks(unsent, force=True)
         report.step_sent = self.send_due_step()
+        if report.step_sent is not None:
+            self.pacer.step_sent(report.step_sent)
         try:
             report.versions_deleted = self.gc()
         except (BucketError, OSError) as error:

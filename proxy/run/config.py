@@ -153,7 +153,13 @@ class AsyncConfig(_Section):
         ge=1,
         le=100_000,
         description="Buffer size, in groups: the proxy dispatches generate tasks while in-flight + "
-        "buffered groups stay at or below this.",
+        "buffered groups stay at or below this (or below the paced limit, see adaptive_inflight).",
+    )
+    adaptive_inflight: bool = Field(
+        True,
+        description="Size the groups kept in flight plus buffered from the measured trainer step time and "
+        "generate task time, so rollouts arrive just before the trainer needs them (fresher samples when "
+        "the trainer is the bottleneck); queue_maxsize stays the upper bound. false: always queue_maxsize.",
     )
     publish_every: int = Field(
         1, ge=1, le=1000, description="Optimizer steps per published version (1: publish every step)."
