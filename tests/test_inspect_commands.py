@@ -120,6 +120,7 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
         "ASYNCGRPO_WORKER_ID": "inspect-real-0",
         "ASYNCGRPO_HEARTBEAT_S": "60",
         "ASYNCGRPO_CACHE": str(tmp_path / "cache"),
+        "ASYNCGRPO_TORCH_THREADS": "1",  # torch's default here is every core (2 or more)
     }
     command = [sys.executable, "-m", "worker.tools.cli", "worker", "generate"]
     log_path = tmp_path / "worker.log"
@@ -138,6 +139,8 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
         assert answer.get("role") == "generate", f"the worker does not know the command: {answer}"
         assert answer["worker_id"] == "inspect-real-0"
         assert answer["versions_cached"] == []
+        (info,) = (client.control.inspect(timeout=10, limit=1)._request("model_info") or {"": {}}).values()
+        assert info.get("torch_threads") == 1, f"ASYNCGRPO_TORCH_THREADS was not applied: {info}"
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:

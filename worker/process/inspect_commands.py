@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from celery.worker.control import inspect_command
 
 from worker.process.celery_app import app
@@ -75,6 +76,7 @@ def model_info_of(runtime: WorkerRuntime) -> dict[str, Any]:
         "trainer_run": runtime.trainer_run,
         "trainer_version": getattr(trainer, "version", None) if trainer is not None else None,
         "loaded": backend is not None or trainer is not None,
+        "torch_threads": torch.get_num_threads(),
     }
 
 

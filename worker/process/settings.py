@@ -43,6 +43,11 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Device of the model: `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`."""
 
+    torch_threads: int | None = Field(None, ge=1, le=1024)
+    """CPU threads torch uses in this worker (unset: torch's default, every core). Workers sharing a machine
+    should split its cores between them, e.g. 1 each for a generate and an optimize worker on 2 cores:
+    oversubscribed cores make both roles slower than one."""
+
     visibility_timeout_s: float = Field(1800.0, gt=0.0)
     """Broker visibility timeout in seconds: must exceed the longest task; a killed worker's task comes back
     after it."""

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import structlog
+import torch
 from celery import signals
 from celery.exceptions import Reject
 
@@ -66,6 +67,8 @@ def _on_worker_ready(**_: Any) -> None:
     role = _role()
     runtime = get_runtime(role)
     configure_logging(role=role, worker=runtime.settings.worker_id)
+    if runtime.settings.torch_threads is not None:
+        torch.set_num_threads(runtime.settings.torch_threads)
     worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
     preemption.install(runtime.settings.soft_shutdown_s)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")

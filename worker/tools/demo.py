@@ -139,7 +139,7 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
         console.print(f"work folder: {workdir}  redis: {cluster.redis_url}")
         cluster.start_proxy()
         # Two cores here: one torch thread per process keeps the processes from fighting over them.
-        threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        threads = {"ASYNCGRPO_TORCH_THREADS": "1"}
         cluster.start_worker("optimize", env=threads)
         for _ in range(generate_workers):
             cluster.start_worker("generate", env=threads)
