@@ -1,0 +1,410 @@
+"""Does asynchrony pay? The real system against an in-process synchronous loop, side by side in one run.
+
+    python3 benchmarks/bench_end_to_end.py                               # tiny and compute, every configuration
+    python3 benchmarks/bench_end_to_end.py --workloads tiny --steps 100 --configs sync,s0,s2x1
+    python3 benchmarks/bench_end_to_end.py --bucket seaweedfs            # a private SeaweedFS instead of file://
+
+Workloads (both random-init models built here, no download):
+
+- *tiny*: the tiny model of ``asyncgrpo demo``, LoRA r8, "repeat the digit", 8 prompts x 8 samples x 8
+  completion tokens per step, dapo, lr 3e-3. Training costs more than generation.
+- *compute*: a ~4.5M-parameter Qwen2 model with a 2,048-token vocabulary (so that a random policy rarely
+  samples EOS), 8 prompts x 8 samples x 128 completion tokens. Generation takes most of a step, as it does
+  on GPUs with long completions; the ``sync`` line prints the split.
+
+Configurations:
+
+- ``sync``: one process, no Redis, no bucket: sample with the trainer's own PEFT model, score, step, repeat,
+  with every core (the floor a user compares against).
+- ``s0``: the system (private redis-server, ``asyncgrpo proxy``, Celery workers started as an operator
+  starts them, one torch thread each) with ``max_staleness = 0`` and one generate worker.
+- ``s2x1`` / ``s2x2``: the system with ``max_staleness = 2`` and one / two generate workers.
+- ``s4`` / ``s4full``: ``max_staleness = 4`` with a deep buffer (``queue_maxsize = 32``), trainer-bound, with
+  the proxy sizing its in-flight work from the rates it measures (``s4``) and with that sizing off, so the
+  buffer stays full (``s4full``).
+
+Each configuration prints one JSON line: completions/s and steps/s over the steps after a warm-up, trainer
+and generator busy shares (task time over wall time, from the workers' own log lines), mean and max
+staleness of trained samples, mean reward over the first and last 10 steps, and a per-step breakdown
+(medians). The last line compares them: ratios measured side by side in this run. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from proxy.protocol.records import StepRecord
+from proxy.run.config import RunConfig, load_run_config
+from proxy.run.datasets import build_dataset
+from proxy.run.store import create_run
+from proxy.storage.bucket import open_bucket
+from worker.algo.grpo import group_advantages
+from worker.algo.rewards import score_completions
+from worker.generate.transformers_backend import sample_completions
+from worker.model.policy import Policy
+from worker.model.tiny_model import ensure_tiny_model
+from worker.optimize.trainer import Trainer, TrainSample
+from worker.tools.local_cluster import LocalCluster
+from worker.tools.step_records import load_step_records
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    completion_tokens: int
+    steps: int
+    warmup_steps: int  # left out of the rates: model loading, first compilations, filling the buffer
+    timeout_s: float
+
+
+WORKLOADS = {
+    "tiny": Workload("tiny", completion_tokens=8, steps=100, warmup_steps=5, timeout_s=600),
+    "compute": Workload("compute", completion_tokens=128, steps=12, warmup_steps=2, timeout_s=900),
+}
+
+# name -> (max_staleness, generate workers, queue_maxsize, adaptive in-flight sizing)
+CONFIGS: dict[str, tuple[int, int, int, bool]] = {
+    "s0": (0, 1, 16, True),
+    "s2x1": (2, 1, 16, True),
+    "s2x2": (2, 2, 16, True),
+    "s4": (4, 1, 32, True),
+    "s4full": (4, 1, 32, False),
+}
+
+
+def build_compute_model(out_dir: Path, vocab_fillers: int = 2035) -> Path:
+    """A ~4.5M-parameter random-init Qwen2 and a word-level tokenizer: digits, '=', specials, fillers.
+
+    The filler tokens never occur in prompts; they make the vocabulary large enough that EOS is rare
+    under a random policy, so completions run to their length limit.
+    """
+    if (out_dir / "config.json").exists():
+        return out_dir
+    vocab = {token: index for index, token in enumerate(["<eos>", "<pad>", "<unk>", *"0123456789=",
+                                                          *(f"<x{i}>" for i in range(vocab_fillers))])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
+                                      unk_token="<unk>")
+    wrapped.padding_side = "left"
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=wrapped.eos_token_id, pad_token_id=wrapped.pad_token_id, bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=wrapped.eos_token_id, pad_token_id=wrapped.pad_token_id)
+    model.save_pretrained(out_dir)
+    wrapped.save_pretrained(out_dir)
+    return out_dir
+
+
+def config_toml(base: str, workload: Workload, steps: int, max_staleness: int, queue_maxsize: int,
+                adaptive: bool) -> str:
+    return f"""\
+seed = 0
+
+[model]
+base = "{base}"
+
+[lora]
+rank = 8
+
+[dataset]
+generator = "repeat_digit"
+num_prompts = 512
+
+[[rewards]]
+name = "repeat_digit"
+
+[sampling]
+samples_per_prompt = 8
+max_completion_length = {workload.completion_tokens}
+
+[optimizer]
+learning_rate = 3e-3
+total_steps = {steps}
+
+[loss]
+loss_type = "dapo"
+
+[async]
+max_staleness = {max_staleness}
+groups_per_task = 4
+groups_per_step = 8
+queue_maxsize = {queue_maxsize}
+adaptive_inflight = {"true" if adaptive else "false"}
+generate_task_timeout_s = 300
+"""
+
+
+# ---- the in-process synchronous loop ---------------------------------------------------------------------
+
+
+def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]:
+    """Sample with the trainer's PEFT model, score, advantages, one step; repeat. Every core, no I/O."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    trainer = Trainer.initial(Policy.load(config.model.base), config)
+    prompts = build_dataset(config.dataset, config.seed)
+    group = config.sampling.samples_per_prompt
+    per_step = config.async_.groups_per_step
+    rewards: list[float] = []
+    step_times: list[float] = []
+    generate_times: list[float] = []
+    for step in range(steps):
+        started = time.perf_counter()
+        batch = [prompts[(step * per_step + i) % len(prompts)] for i in range(per_step)]
+        prompt_ids = trainer.policy.encode_prompts([record["prompt"] for record in batch])
+        rows = [ids for ids in prompt_ids for _ in range(group)]
+        with torch.no_grad():
+            trainer.model.eval()
+            tokens, logprobs = sample_completions(
+                trainer.model, rows, max_new_tokens=config.sampling.max_completion_length,
+                temperature=config.sampling.temperature, top_p=config.sampling.top_p, seed=step + 1,
+                eos_token_id=trainer.policy.eos_token_id, pad_token_id=trainer.policy.pad_token_id,
+                device=trainer.policy.device,
+            )
+        generated = time.perf_counter()
+        texts = [trainer.policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in tokens]
+        totals, _ = score_completions(
+            config.rewards,
+            [record["prompt"] for record in batch for _ in range(group)],
+            texts,
+            [record.get("answer") for record in batch for _ in range(group)],
+        )
+        advantages = group_advantages(totals, group, scale=config.loss.scale_rewards).tolist()
+        samples = [
+            TrainSample(rows[i], tokens[i], logprobs[i], advantages[i]) for i in range(len(rows)) if tokens[i]
+        ]
+        trainer.step(samples)
+        ended = time.perf_counter()
+        rewards.append(sum(totals) / len(totals))
+        step_times.append(ended - started)
+        generate_times.append(generated - started)
+    window = step_times[warmup_steps:] or step_times
+    seconds_per_step = sum(window) / len(window)
+    generate_share = sum(generate_times[warmup_steps:] or generate_times) / sum(window)
+    return {
+        "completions_per_s": round(per_step * group / seconds_per_step, 2),
+        "steps_per_s": round(1.0 / seconds_per_step, 3),
+        "trainer_busy_share": round(1.0 - generate_share, 3),
+        "generator_busy_share": round(generate_share, 3),
+        "staleness_mean": 0.0,
+        "staleness_max": 0,
+        "reward_first10": _mean(rewards[:10]),
+        "reward_last10": _mean(rewards[-10:]),
+        "breakdown_s": {
+            "generate": round(statistics.median(generate_times), 4),
+            "score_and_train": round(statistics.median(t - g for t, g in zip(step_times, generate_times,
+                                                                              strict=True)), 4),
+        },
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ---- the system ------------------------------------------------------------------------------------------
+
+
+def _log_events(log_path: Path, event: str) -> list[dict[str, Any]]:
+    events = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if f'"{event}"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("event") == event:
+            record["_end"] = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+            events.append(record)
+    return events
+
+
+def _busy_share(events: list[dict[str, Any]], start: float, end: float, workers: int) -> float:
+    busy = 0.0
+    for event in events:
+        task_end = event["_end"]
+        task_start = task_end - float(event["seconds"])
+        busy += max(0.0, min(task_end, end) - max(task_start, start))
+    return busy / max((end - start) * workers, 1e-9)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def summarize_system(records: list[StepRecord], logs: Path, generate_workers: int, samples_per_step: int,
+                     warmup_steps: int) -> dict[str, Any]:
+    window = records[warmup_steps:] if len(records) > warmup_steps + 2 else records
+    start, end = window[0].published_at, window[-1].published_at
+    steps_per_s = (len(window) - 1) / max(end - start, 1e-9)
+    optimize_events = [e for p in logs.glob("optimize-*.log") for e in _log_events(p, "optimize.task_done")]
+    generate_events = [e for p in logs.glob("generate-*.log") for e in _log_events(p, "generate.task_done")]
+    staleness = [s for record in window for s in record.staleness_per_sample()]
+    rewards = [r.reward_mean for r in records if r.reward_mean is not None]
+    trained_steps = [e for e in optimize_events if "step_s" in e]
+    gen_timings = [e.get("timings", {}) for e in generate_events if e.get("status") == "admitted"]
+    return {
+        "completions_per_s": round(steps_per_s * samples_per_step, 2),
+        "steps_per_s": round(steps_per_s, 3),
+        "trainer_busy_share": round(_busy_share(optimize_events, start, end, 1), 3),
+        "generator_busy_share": round(_busy_share(generate_events, start, end, generate_workers), 3),
+        "staleness_mean": round(sum(staleness) / max(len(staleness), 1), 3),
+        "staleness_max": max(staleness, default=0),
+        "reward_first10": _mean(rewards[:10]),
+        "reward_last10": _mean(rewards[-10:]),
+        "breakdown_s": {
+            "optimize_task": _median([float(e["seconds"]) for e in trained_steps]),
+            "fetch": _median([r.timings.fetch_s for r in window if r.timings.fetch_s is not None]),
+            "rescore": _median([r.timings.rescore_s for r in window if r.timings.rescore_s is not None]),
+            "forward_backward": _median([r.forward_backward_s for r in window if r.forward_backward_s]),
+            "optimizer": _median([r.optimizer_s for r in window if r.optimizer_s]),
+            "step_to_record": _median([r.timings.step_s for r in window if r.timings.step_s is not None]),
+            "generate_task": _median([float(t["task_s"]) for t in gen_timings if "task_s" in t]),
+            "adapter_fetch": _median([float(t["adapter_fetch_s"]) for t in gen_timings if "adapter_fetch_s" in t]),
+            "generate": _median([float(t["generate_s"]) for t in gen_timings if "generate_s" in t]),
+            "score": _median([float(t["score_s"]) for t in gen_timings if "score_s" in t]),
+        },
+        "generate_tasks": len(generate_events),
+        "generate_tasks_stale": sum(1 for e in generate_events if e.get("status") == "stale"),
+    }
+
+
+def run_system(workdir: Path, toml: str, run: str, generate_workers: int, bucket_url: str | None,
+               bucket_env: dict[str, str], timeout_s: float) -> tuple[list[StepRecord], Path]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(
+        workdir=workdir, run=run, bucket_url=bucket_url,
+        extra_env={"ASYNCGRPO_LOG_FORMAT": "json", "ASYNCGRPO_LOG_LEVEL": "info", **bucket_env},
+    )
+    try:
+        cluster.ensure_redis()
+        config_path = workdir / "run.toml"
+        config_path.write_text(toml)
+        bucket = open_bucket(cluster.bucket_url)
+        create_run(config_path, run, bucket)
+        cluster.start_proxy()
+        threads = {"ASYNCGRPO_TORCH_THREADS": "1"}  # each process one core, as the demo does
+        cluster.start_worker("optimize", name="optimize-1", env=threads)
+        for index in range(generate_workers):
+            cluster.start_worker("generate", name=f"generate-{index + 1}", env=threads)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            cluster.check_children()
+            status = cluster.status()
+            if status["finished"]:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {run} did not finish in {timeout_s:.0f} s: {status['current_version']}")
+            time.sleep(0.5)
+        records = load_step_records(bucket, run)
+    finally:
+        cluster.stop()
+    return records, workdir / "logs"
+
+
+def _bucket(kind: str, workdir: Path) -> tuple[Any, dict[str, str], Any]:
+    """(url factory, env, server process) for file:// (None: the cluster's own) or a private SeaweedFS."""
+    if kind == "file":
+        return (lambda name: None), {}, None
+    from tests.fixtures_s3 import start_seaweedfs
+
+    process, endpoint = start_seaweedfs(workdir / "seaweedfs")
+    return (lambda name: endpoint.bucket_url(name)), endpoint.env(), process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="tiny,compute")
+    parser.add_argument("--configs", default="sync,s0,s2x1,s2x2,s4,s4full")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per workload)")
+    parser.add_argument("--bucket", choices=["file", "seaweedfs"], default="file")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and buckets here")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    bucket_url, bucket_env, server = _bucket(args.bucket, workdir)
+    os.environ.setdefault("ASYNCGRPO_CACHE", str(workdir / "cache"))
+    results: list[dict[str, Any]] = []
+    try:
+        for workload_name in args.workloads.split(","):
+            workload = WORKLOADS[workload_name]
+            steps = args.steps or workload.steps
+            if workload_name == "tiny":
+                base = str(ensure_tiny_model(cache_dir=workdir / "cache"))
+            else:
+                base = str(build_compute_model(workdir / "compute-model"))
+            for name in args.configs.split(","):
+                staleness, gen_workers, queue, adaptive = CONFIGS.get(name, (0, 0, 16, True))
+                toml = config_toml(base, workload, steps, staleness, queue, adaptive)
+                started = time.monotonic()
+                if name == "sync":
+                    path = workdir / f"{workload_name}-sync.toml"
+                    path.write_text(toml)
+                    figures = run_sync(load_run_config(path), steps, workload.warmup_steps)
+                    line: dict[str, Any] = {"workload": workload_name, "config": "sync", **figures}
+                else:
+                    run = f"{workload_name}-{name}"
+                    records, logs = run_system(workdir / run, toml, run, gen_workers, bucket_url(run), bucket_env,
+                                               workload.timeout_s)
+                    line = {
+                        "workload": workload_name, "config": name, "max_staleness": staleness,
+                        "generate_workers": gen_workers, "bucket": args.bucket,
+                        **summarize_system(records, logs, gen_workers, 64, workload.warmup_steps),
+                    }
+                line["steps"] = steps
+                line["wall_s"] = round(time.monotonic() - started, 1)
+                results.append(line)
+                print(json.dumps(line), flush=True)
+    finally:
+        if server is not None:
+            server.terminate()
+    print(json.dumps({"ratios": ratios(results), "cpus": os.cpu_count(), "workdir": str(workdir)}), flush=True)
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's comparisons, per workload, from this run's lines."""
+    out: dict[str, Any] = {}
+    for workload in sorted({r["workload"] for r in results}):
+        by_config = {r["config"]: r for r in results if r["workload"] == workload}
+
+        def rate(config: str, lines: dict[str, dict[str, Any]] = by_config) -> float | None:
+            return lines[config]["completions_per_s"] if config in lines else None
+
+        figures: dict[str, Any] = {}
+        for config in ("s2x1", "s2x2"):
+            for reference in ("s0", "sync"):
+                if rate(config) and rate(reference):
+                    figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
+        if rate("s4") and rate("s4full"):
+            figures["s4_throughput_over_s4full"] = round(rate("s4") / rate("s4full"), 3)
+            figures["s4_staleness_mean"] = by_config["s4"]["staleness_mean"]
+            figures["s4full_staleness_mean"] = by_config["s4full"]["staleness_mean"]
+        out[workload] = figures
+    return out
+
+
+if __name__ == "__main__":
+    main()
