@@ -6,7 +6,7 @@
 
 The tiny model is built into a temporary cache (no download). One training batch is sampled once through
 our sampling loop (for ``compute`` without stopping at EOS, then each completion cut to a seeded length in
-[max/2, max]) and every training operation runs on that same batch. Operations are interleaved within each
+[128, max]) and every training operation runs on that same batch. Operations are interleaved within each
 repetition (A, B, C, A, B, C, ...) after one warm-up, so a noisy shared machine slows them alike; figures are
 medians, and each ratio is the median of the per-repetition ratios. Component ratios:
 
@@ -53,7 +53,7 @@ from worker.optimize.batch import MicroBatch
 from worker.optimize.trainer import Trainer, TrainSample
 from worker.optimize.trainer_state import write_adapter_folder
 
-WORKLOADS = {"tiny": (8, 8, 8), "compute": (8, 8, 256)}  # prompts, group, max new tokens
+WORKLOADS = {"tiny": (8, 8, 8), "compute": (8, 8, 252)}  # prompts, group, max new tokens (positions <= 256)
 
 
 def _interleaved(actions: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
@@ -121,7 +121,7 @@ def _make_batch(backend: TransformersBackend, args: argparse.Namespace, long: bo
         advantages = group_advantages([repeat_digit(prompt, text, None) + 0.01 * i for i, text in enumerate(texts)],
                                       args.group).tolist()
         for row, advantage in zip(group, advantages, strict=True):
-            length = cut.randint(args.max_new_tokens // 2, args.max_new_tokens) if long else len(tokens[row])
+            length = cut.randint(min(128, args.max_new_tokens), args.max_new_tokens) if long else len(tokens[row])
             samples.append(TrainSample(rows[row], tokens[row][:length], logprobs[row][:length], advantage))
     return samples
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from proxy.protocol.errors import Conflict
+from proxy.protocol.records import StepRecord
 from proxy.protocol.schemas import GroupRef, PublishRequest, RolloutRef
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.run.config import RunConfig
@@ -26,6 +27,7 @@ from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.job import run_optimize_step
 from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
 
 RUN = "opt-job"
 G = 4
@@ -190,3 +192,101 @@ def test_conflict_on_our_own_adopted_upload_still_records_the_step(
     assert bucket.head(bucket_keys.metrics_key(RUN, 1)) is not None, "the step record must reach metrics/"
     # The returned record is the stored one, plus the upload time only this attempt measured.
     assert result.record is not None and result.record.step == 1 and result.record.timings.upload_s is not None
+
+
+def test_wrong_weights_are_flagged_fresh_and_stale_with_default_rescoring(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Step 2 from version 1 trains on fresh (v1) and one-version-stale (v0) rollouts, a good and an impostor
+    # of each. Fresh ones are checked by the training forward, a sample of each stale one under v0's weights.
+    trainer, bucket, v0_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, v0_dir)
+    backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
+    stale_good = make_rollout(bucket, backend, "v0", "t-stale-good", "gen-a", 0)
+    stale_bad = make_rollout(bucket, backend, "impostor", "t-stale-bad", "gen-b", 0)
+    # Version 1 differs from v0, so a stale rollout rescored under the wrong version would drift too.
+    result = run_optimize_step(
+        run=RUN, step=1, base_version=0, rollout_refs=[stale_good], config=config(), trainer=trainer,
+        bucket=bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
+    )
+    assert result.status == "published"
+    v1_dir = tmp_path / "v1"
+    fetch_version(bucket, RUN, 1, v1_dir)
+    backend.load_adapter("v1", 1, v1_dir)
+    fresh_good = make_rollout(bucket, backend, "v1", "t-fresh-good", "gen-c", 1)
+    fresh_bad = make_rollout(bucket, backend, "impostor", "t-fresh-bad", "gen-d", 1)
+
+    refs = [stale_good, stale_bad, fresh_good, fresh_bad]
+    result = run_optimize_step(
+        run=RUN, step=2, base_version=1, rollout_refs=refs, config=config(), trainer=trainer,
+        bucket=bucket, client=RecordingProxy(current_version=1), worker_id="opt-1",
+    )
+
+    record = result.record
+    assert record is not None and result.status == "published"
+    assert sorted(f.task_id for f in record.flagged_rollouts) == ["t-fresh-bad", "t-stale-bad"]
+    ratios = {r.task_id: r.ratio for r in record.rollouts}
+    assert abs(ratios["t-stale-good"] - 1) < 1e-4 and abs(ratios["t-fresh-good"] - 1) < 1e-4
+    # Default fraction 0.125 of 8 sequences: one per stale rollout; the 16 fresh ones reuse the training forward.
+    assert (record.rescored_sequences, record.reused_sequences) == (2, 16)
+    assert record.timings.rescore_s is not None and abs(record.rescore_ratio - 1) > 0
+
+
+def test_rescoring_everything_and_dropout_fall_back_to_separate_forwards(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    _, bucket, v0_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
+    backend.load_adapter("v0", 0, v0_dir)
+    refs = [make_rollout(bucket, backend, "v0", "t-good", "gen-a", 0),
+            make_rollout(bucket, backend, "impostor", "t-bad", "gen-b", 0)]
+    # LoRA dropout makes the training forward differ from an eval one: fresh samples are rescored apart.
+    # 1.0 rescores every sequence that needs a separate forward; fresh ones without dropout never do.
+    cases = (({"lora": {"dropout": 0.1}}, 2, 0), ({"lora": {"dropout": 0.1}, "loss": {"rescore_stale_fraction": 1.0}},
+             16, 0), ({"loss": {"rescore_stale_fraction": 1.0}}, 0, 16))
+    for overrides, rescored, reused in cases:
+        cfg = RunConfig.model_validate({**config().model_dump(by_alias=True), **overrides})
+        trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), cfg)
+        trainer.load_version_files({name: (v0_dir / name).read_bytes() for name in ADAPTER_VERSION_FILES})
+        run_bucket = open_bucket(f"file://{tmp_path / f'b{rescored}-{reused}'}")
+        for ref in refs:
+            run_bucket.put(ref.key, bucket.get(ref.key))
+        result = run_optimize_step(
+            run=RUN, step=1, base_version=0, rollout_refs=refs, config=cfg, trainer=trainer,
+            bucket=run_bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
+        )
+        assert result.record is not None
+        assert [f.task_id for f in result.record.flagged_rollouts] == ["t-bad"]
+        assert (result.record.rescored_sequences, result.record.reused_sequences) == (rescored, reused)
+
+
+def test_a_published_step_writes_metrics_from_memory_without_rereading(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
+) -> None:
+    trainer, bucket, adapter_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, adapter_dir)
+    ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
+    reads: list[str] = []
+    plain_get = bucket.get
+    bucket.get = lambda key: reads.append(key) or plain_get(key)  # type: ignore[method-assign]
+
+    result = run_optimize_step(
+        run=RUN, step=1, base_version=0, rollout_refs=[ref], config=config(), trainer=trainer,
+        bucket=bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
+    )
+
+    # The probe for an earlier upload of the step (absent), the rollout, write_version's own create-only probe;
+    # nothing read back after publishing (manifest and record used to be re-read to copy the record).
+    manifest = bucket_keys.manifest_key(RUN, 1)
+    assert reads == [manifest, ref.key, manifest]
+    stored = StepRecord.model_validate_json(plain_get(bucket_keys.metrics_key(RUN, 1)))
+    assert result.record is not None and stored == result.record
+    timings = stored.timings
+    assert None not in (timings.fetch_s, timings.rescore_s, timings.serialize_s, timings.upload_s, timings.publish_s)
+    in_version = StepRecord.model_validate_json(plain_get(bucket_keys.adapter_file_key(RUN, 1, "step_record.json")))
+    assert in_version.timings.upload_s is None and in_version.model_dump(exclude={"timings"}) == stored.model_dump(
+        exclude={"timings"}
+    )

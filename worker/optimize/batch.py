@@ -125,11 +125,16 @@ def build_train_samples(rollouts: list[Rollout]) -> tuple[list[TrainSample], lis
 
 def split_by_group(samples: list[TrainSample], keys: list[tuple[int, int]], parts: int) -> list[list[TrainSample]]:
     """Split the batch into ``parts`` optimizer updates without cutting a group."""
+    return [[samples[i] for i in chunk] for chunk in split_indices_by_group(keys, parts)]
+
+
+def split_indices_by_group(keys: list[tuple[int, int]], parts: int) -> list[list[int]]:
+    """``split_by_group`` as sample indices: the samples of each optimizer update."""
     if parts == 1:
-        return [samples]
-    keyed: dict[tuple[int, int], list[TrainSample]] = {}
-    for sample, key in zip(samples, keys, strict=True):
-        keyed.setdefault(key, []).append(sample)
+        return [list(range(len(keys)))]
+    keyed: dict[tuple[int, int], list[int]] = {}
+    for index, key in enumerate(keys):
+        keyed.setdefault(key, []).append(index)
     groups = list(keyed.values())
     size = math.ceil(len(groups) / parts)
-    return [[s for g in groups[i : i + size] for s in g] for i in range(0, len(groups), size)]
+    return [[i for g in groups[start : start + size] for i in g] for start in range(0, len(groups), size)]

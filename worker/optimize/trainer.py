@@ -70,6 +70,12 @@ def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]
     return total / count if count else 1.0
 
 
+def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[float]:
+    """Per row, the sum over its real completion tokens of exp(logprobs - behaviour): one device sync."""
+    ratio = torch.exp(logprobs - batch.behavior_logprobs)
+    return torch.where(batch.mask, ratio, 0.0).sum(dim=1).tolist()
+
+
 class Trainer:
     """GRPO optimizer state for one run: LoRA policy, AdamW, update counter, private RNG."""
 
@@ -154,6 +160,25 @@ class Trainer:
         return result
 
     @torch.no_grad()
+    def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[float]:
+        """Per sample, the sum over its completion tokens of exp(logprob now - behaviour logprob)."""
+        self.model.eval()
+        sums = [0.0] * len(samples)
+        for batch in self._batches(samples):
+            logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
+            for index, value in zip(batch.indices, _ratio_sums(logprobs, batch), strict=True):
+                sums[index] = value
+        return sums
+
+    @property
+    def training_forward_is_eval_forward(self) -> bool:
+        """Whether a training forward computes exactly what an eval forward does (no active dropout), so
+        its detached logprobs can serve as the rescoring of the samples it trains on."""
+        if self.lora_cfg.dropout > 0 or float(getattr(self.policy.model.config, "attention_dropout", 0.0)) > 0:
+            return False
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+
+    @torch.no_grad()
     def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         # With LoRA, the reference (base) model is the same network with its adapter switched off.
         with self.model.disable_adapter():
@@ -163,6 +188,11 @@ class Trainer:
 
     def step(self, samples: list[TrainSample]) -> UpdateMetrics:
         """One AdamW update over ``samples``; returns its metrics. Raises NonFiniteError without updating."""
+        return self.step_with_ratio_sums(samples)[0]
+
+    def step_with_ratio_sums(self, samples: list[TrainSample]) -> tuple[UpdateMetrics, list[float]]:
+        """``step``, also returning per sample the sum over its tokens of exp(logprob - behaviour) under the
+        weights the update started from: its rescoring, free when ``training_forward_is_eval_forward``."""
         batches = self._batches(samples)
         step_tokens = sum(len(s.completion_token_ids) for s in samples)
         if step_tokens == 0:
@@ -173,22 +203,25 @@ class Trainer:
             if self._rng_cuda is not None:
                 torch.cuda.set_rng_state(self._rng_cuda, self.policy.device)
             try:
-                metrics = self._update(batches, len(samples), step_tokens)
+                metrics, ratio_sums = self._update(batches, len(samples), step_tokens)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.model.eval()
             self._rng_cpu = torch.get_rng_state()
             if self._rng_cuda is not None:
                 self._rng_cuda = torch.cuda.get_rng_state(self.policy.device)
-        return metrics
+        return metrics, ratio_sums
 
-    def _update(self, batches: list[MicroBatch], sequences: int, step_tokens: int) -> UpdateMetrics:
+    def _update(
+        self, batches: list[MicroBatch], sequences: int, step_tokens: int
+    ) -> tuple[UpdateMetrics, list[float]]:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         started = time.perf_counter()
         loss_total = 0.0
         weighted: dict[str, float] = {}
+        ratio_sums = [0.0] * sequences
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
             logits = self._completion_logits(batch)
@@ -210,6 +243,8 @@ class Trainer:
                 micro_batches=len(batches),
             )
             loss.backward()
+            for index, value in zip(batch.indices, _ratio_sums(logprobs.detach(), batch), strict=True):
+                ratio_sums[index] = value
             loss_total += float(loss.detach())
             for key, value in stats.items():
                 if key != "tokens":
@@ -237,7 +272,7 @@ class Trainer:
         self.updates += 1
         self.version = None
         mean = {key: value / step_tokens for key, value in weighted.items()}
-        return UpdateMetrics(
+        metrics = UpdateMetrics(
             update=update,
             loss=loss_total,
             ratio=mean["ratio"],
@@ -255,6 +290,7 @@ class Trainer:
             optimizer_s=optimizer_s,
             kl_ref=mean.get("kl_ref"),
         )
+        return metrics, ratio_sums
 
     # --- version files -----------------------------------------------------------------------------------
 
