@@ -137,7 +137,7 @@ class LossConfig(_Section):
         "the worker that made it.",
     )
     rescore_stale_fraction: float = Field(
-        0.125,
+        0.25,
         gt=0.0,
         le=1.0,
         description="Share of the sequences of each rollout rescored in a separate forward when the "

@@ -296,7 +296,7 @@ def _train_and_upload(
         base_version=base_version,
         worker_id=worker_id,
         rollouts=rollouts,
-        ratios=rollout_ratios,
+        ratios=rollout_ratios.mean,
         flagged=flagged,
         updates=updates,
         timings=StepTimings(
@@ -314,6 +314,7 @@ def _train_and_upload(
         "rollouts": [r.task_id for r in rollouts],
     }
     _, manifest_sha = write_version(bucket, run, step, files, metadata)
-    remember_adapter_weights(run, step, files[bucket_keys.ADAPTER_WEIGHTS_NAME])
+    # The in-memory LoRA is exactly the uploaded version: keep a copy for rescoring its rollouts next step.
+    remember_adapter_weights(run, step, [parameter.detach().clone() for parameter in trainer.lora_parameters])
     record.timings.upload_s = time.perf_counter() - publish_started
     return record, manifest_sha

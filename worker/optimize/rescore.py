@@ -29,22 +29,37 @@ from proxy.storage.manifest import read_manifest, read_verified
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER
 from worker.optimize.batch import TrainSample
-from worker.optimize.trainer import Trainer
+from worker.optimize.trainer import RatioSums, Trainer
 from worker.optimize.trainer_state import load_adapter_weights
 
 log = structlog.get_logger()
 
-# Adapter weights of recent versions, by (run, version): the versions this process published or fetched
-# for rescoring. Versions are immutable, so a copy is as good as the bucket's, and steady-state rescoring
-# of stale rollouts reads nothing from the bucket.
-_recent_adapter_weights: dict[tuple[str, int], bytes] = {}
+# LoRA weights of recent versions, by (run, version): the versions this process published or fetched for
+# rescoring, as safetensors bytes or, once decoded, as tensors in the trainer's parameter order (a swap is
+# then a copy, not a parse and a PEFT state-dict load). Versions are immutable, so a copy is as good as the
+# bucket's, and steady-state rescoring of stale rollouts reads nothing from the bucket.
+_recent_adapter_weights: dict[tuple[str, int], bytes | list[torch.Tensor]] = {}
+
+
+def _fits(trainer: Trainer, values: list[torch.Tensor]) -> bool:
+    parameters = trainer.lora_parameters
+    return len(values) == len(parameters) and all(
+        v.shape == p.shape and v.device == p.device for v, p in zip(values, parameters, strict=True)
+    )
 
 
 @contextmanager
-def _weights_of_version(trainer: Trainer, adapter_weights: bytes) -> Iterator[None]:
+def _weights_of_version(trainer: Trainer, key: tuple[str, int], weights: bytes | list[torch.Tensor]) -> Iterator[None]:
     """Temporarily give the trainer's LoRA the weights of another version (exact copy back afterwards)."""
     saved = [parameter.detach().clone() for parameter in trainer.lora_parameters]
-    load_adapter_weights(trainer.model, adapter_weights, TRAIN_ADAPTER)
+    if isinstance(weights, list) and _fits(trainer, weights):
+        with torch.no_grad():
+            for parameter, value in zip(trainer.lora_parameters, weights, strict=True):
+                parameter.copy_(value)
+    else:
+        assert isinstance(weights, bytes)
+        load_adapter_weights(trainer.model, weights, TRAIN_ADAPTER)
+        _recent_adapter_weights[key] = [parameter.detach().clone() for parameter in trainer.lora_parameters]
     try:
         yield
     finally:
@@ -111,9 +126,10 @@ def rescore_planned(
     rollouts: list[Rollout],
     samples: list[TrainSample],
     plan: RescorePlan,
-) -> dict[int, float]:
-    """Run the plan's separate rescoring: per rescored sample index, the sum over its tokens of
-    exp(logprob under its claimed version - behaviour logprob). Call before the step changes the weights.
+) -> dict[int, RatioSums]:
+    """Run the plan's separate rescoring: per rescored sample index, the sums over its tokens of
+    exp(logprob under its claimed version - behaviour logprob) and of its log. Call before the step changes
+    the weights.
 
     With the right weights served each term is 1 whatever the staleness. Versions inside the staleness window
     are never collected (invariant 3), so their adapters are still in the bucket; each is checked against
@@ -123,40 +139,54 @@ def rescore_planned(
     oldest = min(r.version for r in rollouts)
     for stale_key in [k for k in _recent_adapter_weights if k[0] != run or k[1] < oldest]:
         del _recent_adapter_weights[stale_key]
-    sums: dict[int, float] = {}
+    sums: dict[int, RatioSums] = {}
     for version, indices in sorted(plan.separate.items()):
         subset = [samples[i] for i in indices]
         if version == base_version:
             scored = trainer.rescore_ratio_sums(subset)
         else:
             weights = _recent_adapter_weights.get((run, version))
-            if weights is None:
+            if weights is None or (isinstance(weights, list) and not _fits(trainer, weights)):
                 manifest, _ = read_manifest(bucket, run, version)
                 key = bucket_keys.adapter_file_key(run, version, bucket_keys.ADAPTER_WEIGHTS_NAME)
                 weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
                 _recent_adapter_weights[(run, version)] = weights
-            with _weights_of_version(trainer, weights):
+            with _weights_of_version(trainer, (run, version), weights):
                 scored = trainer.rescore_ratio_sums(subset)
         sums.update(zip(indices, scored, strict=True))
     return sums
 
 
+@dataclass
+class RolloutRatios:
+    """Per rollout, token means over its checked samples (None for a rollout with no checked token):
+    ``mean`` of the ratio (the figure reported), ``geometric`` mean exp(mean log ratio)."""
+
+    mean: list[float | None]
+    geometric: list[float | None]
+
+
 def ratios_by_rollout(
-    samples: list[TrainSample], ratio_sums: dict[int, float], sample_rollout: list[int], count: int
-) -> list[float | None]:
-    """Per rollout, the token mean of the ratio over its checked samples (``ratio_sums`` by sample index);
-    None for a rollout with no checked completion token."""
+    samples: list[TrainSample], ratio_sums: dict[int, RatioSums], sample_rollout: list[int], count: int
+) -> RolloutRatios:
+    """Per rollout, the ratios of its checked samples (``ratio_sums`` by sample index)."""
     sums = [0.0] * count
+    log_sums = [0.0] * count
     tokens = [0] * count
-    for index, value in ratio_sums.items():
+    for index, (ratio, log_ratio) in ratio_sums.items():
         owner = sample_rollout[index]
-        sums[owner] += value
+        sums[owner] += ratio
+        log_sums[owner] += log_ratio
         tokens[owner] += len(samples[index].completion_token_ids)
-    return [sums[i] / tokens[i] if tokens[i] else None for i in range(count)]
+    return RolloutRatios(
+        mean=[sums[i] / tokens[i] if tokens[i] else None for i in range(count)],
+        geometric=[math.exp(log_sums[i] / tokens[i]) if tokens[i] else None for i in range(count)],
+    )
 
 
-def remember_adapter_weights(run: str, version: int, weights: bytes) -> None:
-    """Keep the weights of a version this process just wrote: rescoring its rollouts then reads nothing."""
+def remember_adapter_weights(run: str, version: int, weights: bytes | list[torch.Tensor]) -> None:
+    """Keep the weights of a version this process just wrote (its safetensors bytes, or copies of the
+    trainer's LoRA parameters in their order): rescoring its rollouts then reads and parses nothing."""
     _recent_adapter_weights[(run, version)] = weights
 
 
@@ -166,16 +196,26 @@ def forget_adapter_weights(run: str, version: int) -> None:
 
 
 def flag_drifting_rollouts(
-    rollouts: list[Rollout], ratios: list[float | None], tolerance: float
+    rollouts: list[Rollout], ratios: RolloutRatios | list[float | None], tolerance: float
 ) -> list[FlaggedRollout]:
-    """The rollouts whose rescoring ratio is further than ``tolerance`` from 1, each logged with its worker."""
+    """The rollouts whose rescoring ratio is further than ``tolerance`` from 1, each logged with its worker.
+
+    The mean ratio alone is a weak test: under the behaviour policy E[exp(logp - behaviour)] = 1 for *any*
+    weights, so wrong weights show only through noise, less on some samples than others. The geometric mean
+    exp(mean log ratio) tends to exp(-KL(behaviour || rescoring)) < 1 instead, so it is also checked (with
+    the right weights both are 1 on every token).
+    """
+    if not isinstance(ratios, RolloutRatios):
+        ratios = RolloutRatios(mean=list(ratios), geometric=[None] * len(ratios))
     flagged = []
-    for rollout, ratio in zip(rollouts, ratios, strict=True):
-        if ratio is not None and abs(ratio - 1.0) > tolerance:
+    for rollout, ratio, geometric in zip(rollouts, ratios.mean, ratios.geometric, strict=True):
+        drift = max((abs(value - 1.0) for value in (ratio, geometric) if value is not None), default=0.0)
+        if ratio is not None and drift > tolerance:
             flagged.append(FlaggedRollout(task_id=rollout.task_id, worker_id=rollout.worker_id, ratio=ratio))
             log.warning(
                 "optimize.rollout_ratio_drift",
                 hint="its worker may serve the wrong weights",
                 task_id=rollout.task_id, worker=rollout.worker_id, version=rollout.version, ratio=ratio,
+                geometric_ratio=geometric,
             )
     return flagged

@@ -70,10 +70,15 @@ def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]
     return total / count if count else 1.0
 
 
-def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[float]:
-    """Per row, the sum over its real completion tokens of exp(logprobs - behaviour): one device sync."""
-    ratio = torch.exp(logprobs - batch.behavior_logprobs)
-    return torch.where(batch.mask, ratio, 0.0).sum(dim=1).tolist()
+RatioSums = tuple[float, float]
+"""One sequence's sums over its completion tokens of the ratio exp(logprob - behaviour) and of its log."""
+
+
+def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[RatioSums]:
+    """Per row, the sums over its real completion tokens of the ratio and of the log ratio: one device sync."""
+    log_ratio = torch.where(batch.mask, logprobs - batch.behavior_logprobs, 0.0)
+    sums = torch.stack([torch.where(batch.mask, log_ratio.exp(), 0.0).sum(dim=1), log_ratio.sum(dim=1)], dim=1)
+    return [(ratio, log_ratio) for ratio, log_ratio in sums.tolist()]
 
 
 class Trainer:
@@ -160,10 +165,10 @@ class Trainer:
         return result
 
     @torch.no_grad()
-    def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[float]:
-        """Per sample, the sum over its completion tokens of exp(logprob now - behaviour logprob)."""
+    def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[RatioSums]:
+        """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log."""
         self.model.eval()
-        sums = [0.0] * len(samples)
+        sums: list[RatioSums] = [(0.0, 0.0)] * len(samples)
         for batch in self._batches(samples):
             logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
             for index, value in zip(batch.indices, _ratio_sums(logprobs, batch), strict=True):
@@ -190,9 +195,10 @@ class Trainer:
         """One AdamW update over ``samples``; returns its metrics. Raises NonFiniteError without updating."""
         return self.step_with_ratio_sums(samples)[0]
 
-    def step_with_ratio_sums(self, samples: list[TrainSample]) -> tuple[UpdateMetrics, list[float]]:
-        """``step``, also returning per sample the sum over its tokens of exp(logprob - behaviour) under the
-        weights the update started from: its rescoring, free when ``training_forward_is_eval_forward``."""
+    def step_with_ratio_sums(self, samples: list[TrainSample]) -> tuple[UpdateMetrics, list[RatioSums]]:
+        """``step``, also returning per sample the sums over its tokens of exp(logprob - behaviour) and of its
+        log under the weights the update started from: its rescoring, free when
+        ``training_forward_is_eval_forward``."""
         batches = self._batches(samples)
         step_tokens = sum(len(s.completion_token_ids) for s in samples)
         if step_tokens == 0:
@@ -214,14 +220,14 @@ class Trainer:
 
     def _update(
         self, batches: list[MicroBatch], sequences: int, step_tokens: int
-    ) -> tuple[UpdateMetrics, list[float]]:
+    ) -> tuple[UpdateMetrics, list[RatioSums]]:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         started = time.perf_counter()
         loss_total = 0.0
         weighted: dict[str, float] = {}
-        ratio_sums = [0.0] * sequences
+        ratio_sums: list[RatioSums] = [(0.0, 0.0)] * sequences
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
             logits = self._completion_logits(batch)
