@@ -127,9 +127,10 @@ def _make_batch(backend: TransformersBackend, args: argparse.Namespace, long: bo
 
 
 def _as_rollouts(samples: list[TrainSample], group: int, versions: list[int]) -> list[Rollout]:
-    """The batch as rollouts of 2 groups each, rollout i claiming ``versions[i % len(versions)]``."""
+    """The batch as rollouts of 4 groups each (the default groups_per_task), rollout i claiming
+    ``versions[i % len(versions)]``."""
     rollouts = []
-    per_rollout = 2 * group
+    per_rollout = 4 * group
     for index, start in enumerate(range(0, len(samples), per_rollout)):
         chunk = samples[start : start + per_rollout]
         rollout_samples = [
@@ -137,7 +138,7 @@ def _as_rollouts(samples: list[TrainSample], group: int, versions: list[int]) ->
                           s.advantage, "length")
             for i, s in enumerate(chunk)
         ]
-        groups = [GroupRef(group_id=f"t{index}.{g}", prompt_index=g) for g in range(2)]
+        groups = [GroupRef(group_id=f"t{index}.{g}", prompt_index=g) for g in range(4)]
         version = versions[index % len(versions)]
         rollouts.append(Rollout("bench", f"t{index}", version, "gen", groups, rollout_samples))
     return rollouts
@@ -237,7 +238,7 @@ def _steady_rescore(
     except ImportError:  # before rescore_stale_fraction existed
         return None
     bucket = open_bucket(f"file://{tmp / 'bucket'}")
-    remember_adapter_weights("bench", 0, trainer.version_files(0)["adapter_model.safetensors"])
+    remember_adapter_weights("bench", 0, [p.detach().clone() for p in trainer.lora_parameters])  # as the job does
     rollouts = _as_rollouts(samples, group, [1, 0])
     owners = [index for index, r in enumerate(rollouts) for _ in r.samples]
 

@@ -28,7 +28,7 @@ from proxy.storage.bucket_keys import (
     TRAINER_STATE_JSON_NAME,
     TRAINER_STATE_TENSORS_NAME,
 )
-from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs
+from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs, token_logprobs_and_entropy
 from worker.model.policy import TRAIN_ADAPTER, Policy, trainable_parameters, wrap_with_lora
 from worker.optimize.batch import MicroBatch, TrainSample, collate, pack_micro_batches
 from worker.optimize.trainer_state import (
@@ -103,6 +103,7 @@ class Trainer:
         self.seed = seed
         self.model = wrap_with_lora(policy, lora_cfg, seed)
         self.model.eval()
+        self._eval_is_train = self._no_active_dropout()
         named = trainable_parameters(self.model)
         self.param_names = [name for name, _ in named]
         self.lora_parameters = [parameter for _, parameter in named]
@@ -145,7 +146,9 @@ class Trainer:
             use_cache=False,
             logits_to_keep=width + 1,
         )
-        return output.logits[:, -width - 1 : -1, :].float() / self.temperature
+        logits = output.logits[:, -width - 1 : -1, :].float()
+        # x / 1.0 == x exactly: skip a copy of (B, C, V) logits at the default temperature.
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     def _batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         if not samples:
@@ -156,7 +159,7 @@ class Trainer:
     @torch.no_grad()
     def rescore(self, samples: list[TrainSample]) -> list[list[float]]:
         """Logprob of every completion token under the current weights and the sampling temperature."""
-        self.model.eval()
+        self._set_training(False)
         result: list[list[float]] = [[] for _ in samples]
         for batch in self._batches(samples):
             logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
@@ -167,7 +170,7 @@ class Trainer:
     @torch.no_grad()
     def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[RatioSums]:
         """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log."""
-        self.model.eval()
+        self._set_training(False)
         sums: list[RatioSums] = [(0.0, 0.0)] * len(samples)
         for batch in self._batches(samples):
             logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
@@ -179,9 +182,17 @@ class Trainer:
     def training_forward_is_eval_forward(self) -> bool:
         """Whether a training forward computes exactly what an eval forward does (no active dropout), so
         its detached logprobs can serve as the rescoring of the samples it trains on."""
+        return self._eval_is_train
+
+    def _no_active_dropout(self) -> bool:
         if self.lora_cfg.dropout > 0 or float(getattr(self.policy.model.config, "attention_dropout", 0.0)) > 0:
             return False
         return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+
+    def _set_training(self, training: bool) -> None:
+        # Without dropout both modes compute the same; switching walks every module (~ms on a small model).
+        if not self._eval_is_train:
+            self.model.train(training)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
@@ -212,7 +223,7 @@ class Trainer:
                 metrics, ratio_sums = self._update(batches, len(samples), step_tokens)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                self.model.eval()
+                self._set_training(False)
             self._rng_cpu = torch.get_rng_state()
             if self._rng_cuda is not None:
                 self._rng_cuda = torch.cuda.get_rng_state(self.policy.device)
@@ -223,15 +234,14 @@ class Trainer:
     ) -> tuple[UpdateMetrics, list[RatioSums]]:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.train()
+        self._set_training(True)
         started = time.perf_counter()
         loss_total = 0.0
         weighted: dict[str, float] = {}
         ratio_sums: list[RatioSums] = [(0.0, 0.0)] * sequences
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
-            logits = self._completion_logits(batch)
-            logprobs = token_logprobs(logits, batch.completion_ids)
+            logprobs, entropy = token_logprobs_and_entropy(self._completion_logits(batch), batch.completion_ids)
             loss, stats = policy_loss(
                 logprobs,
                 batch.behavior_logprobs,
@@ -243,7 +253,7 @@ class Trainer:
                 max_completion_length=self.max_completion_length,
                 ref_logprobs=reference,
                 beta=loss_cfg.beta,
-                logits=logits.detach(),
+                entropy=entropy,
                 step_tokens=step_tokens,
                 step_sequences=sequences,
                 micro_batches=len(batches),
