@@ -104,6 +104,7 @@ class Trainer:
         self.model = wrap_with_lora(policy, lora_cfg, seed)
         self.model.eval()
         self._eval_is_train = self._no_active_dropout()
+        self._adapter_config: bytes | None = None
         named = trainable_parameters(self.model)
         self.param_names = [name for name, _ in named]
         self.lora_parameters = [parameter for _, parameter in named]
@@ -314,7 +315,10 @@ class Trainer:
         """The four files of ``version`` (the current weights, optimizer and RNG); the trainer is then at it."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        files = adapter_files(self.model, base=self.policy.base, adapter_name=TRAIN_ADAPTER)
+        files = adapter_files(
+            self.model, base=self.policy.base, adapter_name=TRAIN_ADAPTER, config_bytes=self._adapter_config
+        )
+        self._adapter_config = files[ADAPTER_CONFIG_NAME]  # never changes: later versions skip save_pretrained
         state = TrainerState(
             version=version,
             updates=self.updates,
