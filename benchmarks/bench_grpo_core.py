@@ -18,8 +18,9 @@ medians, and each ratio is the median of the per-repetition ratios. Component ra
   logprobs from its scores, same rows, same adapter, same length. Target <= 1.0.
 * ``rescore_share``: the optimize job's rescoring in steady state (half the rollouts one version stale;
   fresh ones reuse the training forward, stale ones are sampled at ``loss.rescore_stale_fraction``) over a
-  whole step (rescoring + ``Trainer.step``). Target <= 0.10. ``rescore_all_share`` is rescoring every
-  sequence in a separate forward (the behaviour before ``rescore_stale_fraction``).
+  step (rescoring + ``Trainer.step``). Target <= 0.10. ``rescore_step_share`` adds the version files to the
+  step, as the step records' ``step_s`` does (fetching the rollouts left out). ``rescore_all_share`` is
+  rescoring every sequence in a separate forward (the behaviour before ``rescore_stale_fraction``).
 
 Prints a table and one JSON line; asserts nothing.
 """
@@ -211,6 +212,10 @@ def main() -> None:
     }
     if "rescore_steady" in times:
         ratios["rescore_share"] = share("rescore_steady", "trainer_step")
+        ratios["rescore_step_share"] = statistics.median(
+            r / (r + t + v)
+            for r, t, v in zip(times["rescore_steady"], times["trainer_step"], times["version_files"], strict=True)
+        )
     print(
         f"{args.workload}: tiny model, {args.prompts} prompts x G={args.group} = {len(samples)} sequences, "
         f"{tokens} completion tokens in the training batch ({len(batches)} micro-batches), up to "

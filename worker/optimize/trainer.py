@@ -168,7 +168,7 @@ class Trainer:
                 result[index] = logprobs[row, : len(samples[index].completion_token_ids)].tolist()
         return result
 
-    @torch.no_grad()
+    @torch.inference_mode()  # nothing here ever meets autograd: skip even its version counters
     def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[RatioSums]:
         """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log."""
         self._set_training(False)
