@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from proxy.protocol.errors import Conflict
+from proxy.protocol.records import StepRecord
 from proxy.protocol.schemas import GroupRef, PublishRequest, RolloutRef
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.run.config import RunConfig
@@ -24,8 +25,10 @@ from worker.algo.grpo import group_advantages
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
+from worker.optimize import rescore
 from worker.optimize.job import run_optimize_step
 from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
 
 RUN = "opt-job"
 G = 4
@@ -190,3 +193,129 @@ def test_conflict_on_our_own_adopted_upload_still_records_the_step(
     assert bucket.head(bucket_keys.metrics_key(RUN, 1)) is not None, "the step record must reach metrics/"
     # The returned record is the stored one, plus the upload time only this attempt measured.
     assert result.record is not None and result.record.step == 1 and result.record.timings.upload_s is not None
+
+
+def test_wrong_weights_are_flagged_fresh_and_stale_with_default_rescoring(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Step 3 from version 2 trains on fresh (v2) rollouts and on rollouts two (v0, read from the bucket) and
+    # one (v1, kept in memory when this trainer wrote it) versions stale: a good one and an impostor of each.
+    # Fresh ones are checked by the training forward, a sample of each stale one under its version's weights.
+    trainer, bucket, v0_dir = setup
+    cfg = RunConfig.model_validate({**config().model_dump(by_alias=True), "async": {"max_staleness": 2}})
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, v0_dir)
+    backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
+    refs = [make_rollout(bucket, backend, "v0", "t-v0-good", "gen-a", 0),
+            make_rollout(bucket, backend, "impostor", "t-v0-bad", "gen-b", 0)]
+    rescore._recent_adapter_weights.clear()  # v0 must come from the bucket, as on a fresh worker
+    for step in (1, 2):  # each version differs from the last, so rescoring under the wrong one would drift
+        version_dir = tmp_path / f"v{step}"
+        published = run_optimize_step(
+            run=RUN, step=step, base_version=step - 1, rollout_refs=refs[:1], config=cfg, trainer=trainer,
+            bucket=bucket, client=RecordingProxy(current_version=step - 1), worker_id="opt-1",
+        )
+        assert published.status == "published"
+        fetch_version(bucket, RUN, step, version_dir)
+        backend.load_adapter(f"v{step}", step, version_dir)
+        refs += [make_rollout(bucket, backend, f"v{step}", f"t-v{step}-good", "gen-a", step),
+                 make_rollout(bucket, backend, "impostor", f"t-v{step}-bad", "gen-b", step)]
+    rescore._recent_adapter_weights.pop((RUN, 0))
+
+    result = run_optimize_step(
+        run=RUN, step=3, base_version=2, rollout_refs=refs, config=cfg, trainer=trainer,
+        bucket=bucket, client=RecordingProxy(current_version=2), worker_id="opt-1",
+    )
+
+    record = result.record
+    assert record is not None and result.status == "published"
+    assert sorted(f.task_id for f in record.flagged_rollouts) == ["t-v0-bad", "t-v1-bad", "t-v2-bad"]
+    ratios = {r.task_id: r.ratio for r in record.rollouts}
+    assert all(abs(ratios[f"t-v{v}-good"] - 1) < 1e-4 for v in (0, 1, 2))
+    # Default fraction 0.25 of 8 sequences: two per stale rollout; the 16 fresh ones reuse the training forward.
+    assert (record.rescored_sequences, record.reused_sequences) == (8, 16)
+    assert record.timings.rescore_s is not None
+
+
+def test_rescoring_everything_and_dropout_fall_back_to_separate_forwards(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    _, bucket, v0_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
+    backend.load_adapter("v0", 0, v0_dir)
+    refs = [make_rollout(bucket, backend, "v0", "t-good", "gen-a", 0),
+            make_rollout(bucket, backend, "impostor", "t-bad", "gen-b", 0)]
+    # LoRA dropout makes the training forward differ from an eval one: fresh samples are rescored apart.
+    # 1.0 rescores every sequence that needs a separate forward; fresh ones without dropout never do.
+    cases = (({"lora": {"dropout": 0.1}}, 4, 0), ({"lora": {"dropout": 0.1}, "loss": {"rescore_stale_fraction": 1.0}},
+             16, 0), ({"loss": {"rescore_stale_fraction": 1.0}}, 0, 16))
+    for overrides, rescored, reused in cases:
+        cfg = RunConfig.model_validate({**config().model_dump(by_alias=True), **overrides})
+        trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), cfg)
+        trainer.load_version_files({name: (v0_dir / name).read_bytes() for name in ADAPTER_VERSION_FILES})
+        run_bucket = open_bucket(f"file://{tmp_path / f'b{rescored}-{reused}'}")
+        for ref in refs:
+            run_bucket.put(ref.key, bucket.get(ref.key))
+        result = run_optimize_step(
+            run=RUN, step=1, base_version=0, rollout_refs=refs, config=cfg, trainer=trainer,
+            bucket=run_bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
+        )
+        assert result.record is not None
+        assert [f.task_id for f in result.record.flagged_rollouts] == ["t-bad"]
+        assert (result.record.rescored_sequences, result.record.reused_sequences) == (rescored, reused)
+
+
+def test_a_published_step_writes_metrics_from_memory_without_rereading(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
+) -> None:
+    trainer, bucket, adapter_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, adapter_dir)
+    ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
+    reads: list[str] = []
+    plain_get = bucket.get
+    bucket.get = lambda key: reads.append(key) or plain_get(key)  # type: ignore[method-assign]
+
+    result = run_optimize_step(
+        run=RUN, step=1, base_version=0, rollout_refs=[ref], config=config(), trainer=trainer,
+        bucket=bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
+    )
+
+    # The probe for an earlier upload of the step (absent), the rollout, write_version's own create-only probe;
+    # nothing read back after publishing (manifest and record used to be re-read to copy the record).
+    manifest = bucket_keys.manifest_key(RUN, 1)
+    assert reads == [manifest, ref.key, manifest]
+    stored = StepRecord.model_validate_json(plain_get(bucket_keys.metrics_key(RUN, 1)))
+    assert result.record is not None and stored == result.record
+    timings = stored.timings
+    assert None not in (timings.fetch_s, timings.rescore_s, timings.serialize_s, timings.upload_s, timings.publish_s)
+    in_version = StepRecord.model_validate_json(plain_get(bucket_keys.adapter_file_key(RUN, 1, "step_record.json")))
+    assert in_version.timings.upload_s is None and in_version.model_dump(exclude={"timings"}) == stored.model_dump(
+        exclude={"timings"}
+    )
+
+
+def test_rescoring_plan_checks_every_rollout_and_reuses_only_the_first_update(
+    setup: tuple[Trainer, Bucket, Path],
+) -> None:
+    trainer = setup[0]
+    groups = [GroupRef(group_id="g", prompt_index=0)]
+    sample = RolloutSample(0, [1], [2, 3], [-1.0, -1.0], 0.0, 0.0, "length")
+    rollouts = [Rollout(RUN, f"t{i}", version, "gen", groups, [sample] * 10) for i, version in enumerate((5, 5, 4, 3))]
+    owners = [owner for owner in range(4) for _ in range(10)]
+
+    def plan(seed: int, fraction: float = 0.25) -> rescore.RescorePlan:
+        # publish_every > 1: the first update trains only the first 15 samples, half of rollout 1 included.
+        return rescore.plan_rescoring(
+            trainer, rollouts, owners, base_version=5, first_update=range(15), fraction=fraction, seed=seed
+        )
+
+    first = plan(seed=1)
+    assert first.reused == list(range(15))
+    # The rest of fresh rollout 1 needs the base weights before the update: rescored apart, like the stale ones.
+    assert {version: len(indices) for version, indices in first.separate.items()} == {5: 2, 4: 3, 3: 3}
+    assert all(10 <= i < 20 for i in first.separate[5]) and all(20 <= i < 30 for i in first.separate[4])
+    assert plan(seed=1) == first and plan(seed=2) != first, "the sample is seeded by the step"
+    assert plan(seed=1, fraction=1e-6).rescored == 3, "at least one sequence per rollout"
+    assert plan(seed=1, fraction=1.0).rescored == 25

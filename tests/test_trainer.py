@@ -21,10 +21,10 @@ from proxy.storage.bucket_keys import (
 from tests.train_samples import synthetic_samples
 from worker.algo.grpo import NonFiniteError
 from worker.generate.transformers_backend import TransformersBackend
-from worker.model.policy import Policy
+from worker.model.policy import TRAIN_ADAPTER, Policy
 from worker.optimize.batch import TrainSample, pack_micro_batches
 from worker.optimize.trainer import Trainer, learning_rate_at, mean_ratio
-from worker.optimize.trainer_state import TrainerStateError, write_adapter_folder
+from worker.optimize.trainer_state import TrainerStateError, adapter_files, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -220,3 +220,15 @@ def test_trainer_takes_the_config_sections(tiny_model_dir: Path) -> None:
     )
     assert all(("q_proj" in n or "v_proj" in n) for n in trainer.param_names)
     assert trainer.step(synthetic_samples(trainer, 4, seed=7)).lr == pytest.approx(1e-3)
+
+
+def test_later_versions_serialise_exactly_what_save_pretrained_writes(tiny_model_dir: Path) -> None:
+    # From the second version on, the adapter is serialised in memory (no save_pretrained, no model card).
+    trainer = make_trainer(tiny_model_dir)
+    first = trainer.version_files(0)
+    trainer.step(synthetic_samples(trainer, 8, seed=3))
+    second = trainer.version_files(1)
+    through_peft = adapter_files(trainer.model, base=trainer.policy.base, adapter_name=TRAIN_ADAPTER)
+    assert second[ADAPTER_WEIGHTS_NAME] == through_peft[ADAPTER_WEIGHTS_NAME]
+    assert second[ADAPTER_CONFIG_NAME] == through_peft[ADAPTER_CONFIG_NAME] == first[ADAPTER_CONFIG_NAME]
+    assert second[ADAPTER_WEIGHTS_NAME] != first[ADAPTER_WEIGHTS_NAME], "the step changed the weights"

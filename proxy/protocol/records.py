@@ -150,12 +150,17 @@ class StepTimings(_Timings):
     fetch_s: float | None = None
     """Fetching and verifying the claimed rollouts."""
     rescore_s: float | None = None
-    """Rescoring them under the versions they claim."""
+    """Rescoring them under the versions they claim: the separate forwards only (the ratios of fresh samples
+    reused from the training forward cost nothing measurable)."""
     step_s: float | None = None
     """From the task's start to the record (training done, before the upload)."""
+    serialize_s: float | None = None
+    """Serialising the new version's files (adapter, optimizer moments, RNG)."""
     upload_s: float | None = None
-    """Writing the new version's files and manifest. Only in the task's in-memory record: the stored
-    record is part of the upload it would time."""
+    """Writing the new version's files and manifest. Not in the version folder's copy of the record (it is
+    part of the upload it would time); in ``metrics/`` and the task's result when this attempt published."""
+    publish_s: float | None = None
+    """Asking the proxy to publish the version (compare-and-set); present where ``upload_s`` is."""
 
 
 class StepRecord(_Stored):
@@ -198,6 +203,12 @@ class StepRecord(_Stored):
     """Mean over the updates of their ``UpdateMetrics`` figure; likewise kl ... lr below."""
     rescore_ratio: float | None
     """Mean of the rollouts' rescoring ratios (should be 1)."""
+    rescored_sequences: int | None = Field(None, exclude_if=lambda value: value is None)
+    """Sequences rescored in a separate forward (a seeded sample of each stale rollout, see
+    ``loss.rescore_stale_fraction``). Absent from records written before it existed."""
+    reused_sequences: int | None = Field(None, exclude_if=lambda value: value is None)
+    """Fresh sequences whose ratio came from the training forward of the step's first update (no extra
+    forward). Absent from records written before it existed."""
     kl: float | None
     entropy: float | None
     clip_low: float | None

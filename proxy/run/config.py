@@ -136,6 +136,15 @@ class LossConfig(_Section):
         description="A rollout whose mean rescoring ratio is further than this from 1 is flagged, with "
         "the worker that made it.",
     )
+    rescore_stale_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="Share of the sequences of each rollout rescored in a separate forward when the "
+        "training forward cannot serve as its rescoring (stale rollouts; fresh ones when LoRA dropout > 0 or "
+        "after the first update of a step with publish_every > 1); at least one sequence per rollout, a "
+        "seeded random choice. 1.0 rescores every such sequence.",
+    )
 
 
 class AsyncConfig(_Section):

@@ -217,7 +217,11 @@ def sample_completions(
     generator = torch.Generator(device=device).manual_seed(seed)
 
     cache = {_cache_argument(model): DynamicCache()}  # filled in place by every forward
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, **cache)
+    # logits_to_keep=1: only the last position is sampled from; the prompt's (B, P, V) logits are never built.
+    out = model(
+        input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
+        **cache,
+    )
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     sampled: list[torch.Tensor] = []
     sampled_logprobs: list[torch.Tensor] = []
@@ -239,6 +243,7 @@ def sample_completions(
             attention_mask=attention,
             position_ids=positions,
             use_cache=True,
+            logits_to_keep=1,
             **cache,
         )
     all_tokens = torch.stack(sampled, dim=1).tolist()

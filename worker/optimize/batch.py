@@ -78,28 +78,26 @@ def collate(samples: list[TrainSample], indices: list[int], pad_id: int, device:
     chosen = [samples[index] for index in indices]
     prompt_width = max(len(s.prompt_token_ids) for s in chosen)
     completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
-    rows = len(chosen)
-    input_ids = torch.full((rows, prompt_width + completion_width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    mask = torch.zeros((rows, completion_width), dtype=torch.bool)
-    behavior = torch.zeros((rows, completion_width), dtype=torch.float32)
-    for row, sample in enumerate(chosen):
+    # Padded Python rows, then one tensor each: per-row tensor writes cost more than the model on small batches.
+    ids, attention, mask, behavior = [], [], [], []
+    for sample in chosen:
         prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
-        start = prompt_width - len(prompt)
-        input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion, dtype=torch.long)
-        attention[row, start : prompt_width + len(completion)] = 1
-        mask[row, : len(completion)] = True
-        behavior[row, : len(completion)] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        left, right = prompt_width - len(prompt), completion_width - len(completion)
+        ids.append([pad_id] * left + [*prompt, *completion] + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(prompt) + len(completion)) + [0] * right)
+        mask.append([True] * len(completion) + [False] * right)
+        behavior.append(list(sample.behavior_logprobs) + [0.0] * right)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = torch.tensor(attention, dtype=torch.long)
+    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return MicroBatch(
         indices=indices,
         input_ids=input_ids.to(device),
-        attention_mask=attention.to(device),
+        attention_mask=attention_mask.to(device),
         position_ids=positions.to(device),
         completion_ids=input_ids[:, prompt_width:].to(device),
-        mask=mask.to(device),
-        behavior_logprobs=behavior.to(device),
+        mask=torch.tensor(mask, dtype=torch.bool).to(device),
+        behavior_logprobs=torch.tensor(behavior, dtype=torch.float32).to(device),
         advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
     )
 
@@ -125,11 +123,16 @@ def build_train_samples(rollouts: list[Rollout]) -> tuple[list[TrainSample], lis
 
 def split_by_group(samples: list[TrainSample], keys: list[tuple[int, int]], parts: int) -> list[list[TrainSample]]:
     """Split the batch into ``parts`` optimizer updates without cutting a group."""
+    return [[samples[i] for i in chunk] for chunk in split_indices_by_group(keys, parts)]
+
+
+def split_indices_by_group(keys: list[tuple[int, int]], parts: int) -> list[list[int]]:
+    """``split_by_group`` as sample indices: the samples of each optimizer update."""
     if parts == 1:
-        return [samples]
-    keyed: dict[tuple[int, int], list[TrainSample]] = {}
-    for sample, key in zip(samples, keys, strict=True):
-        keyed.setdefault(key, []).append(sample)
+        return [list(range(len(keys)))]
+    keyed: dict[tuple[int, int], list[int]] = {}
+    for index, key in enumerate(keys):
+        keyed.setdefault(key, []).append(index)
     groups = list(keyed.values())
     size = math.ceil(len(groups) / parts)
-    return [[s for g in groups[i : i + size] for s in g] for i in range(0, len(groups), size)]
+    return [[i for g in groups[start : start + size] for i in g] for start in range(0, len(groups), size)]

@@ -1,11 +1,12 @@
 """One optimize task as a plain function: one published version from one claimed batch.
 
 Steps: make sure the trainer holds version ``base_version`` (memory when it matches, else the bucket),
-fetch the claimed rollouts (sha256 checked), check staleness again, rescore them under ``base_version``
-(the ratio check that flags a generator serving the wrong weights), take ``publish_every`` optimizer
-updates, upload version ``step`` (files first, manifest last), publish it by compare-and-set, and copy the
-step record to ``metrics/step-S.json``. Rescoring is ``worker.optimize.rescore``, the record
-``worker.optimize.step_record``.
+fetch the claimed rollouts (sha256 checked), check staleness again, check each rollout's ratio under the
+version it claims (the check that flags a generator serving the wrong weights: fresh samples reuse the first
+update's training forward, a seeded sample of the others is rescored, see ``worker.optimize.rescore``), take
+``publish_every`` optimizer updates, upload version ``step`` (files first, manifest last), publish it by
+compare-and-set, and write the step record (``worker.optimize.step_record``) to ``metrics/step-S.json`` from
+memory, with its upload and publish times.
 
 Idempotent: a redelivered step that is already published is a no-op; one whose upload finished but whose
 publish did not (the worker died in between) publishes the uploaded version instead of training again.
@@ -30,13 +31,14 @@ from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, ObjectNotFound
 from proxy.storage.manifest import IntegrityError, delete_version, read_manifest, read_verified, write_version
 from worker.algo.rollout import Rollout, decode_rollout
-from worker.optimize.batch import build_train_samples, split_by_group
+from worker.optimize.batch import build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
     forget_adapter_weights,
+    plan_rescoring,
     ratios_by_rollout,
     remember_adapter_weights,
-    rescore_under_claimed_versions,
+    rescore_planned,
 )
 from worker.optimize.step_record import build_step_record
 from worker.optimize.trainer import Trainer
@@ -156,7 +158,7 @@ def run_optimize_step(
         return OptimizeResult(step=step, status="already_published", version=current)
 
     manifest_sha = _uploaded_attempt(bucket, run, step, base_version)
-    record: StepRecord | None = None
+    record: StepRecord | None = None  # set when this attempt trained the step
     status = "republished"
     if manifest_sha is None:
         status = "published"
@@ -168,6 +170,7 @@ def run_optimize_step(
             # Updates may have been applied in memory; the bucket's base_version is the truth again.
             trainer.version = None
             raise
+    publish_started = time.perf_counter()
     try:
         client.publish(
             PublishRequest(
@@ -185,12 +188,18 @@ def run_optimize_step(
         # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
         # publish went through and only its answer was lost.
         log.info("optimize.upload_already_published", step=step)
-    stored = _copy_step_record(bucket, run, step)
-    if stored is not None and record is not None:
-        # The stored record was written before its own upload; only this attempt knows how long that took.
-        stored.timings.upload_s = record.timings.upload_s
-    record = stored or record
+    if record is None:
+        # Republished an earlier attempt's upload: its record is only in the bucket.
+        return OptimizeResult(step=step, status=status, version=step, record=_copy_step_record(bucket, run, step))
+    # The published manifest is ours, so its record is the one in memory: write metrics/ from it (no
+    # re-read), with the upload and publish times the stored copy could not hold.
+    record.timings.publish_s = time.perf_counter() - publish_started
+    bucket.put(bucket_keys.metrics_key(run, step), _record_bytes(record))
     return OptimizeResult(step=step, status=status, version=step, record=record)
+
+
+def _record_bytes(record: StepRecord) -> bytes:
+    return json.dumps(record.model_dump(mode="json"), sort_keys=True).encode()
 
 
 def _published_is_ours(bucket: Bucket, run: str, step: int, manifest_sha: str, client: ProxyClient) -> bool:
@@ -257,29 +266,46 @@ def _train_and_upload(
 
     samples, sample_keys = build_train_samples(rollouts)
     sample_rollout = [owner for owner, _ in sample_keys]
+    chunks = split_indices_by_group(sample_keys, config.async_.publish_every)
+    plan = plan_rescoring(
+        trainer, rollouts, sample_rollout, base_version=base_version, first_update=chunks[0],
+        fraction=config.loss.rescore_stale_fraction, seed=config.seed * 2**32 + step,
+    )
     rescore_started = time.perf_counter()
-    new_logprobs = rescore_under_claimed_versions(trainer, bucket, run, base_version, rollouts, samples, sample_rollout)
+    # Before any update: the separately rescored samples need the weights of the versions they claim.
+    ratio_sums = rescore_planned(trainer, bucket, run, base_version, rollouts, samples, plan)
     rescore_s = time.perf_counter() - rescore_started
-    rollout_ratios = ratios_by_rollout(samples, new_logprobs, sample_rollout, len(rollouts))
+
+    updates = []
+    for number, chunk in enumerate(chunks):
+        metrics, sums = trainer.step_with_ratio_sums([samples[i] for i in chunk])
+        updates.append(metrics)
+        if number == 0:  # the first update's forward ran under base_version: the fresh samples' rescoring
+            reused = set(plan.reused)
+            ratio_sums.update((index, value) for index, value in zip(chunk, sums, strict=True) if index in reused)
+    trainer.version = None  # dirty until the new version's files are written
+    rollout_ratios = ratios_by_rollout(samples, ratio_sums, sample_rollout, len(rollouts))
     flagged = flag_drifting_rollouts(rollouts, rollout_ratios, config.loss.ratio_flag_tolerance)
 
-    chunks = split_by_group(samples, sample_keys, config.async_.publish_every)
-    updates = [trainer.step(chunk) for chunk in chunks]
-    trainer.version = None  # dirty until the new version's files are written
-
+    serialize_started = time.perf_counter()
     files = trainer.version_files(step)
+    serialize_s = time.perf_counter() - serialize_started
     record = build_step_record(
         run=run,
         step=step,
         base_version=base_version,
         worker_id=worker_id,
         rollouts=rollouts,
-        ratios=rollout_ratios,
+        ratios=rollout_ratios.mean,
         flagged=flagged,
         updates=updates,
-        timings=StepTimings(fetch_s=fetch_s, rescore_s=rescore_s, step_s=time.perf_counter() - started),
+        timings=StepTimings(
+            fetch_s=fetch_s, rescore_s=rescore_s, serialize_s=serialize_s, step_s=time.perf_counter() - started
+        ),
     )
-    files[STEP_RECORD_NAME] = json.dumps(record.model_dump(mode="json"), sort_keys=True).encode()
+    record.rescored_sequences = plan.rescored
+    record.reused_sequences = len(plan.reused)
+    files[STEP_RECORD_NAME] = _record_bytes(record)
     publish_started = time.perf_counter()
     metadata = {
         "step": step,
@@ -288,6 +314,7 @@ def _train_and_upload(
         "rollouts": [r.task_id for r in rollouts],
     }
     _, manifest_sha = write_version(bucket, run, step, files, metadata)
-    remember_adapter_weights(run, step, files[bucket_keys.ADAPTER_WEIGHTS_NAME])
+    # The in-memory LoRA is exactly the uploaded version: keep a copy for rescoring its rollouts next step.
+    remember_adapter_weights(run, step, [parameter.detach().clone() for parameter in trainer.lora_parameters])
     record.timings.upload_s = time.perf_counter() - publish_started
     return record, manifest_sha

@@ -3,15 +3,21 @@ the weights it leased.
 
 With the right weights served, a rollout's rescored logprobs equal its behaviour logprobs (ratio 1) whatever
 its staleness; one whose mean ratio drifts beyond ``loss.ratio_flag_tolerance`` is flagged with its worker.
-Rescoring under an older version swaps that version's LoRA weights into the trainer for the moment and
-restores its own exactly afterwards.
+A correct generator gives ratio 1 on every token, so checking a sample of a rollout's sequences cannot flag
+it wrongly, and a wrong one drifts on every token, so a sample still shows it. Hence the plan: fresh samples
+of the first update reuse the training forward (no extra forward at all); the others, a seeded
+``loss.rescore_stale_fraction`` of each rollout (at least one sequence), are rescored separately, under an
+older version by swapping its LoRA weights into the trainer for the moment and restoring its own exactly
+afterwards.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import random
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -23,22 +29,37 @@ from proxy.storage.manifest import read_manifest, read_verified
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER
 from worker.optimize.batch import TrainSample
-from worker.optimize.trainer import Trainer
+from worker.optimize.trainer import RatioSums, Trainer
 from worker.optimize.trainer_state import load_adapter_weights
 
 log = structlog.get_logger()
 
-# Adapter weights of recent versions, by (run, version): the versions this process published or fetched
-# for rescoring. Versions are immutable, so a copy is as good as the bucket's, and steady-state rescoring
-# of stale rollouts reads nothing from the bucket.
-_recent_adapter_weights: dict[tuple[str, int], bytes] = {}
+# LoRA weights of recent versions, by (run, version): the versions this process published or fetched for
+# rescoring, as safetensors bytes or, once decoded, as tensors in the trainer's parameter order (a swap is
+# then a copy, not a parse and a PEFT state-dict load). Versions are immutable, so a copy is as good as the
+# bucket's, and steady-state rescoring of stale rollouts reads nothing from the bucket.
+_recent_adapter_weights: dict[tuple[str, int], bytes | list[torch.Tensor]] = {}
+
+
+def _fits(trainer: Trainer, values: list[torch.Tensor]) -> bool:
+    parameters = trainer.lora_parameters
+    return len(values) == len(parameters) and all(
+        v.shape == p.shape and v.device == p.device for v, p in zip(values, parameters, strict=True)
+    )
 
 
 @contextmanager
-def _weights_of_version(trainer: Trainer, adapter_weights: bytes) -> Iterator[None]:
+def _weights_of_version(trainer: Trainer, key: tuple[str, int], weights: bytes | list[torch.Tensor]) -> Iterator[None]:
     """Temporarily give the trainer's LoRA the weights of another version (exact copy back afterwards)."""
     saved = [parameter.detach().clone() for parameter in trainer.lora_parameters]
-    load_adapter_weights(trainer.model, adapter_weights, TRAIN_ADAPTER)
+    if isinstance(weights, list) and _fits(trainer, weights):
+        with torch.no_grad():
+            for parameter, value in zip(trainer.lora_parameters, weights, strict=True):
+                parameter.copy_(value)
+    else:
+        assert isinstance(weights, bytes)
+        load_adapter_weights(trainer.model, weights, TRAIN_ADAPTER)
+        _recent_adapter_weights[key] = [parameter.detach().clone() for parameter in trainer.lora_parameters]
     try:
         yield
     finally:
@@ -47,60 +68,125 @@ def _weights_of_version(trainer: Trainer, adapter_weights: bytes) -> Iterator[No
                 parameter.copy_(value)
 
 
-def rescore_under_claimed_versions(
+@dataclass
+class RescorePlan:
+    """Which samples check their rollout's ratio, and how.
+
+    ``reused``: fresh samples trained in the step's first update, whose training forward runs under exactly
+    the version they claim (no active dropout), so its detached logprobs are their rescoring. ``separate``:
+    by claimed version, a seeded sample of the others (stale rollouts; fresh ones the training forward cannot
+    serve), rescored in their own forward; every rollout keeps at least one checked sequence.
+    """
+
+    reused: list[int] = field(default_factory=list)
+    separate: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def rescored(self) -> int:
+        """Sequences rescored in a separate forward."""
+        return sum(len(indices) for indices in self.separate.values())
+
+
+def plan_rescoring(
+    trainer: Trainer,
+    rollouts: list[Rollout],
+    sample_rollout: list[int],
+    *,
+    base_version: int,
+    first_update: Collection[int],
+    fraction: float,
+    seed: int,
+) -> RescorePlan:
+    """The rescoring plan of one step; ``first_update`` holds the indices of the samples its first optimizer
+    update trains on, ``fraction`` is ``loss.rescore_stale_fraction`` and ``seed`` fixes the sample."""
+    reuse = trainer.training_forward_is_eval_forward
+    first = set(first_update)
+    plan = RescorePlan()
+    others: dict[int, list[int]] = {}
+    for index, owner in enumerate(sample_rollout):
+        if reuse and rollouts[owner].version == base_version and index in first:
+            plan.reused.append(index)
+        else:
+            others.setdefault(owner, []).append(index)
+    rng = random.Random(seed)
+    for owner, indices in sorted(others.items()):
+        count = len(indices) if fraction >= 1.0 else math.ceil(fraction * len(indices))  # >= 1
+        chosen = sorted(rng.sample(indices, count))
+        plan.separate.setdefault(rollouts[owner].version, []).extend(chosen)
+    for indices in plan.separate.values():
+        indices.sort()
+    return plan
+
+
+def rescore_planned(
     trainer: Trainer,
     bucket: Bucket,
     run: str,
     base_version: int,
     rollouts: list[Rollout],
     samples: list[TrainSample],
-    sample_rollout: list[int],
-) -> list[list[float]]:
-    """Each sample's logprobs under the version its rollout claims to come from.
+    plan: RescorePlan,
+) -> dict[int, RatioSums]:
+    """Run the plan's separate rescoring: per rescored sample index, the sums over its tokens of
+    exp(logprob under its claimed version - behaviour logprob) and of its log. Call before the step changes
+    the weights.
 
-    With the right weights served, these equal the behaviour logprobs (ratio 1) whatever the staleness; a
-    rollout whose ratio drifts is flagged. Versions inside the staleness window are never collected
-    (invariant 3), so their adapters are still in the bucket; each is checked against its manifest.
+    With the right weights served each term is 1 whatever the staleness. Versions inside the staleness window
+    are never collected (invariant 3), so their adapters are still in the bucket; each is checked against
+    its manifest.
     """
     # Only versions inside the window can be claimed again: forget older weights.
-    for stale_key in [k for k in _recent_adapter_weights if k[0] != run or k[1] < min(r.version for r in rollouts)]:
+    oldest = min(r.version for r in rollouts)
+    for stale_key in [k for k in _recent_adapter_weights if k[0] != run or k[1] < oldest]:
         del _recent_adapter_weights[stale_key]
-    indices_by_version: dict[int, list[int]] = {}
-    for index, owner in enumerate(sample_rollout):
-        indices_by_version.setdefault(rollouts[owner].version, []).append(index)
-    logprobs: list[list[float]] = [[] for _ in samples]
-    for version, indices in sorted(indices_by_version.items()):
+    sums: dict[int, RatioSums] = {}
+    for version, indices in sorted(plan.separate.items()):
         subset = [samples[i] for i in indices]
         if version == base_version:
-            scored = trainer.rescore(subset)
+            scored = trainer.rescore_ratio_sums(subset)
         else:
             weights = _recent_adapter_weights.get((run, version))
-            if weights is None:
+            if weights is None or (isinstance(weights, list) and not _fits(trainer, weights)):
                 manifest, _ = read_manifest(bucket, run, version)
                 key = bucket_keys.adapter_file_key(run, version, bucket_keys.ADAPTER_WEIGHTS_NAME)
                 weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
                 _recent_adapter_weights[(run, version)] = weights
-            with _weights_of_version(trainer, weights):
-                scored = trainer.rescore(subset)
-        for index, values in zip(indices, scored, strict=True):
-            logprobs[index] = values
-    return logprobs
+            with _weights_of_version(trainer, (run, version), weights):
+                scored = trainer.rescore_ratio_sums(subset)
+        sums.update(zip(indices, scored, strict=True))
+    return sums
+
+
+@dataclass
+class RolloutRatios:
+    """Per rollout, token means over its checked samples (None for a rollout with no checked token):
+    ``mean`` of the ratio (the figure reported), ``geometric`` mean exp(mean log ratio)."""
+
+    mean: list[float | None]
+    geometric: list[float | None]
 
 
 def ratios_by_rollout(
-    samples: list[TrainSample], new_logprobs: list[list[float]], sample_rollout: list[int], count: int
-) -> list[float | None]:
+    samples: list[TrainSample], ratio_sums: dict[int, RatioSums], sample_rollout: list[int], count: int
+) -> RolloutRatios:
+    """Per rollout, the ratios of its checked samples (``ratio_sums`` by sample index)."""
     sums = [0.0] * count
+    log_sums = [0.0] * count
     tokens = [0] * count
-    for sample, logprobs, owner in zip(samples, new_logprobs, sample_rollout, strict=True):
-        for new, old in zip(logprobs, sample.behavior_logprobs, strict=True):
-            sums[owner] += math.exp(new - old)
-            tokens[owner] += 1
-    return [sums[i] / tokens[i] if tokens[i] else None for i in range(count)]
+    for index, (ratio, log_ratio) in ratio_sums.items():
+        owner = sample_rollout[index]
+        sums[owner] += ratio
+        log_sums[owner] += log_ratio
+        tokens[owner] += len(samples[index].completion_token_ids)
+    return RolloutRatios(
+        mean=[sums[i] / tokens[i] if tokens[i] else None for i in range(count)],
+        geometric=[math.exp(log_sums[i] / tokens[i]) if tokens[i] else None for i in range(count)],
+    )
 
 
-def remember_adapter_weights(run: str, version: int, weights: bytes) -> None:
-    """Keep the weights of a version this process just wrote: rescoring its rollouts then reads nothing."""
+def remember_adapter_weights(run: str, version: int, weights: bytes | list[torch.Tensor]) -> None:
+    """Keep the weights of a version this process just wrote (its safetensors bytes, or copies of the
+    trainer's LoRA parameters in their order): rescoring its rollouts then reads and parses nothing."""
     _recent_adapter_weights[(run, version)] = weights
 
 
@@ -110,16 +196,26 @@ def forget_adapter_weights(run: str, version: int) -> None:
 
 
 def flag_drifting_rollouts(
-    rollouts: list[Rollout], ratios: list[float | None], tolerance: float
+    rollouts: list[Rollout], ratios: RolloutRatios | list[float | None], tolerance: float
 ) -> list[FlaggedRollout]:
-    """The rollouts whose rescoring ratio is further than ``tolerance`` from 1, each logged with its worker."""
+    """The rollouts whose rescoring ratio is further than ``tolerance`` from 1, each logged with its worker.
+
+    The mean ratio alone is a weak test: under the behaviour policy E[exp(logp - behaviour)] = 1 for *any*
+    weights, so wrong weights show only through noise, less on some samples than others. The geometric mean
+    exp(mean log ratio) tends to exp(-KL(behaviour || rescoring)) < 1 instead, so it is also checked (with
+    the right weights both are 1 on every token).
+    """
+    if not isinstance(ratios, RolloutRatios):
+        ratios = RolloutRatios(mean=list(ratios), geometric=[None] * len(ratios))
     flagged = []
-    for rollout, ratio in zip(rollouts, ratios, strict=True):
-        if ratio is not None and abs(ratio - 1.0) > tolerance:
+    for rollout, ratio, geometric in zip(rollouts, ratios.mean, ratios.geometric, strict=True):
+        drift = max((abs(value - 1.0) for value in (ratio, geometric) if value is not None), default=0.0)
+        if ratio is not None and drift > tolerance:
             flagged.append(FlaggedRollout(task_id=rollout.task_id, worker_id=rollout.worker_id, ratio=ratio))
             log.warning(
                 "optimize.rollout_ratio_drift",
                 hint="its worker may serve the wrong weights",
                 task_id=rollout.task_id, worker=rollout.worker_id, version=rollout.version, ratio=ratio,
+                geometric_ratio=geometric,
             )
     return flagged

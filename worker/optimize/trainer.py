@@ -28,7 +28,7 @@ from proxy.storage.bucket_keys import (
     TRAINER_STATE_JSON_NAME,
     TRAINER_STATE_TENSORS_NAME,
 )
-from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs
+from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs, token_logprobs_and_entropy
 from worker.model.policy import TRAIN_ADAPTER, Policy, trainable_parameters, wrap_with_lora
 from worker.optimize.batch import MicroBatch, TrainSample, collate, pack_micro_batches
 from worker.optimize.trainer_state import (
@@ -70,6 +70,17 @@ def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]
     return total / count if count else 1.0
 
 
+RatioSums = tuple[float, float]
+"""One sequence's sums over its completion tokens of the ratio exp(logprob - behaviour) and of its log."""
+
+
+def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[RatioSums]:
+    """Per row, the sums over its real completion tokens of the ratio and of the log ratio: one device sync."""
+    log_ratio = torch.where(batch.mask, logprobs - batch.behavior_logprobs, 0.0)
+    sums = torch.stack([torch.where(batch.mask, log_ratio.exp(), 0.0).sum(dim=1), log_ratio.sum(dim=1)], dim=1)
+    return [(ratio, log_ratio) for ratio, log_ratio in sums.tolist()]
+
+
 class Trainer:
     """GRPO optimizer state for one run: LoRA policy, AdamW, update counter, private RNG."""
 
@@ -92,6 +103,8 @@ class Trainer:
         self.seed = seed
         self.model = wrap_with_lora(policy, lora_cfg, seed)
         self.model.eval()
+        self._eval_is_train = self._no_active_dropout()
+        self._adapter_config: bytes | None = None
         named = trainable_parameters(self.model)
         self.param_names = [name for name, _ in named]
         self.lora_parameters = [parameter for _, parameter in named]
@@ -134,7 +147,9 @@ class Trainer:
             use_cache=False,
             logits_to_keep=width + 1,
         )
-        return output.logits[:, -width - 1 : -1, :].float() / self.temperature
+        logits = output.logits[:, -width - 1 : -1, :].float()
+        # x / 1.0 == x exactly: skip a copy of (B, C, V) logits at the default temperature.
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     def _batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         if not samples:
@@ -145,13 +160,40 @@ class Trainer:
     @torch.no_grad()
     def rescore(self, samples: list[TrainSample]) -> list[list[float]]:
         """Logprob of every completion token under the current weights and the sampling temperature."""
-        self.model.eval()
+        self._set_training(False)
         result: list[list[float]] = [[] for _ in samples]
         for batch in self._batches(samples):
             logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
             for row, index in enumerate(batch.indices):
                 result[index] = logprobs[row, : len(samples[index].completion_token_ids)].tolist()
         return result
+
+    @torch.inference_mode()  # nothing here ever meets autograd: skip even its version counters
+    def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[RatioSums]:
+        """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log."""
+        self._set_training(False)
+        sums: list[RatioSums] = [(0.0, 0.0)] * len(samples)
+        for batch in self._batches(samples):
+            logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
+            for index, value in zip(batch.indices, _ratio_sums(logprobs, batch), strict=True):
+                sums[index] = value
+        return sums
+
+    @property
+    def training_forward_is_eval_forward(self) -> bool:
+        """Whether a training forward computes exactly what an eval forward does (no active dropout), so
+        its detached logprobs can serve as the rescoring of the samples it trains on."""
+        return self._eval_is_train
+
+    def _no_active_dropout(self) -> bool:
+        if self.lora_cfg.dropout > 0 or float(getattr(self.policy.model.config, "attention_dropout", 0.0)) > 0:
+            return False
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+
+    def _set_training(self, training: bool) -> None:
+        # Without dropout both modes compute the same; switching walks every module (~ms on a small model).
+        if not self._eval_is_train:
+            self.model.train(training)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
@@ -163,6 +205,12 @@ class Trainer:
 
     def step(self, samples: list[TrainSample]) -> UpdateMetrics:
         """One AdamW update over ``samples``; returns its metrics. Raises NonFiniteError without updating."""
+        return self.step_with_ratio_sums(samples)[0]
+
+    def step_with_ratio_sums(self, samples: list[TrainSample]) -> tuple[UpdateMetrics, list[RatioSums]]:
+        """``step``, also returning per sample the sums over its tokens of exp(logprob - behaviour) and of its
+        log under the weights the update started from: its rescoring, free when
+        ``training_forward_is_eval_forward``."""
         batches = self._batches(samples)
         step_tokens = sum(len(s.completion_token_ids) for s in samples)
         if step_tokens == 0:
@@ -173,26 +221,28 @@ class Trainer:
             if self._rng_cuda is not None:
                 torch.cuda.set_rng_state(self._rng_cuda, self.policy.device)
             try:
-                metrics = self._update(batches, len(samples), step_tokens)
+                metrics, ratio_sums = self._update(batches, len(samples), step_tokens)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                self.model.eval()
+                self._set_training(False)
             self._rng_cpu = torch.get_rng_state()
             if self._rng_cuda is not None:
                 self._rng_cuda = torch.cuda.get_rng_state(self.policy.device)
-        return metrics
+        return metrics, ratio_sums
 
-    def _update(self, batches: list[MicroBatch], sequences: int, step_tokens: int) -> UpdateMetrics:
+    def _update(
+        self, batches: list[MicroBatch], sequences: int, step_tokens: int
+    ) -> tuple[UpdateMetrics, list[RatioSums]]:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.train()
+        self._set_training(True)
         started = time.perf_counter()
         loss_total = 0.0
         weighted: dict[str, float] = {}
+        ratio_sums: list[RatioSums] = [(0.0, 0.0)] * sequences
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
-            logits = self._completion_logits(batch)
-            logprobs = token_logprobs(logits, batch.completion_ids)
+            logprobs, entropy = token_logprobs_and_entropy(self._completion_logits(batch), batch.completion_ids)
             loss, stats = policy_loss(
                 logprobs,
                 batch.behavior_logprobs,
@@ -204,12 +254,14 @@ class Trainer:
                 max_completion_length=self.max_completion_length,
                 ref_logprobs=reference,
                 beta=loss_cfg.beta,
-                logits=logits.detach(),
+                entropy=entropy,
                 step_tokens=step_tokens,
                 step_sequences=sequences,
                 micro_batches=len(batches),
             )
             loss.backward()
+            for index, value in zip(batch.indices, _ratio_sums(logprobs.detach(), batch), strict=True):
+                ratio_sums[index] = value
             loss_total += float(loss.detach())
             for key, value in stats.items():
                 if key != "tokens":
@@ -237,7 +289,7 @@ class Trainer:
         self.updates += 1
         self.version = None
         mean = {key: value / step_tokens for key, value in weighted.items()}
-        return UpdateMetrics(
+        metrics = UpdateMetrics(
             update=update,
             loss=loss_total,
             ratio=mean["ratio"],
@@ -255,6 +307,7 @@ class Trainer:
             optimizer_s=optimizer_s,
             kl_ref=mean.get("kl_ref"),
         )
+        return metrics, ratio_sums
 
     # --- version files -----------------------------------------------------------------------------------
 
@@ -262,7 +315,10 @@ class Trainer:
         """The four files of ``version`` (the current weights, optimizer and RNG); the trainer is then at it."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        files = adapter_files(self.model, base=self.policy.base, adapter_name=TRAIN_ADAPTER)
+        files = adapter_files(
+            self.model, base=self.policy.base, adapter_name=TRAIN_ADAPTER, config_bytes=self._adapter_config
+        )
+        self._adapter_config = files[ADAPTER_CONFIG_NAME]  # never changes: later versions skip save_pretrained
         state = TrainerState(
             version=version,
             updates=self.updates,

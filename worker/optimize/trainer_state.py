@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -63,8 +63,19 @@ class TrainerState:
 # --- the adapter -----------------------------------------------------------------------------------------
 
 
-def adapter_files(model: PeftModel, base: str, adapter_name: str = "default") -> dict[str, bytes]:
-    """The adapter as the two files of a PEFT adapter folder."""
+def adapter_files(
+    model: PeftModel, base: str, adapter_name: str = "default", config_bytes: bytes | None = None
+) -> dict[str, bytes]:
+    """The adapter as the two files of a PEFT adapter folder.
+
+    ``config_bytes``: this adapter's config file from an earlier call (it never changes for a trainer); the
+    weights are then serialised in memory, the bytes PEFT's ``save_pretrained`` writes, without its temporary
+    folder and model card (most of its time on a small adapter).
+    """
+    if config_bytes is not None:
+        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        weights = save_tensors({name: tensor.contiguous() for name, tensor in state.items()}, metadata={"format": "pt"})
+        return {ADAPTER_WEIGHTS_NAME: weights, ADAPTER_CONFIG_NAME: config_bytes}
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-adapter-") as tmp:
         model.save_pretrained(tmp, selected_adapters=[adapter_name])
         # save_pretrained writes a non-default adapter into a sub-folder named after it.
