@@ -78,8 +78,7 @@ class RolloutIntake:
                 track=track_flag(self.config),
             )
         except RolloutTooStale as stale:
-            store.mark_changed()
-            self.snapshots.write()
+            self.snapshots.write_through(store.mark_changed())
             raise StaleRolloutError(submission.version, stale.current, self.config.max_staleness) from None
         except UnknownTask:
             raise
@@ -87,7 +86,8 @@ class RolloutIntake:
             store.mark_changed()  # its rollout went (back) under retention
             raise
         # A duplicate may have put a finished rollout back under retention.
-        store.mark_changed()
-        # Admitted (or admitted before): durable in the bucket before the worker hears so.
-        self.snapshots.write()
+        change = store.mark_changed()
+        # Admitted (or admitted before): durable in the bucket before the worker hears so. Group commit: one put
+        # covers every submit that arrived while the previous one was being written.
+        self.snapshots.write_through(change)
         return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")

@@ -86,32 +86,96 @@ def load_snapshot(bucket: Bucket, run: str) -> dict[str, Any] | None:
     return document
 
 
+class _Write:
+    """One bucket put of the snapshot: the change number it covers, and how it ended."""
+
+    __slots__ = ("covers", "done", "error")
+
+    def __init__(self, covers: int) -> None:
+        self.covers = covers
+        self.done = False
+        self.error: SnapshotFailed | None = None
+
+
 class SnapshotWriter:
-    """Writes the snapshot when the store counted a change since the last one (one writer at a time)."""
+    """Writes the snapshot with group commit: one put makes every change marked before it durable.
+
+    A caller that needs its change durable (an admitted rollout, a publish, a dispatch) asks ``write()``
+    after ``store.mark_changed()``. If a write that read the change counter at or after that change is
+    running, the caller waits for it; otherwise it waits for the running one to end, and then one waiter
+    becomes the writer for every change pending. The writer reads the counter BEFORE it reads the document,
+    so the document holds every change counted up to there. A failed write fails every caller it covers
+    (``SnapshotFailed``), so nobody is told "admitted" for a change that is not in the bucket. The snapshot
+    rate therefore no longer bounds the submit rate: all submits arriving during one put share the next.
+    """
 
     def __init__(self, store: RunStore, bucket: Bucket) -> None:
         self.store = store
         self.bucket = bucket
-        self._lock = threading.Lock()
-        self._written_changes = -1
+        self._cond = threading.Condition()
+        self._durable = -1  # highest change number a finished write covers
+        self._running: _Write | None = None
+        self.writes = 0
+        """Snapshot puts attempted by this writer (benchmarks and tests compare it with submits)."""
 
     def write(self, *, force: bool = False) -> bool:
-        """Write ``runs/<run>/proxy/snapshot.json`` if anything changed since the last one; True if written."""
-        with self._lock:
-            target = self.store.changes
-            if not force and target == self._written_changes:
-                return False
-            document = read_state_document(self.store)
-            if document is None:
-                return False
-            try:
-                self.bucket.put(
-                    bucket_keys.proxy_snapshot_key(self.store.run),
-                    json.dumps(document, separators=(",", ":"), sort_keys=True).encode(),
-                )
-            except (BucketError, OSError) as error:
-                raise SnapshotFailed(
-                    f"could not write the proxy snapshot of run {self.store.run!r}: {error}"
-                ) from error
-            self._written_changes = target
-            return True
+        """Make every change marked so far durable in ``runs/<run>/proxy/snapshot.json``; True if this call
+        put it itself. ``force`` writes even if nothing changed. Raises ``SnapshotFailed`` if the put that
+        covers the caller's changes failed."""
+        if force:
+            self.store.mark_changed()
+        return self.write_through(self.store.changes)
+
+    def write_through(self, target: int) -> bool:
+        """Return once change number ``target`` is durable (see the class doc); True if this call wrote."""
+        with self._cond:
+            while True:
+                running = self._running
+                if running is None:
+                    if self._durable >= target:
+                        return False
+                    # Become the writer for everything pending; the counter is read before the document.
+                    mine = _Write(self.store.changes)
+                    self._running = mine
+                    self.writes += 1
+                    break
+                if running.covers >= target:
+                    while not running.done:
+                        self._cond.wait()
+                    if running.error is not None:
+                        raise running.error
+                    return False
+                # The running write read the counter before our change: wait for it, then write anew.
+                while not running.done:
+                    self._cond.wait()
+        written = False
+        try:
+            written = self._put()
+        except SnapshotFailed as error:
+            mine.error = error
+            raise
+        except Exception as error:  # Redis down while reading: the callers it covers are not durable either
+            mine.error = SnapshotFailed(f"could not read the proxy snapshot of run {self.store.run!r}: {error}")
+            raise
+        finally:
+            with self._cond:
+                if written:
+                    self._durable = max(self._durable, mine.covers)
+                mine.done = True
+                self._running = None
+                self._cond.notify_all()
+        return written
+
+    def _put(self) -> bool:
+        """Read the document from Redis and put it; False if Redis holds no state (nothing to write)."""
+        document = read_state_document(self.store)
+        if document is None:
+            return False
+        try:
+            self.bucket.put(
+                bucket_keys.proxy_snapshot_key(self.store.run),
+                json.dumps(document, separators=(",", ":"), sort_keys=True).encode(),
+            )
+        except (BucketError, OSError) as error:
+            raise SnapshotFailed(f"could not write the proxy snapshot of run {self.store.run!r}: {error}") from error
+        return True
