@@ -193,6 +193,12 @@ class ProxyMetrics:
             labelnames=["error"],
             registry=self.registry,
         )
+        self.snapshot_writes = Counter(
+            "asyncgrpo_snapshot_writes",
+            "Snapshot puts to the bucket by this process; one put makes every change counted before it durable "
+            "(group commit), so under load it stays well below the submit rate.",
+            registry=self.registry,
+        )
         for code in HTTP_ERROR_CODES:
             # Every code starts at 0, so rate() and increase() see the first error too.
             self.http_errors.labels(code)

@@ -123,7 +123,7 @@ class Coordinator:
         self.config_sha256 = config_sha256
         self.prompts_sha256 = prompts_sha256
         self.metrics = metrics or ProxyMetrics()
-        self.snapshots = SnapshotWriter(self.store, bucket)
+        self.snapshots = SnapshotWriter(self.store, bucket, self.metrics.snapshot_writes.inc)
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.tasks = GenerateTasks(self.store, config, num_prompts)
         self.rollouts = RolloutIntake(self.store, config.async_, self.snapshots)

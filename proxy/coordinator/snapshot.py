@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from proxy.coordinator.errors import SnapshotFailed, StateMissing
@@ -26,42 +27,25 @@ class SnapshotCorrupt(Exception):
     """The snapshot in the bucket cannot be read; the message names the key and what to do."""
 
 
-def pairs(flat: list[str]) -> dict[str, str]:
-    """A Redis hash as HGETALL flattens it, as a dict."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
+def read_state_json(store: RunStore) -> bytes | None:
+    """The run's state, read atomically from Redis, as the snapshot document's JSON; None if Redis has none.
 
-
-def _groups(items: list[list[Any]]) -> dict[str, dict[str, str]]:
-    return {gid: pairs(record) for gid, record in items}
+    Redis makes the JSON (``lua/snapshot_json.lua``): the proxy neither parses the whole state nor encodes it
+    again at every write, which is most of a write's cost once the buffer holds hundreds of tasks.
+    """
+    header = json.dumps({"format": SNAPSHOT_FORMAT, "run": store.run, "written_at_ms": store.clock_ms()})
+    try:
+        reply = store.scripts.snapshot_json(header_json=header)
+    except StateMissing:
+        return None
+    document: str = reply["document"]
+    return document.encode()
 
 
 def read_state_document(store: RunStore) -> dict[str, Any] | None:
-    """The run's state, read atomically from Redis, as the snapshot document; None if Redis has none."""
-    try:
-        reply = store.scripts.read_snapshot()
-    except StateMissing:
-        return None
-    buffer, tasks, step, leases = reply["buffer"], reply["tasks"], reply["step"], reply["leases"]
-    return {
-        "format": SNAPSHOT_FORMAT,
-        "run": store.run,
-        "written_at_ms": store.clock_ms(),
-        "state": pairs(reply["state"]),
-        "counters": pairs(reply["counters"]),
-        "rejected_reasons": pairs(reply["reasons"]),
-        "versions": pairs(reply["versions"]),
-        "requeue": list(reply["requeue"]),
-        "buffer": [
-            {"task_id": tid, "rollout": pairs(rollout), "groups": _groups(groups)} for tid, rollout, groups in buffer
-        ],
-        "inflight_tasks": [
-            {"task_id": tid, "task": pairs(task), "groups": _groups(groups)} for tid, task, groups in tasks
-        ],
-        "step": {"record": pairs(step[0]), "groups": _groups(step[1])} if step else None,
-        "leases": [{"lease_id": lease_id, "lease": pairs(lease)} for lease_id, lease in leases if lease],
-        # task id -> version after which its rollout object may be deleted
-        "rollout_retention": {tid: int(float(score)) for tid, score in pairs(reply["retention"]).items()},
-    }
+    """The run's state as the snapshot document (a dict); None if Redis has none."""
+    data = read_state_json(store)
+    return None if data is None else json.loads(data)
 
 
 def load_snapshot(bucket: Bucket, run: str) -> dict[str, Any] | None:
@@ -109,9 +93,10 @@ class SnapshotWriter:
     rate therefore no longer bounds the submit rate: all submits arriving during one put share the next.
     """
 
-    def __init__(self, store: RunStore, bucket: Bucket) -> None:
+    def __init__(self, store: RunStore, bucket: Bucket, on_put: Callable[[], object] = lambda: None) -> None:
         self.store = store
         self.bucket = bucket
+        self.on_put = on_put  # counts the puts (the proxy's asyncgrpo_snapshot_writes_total)
         self._cond = threading.Condition()
         self._durable = -1  # highest change number a finished write covers
         self._running: _Write | None = None
@@ -138,6 +123,7 @@ class SnapshotWriter:
                     mine = _Write(self.store.changes)
                     self._running = mine
                     self.writes += 1
+                    self.on_put()
                     break
                 if running.covers >= target:
                     while not running.done:
@@ -168,14 +154,11 @@ class SnapshotWriter:
 
     def _put(self) -> bool:
         """Read the document from Redis and put it; False if Redis holds no state (nothing to write)."""
-        document = read_state_document(self.store)
-        if document is None:
+        data = read_state_json(self.store)
+        if data is None:
             return False
         try:
-            self.bucket.put(
-                bucket_keys.proxy_snapshot_key(self.store.run),
-                json.dumps(document, separators=(",", ":"), sort_keys=True).encode(),
-            )
+            self.bucket.put(bucket_keys.proxy_snapshot_key(self.store.run), data)
         except (BucketError, OSError) as error:
             raise SnapshotFailed(f"could not write the proxy snapshot of run {self.store.run!r}: {error}") from error
         return True
