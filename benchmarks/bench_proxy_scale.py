@@ -19,7 +19,9 @@ that publishes are rare next to submits, ``max_staleness=16`` so fresh submits a
     python benchmarks/bench_proxy_scale.py [--workers 200] [--seconds 20] [--bucket s3|file] [--procs 2]
 
 Prints cycles/s, p50/p95/p99 of each request kind, snapshot writes/s against submits/s (from the proxy's
-``/metrics``), and one JSON line at the end. Asserts nothing.
+``/metrics``), the proxy's and Redis's CPU time per cycle (the figure least disturbed by other load on a
+shared machine: cycles/s on N free cores is at most about N / that), and one JSON line at the end. Asserts
+nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import base64
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,7 +135,10 @@ async def _generate_workers(
                 next_heartbeat = time.time() + HEARTBEAT_S
                 report = {"worker_id": worker_id, "role": "generate", "hostname": "bench", "pid": os.getpid(),
                           "state": "generating"}
-                await timed("heartbeat", "POST", "/v1/workers/heartbeat", report)
+                try:
+                    await timed("heartbeat", "POST", "/v1/workers/heartbeat", report)
+                except httpx.HTTPError:
+                    outcome["errors"] += 1
             try:
                 task = await asyncio.wait_for(tasks.get(), timeout=0.5)
             except TimeoutError:
@@ -202,6 +208,13 @@ def publish_steps(bucket: Bucket, proxy_url: str, redis_url: str, stop_at: float
         out["published"] += reply.status_code == 200
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process used so far (Linux /proc), the figure that noise on a shared
+    machine disturbs least."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(proxy_url: str) -> tuple[dict[str, float], float]:
     started = time.perf_counter()
     text = httpx.get(f"{proxy_url}/metrics", timeout=30.0).text
@@ -269,6 +282,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
     parser.add_argument("--bucket", choices=("s3", "file"), default="s3")
+    parser.add_argument("--proxy-log", default=None, help="keep the proxy's log at this path")
     parser.add_argument("--py-spy", dest="py_spy", default=None, help="record the proxy's stacks (raw) to this file")
     args = parser.parse_args()
 
@@ -316,11 +330,14 @@ def main() -> None:
                 )
             first_metrics, seconds = scrape(proxy_url)
             window_started = time.time()
+            cpu_started = {"proxy": cpu_seconds(proxy.pid), "redis": cpu_seconds(processes[0].pid)}
             while time.time() < stop_at:
                 time.sleep(1.0)
                 last_metrics, seconds = scrape(proxy_url)
                 scrapes.append(seconds)
             window = time.time() - window_started
+            cpu = {"proxy": cpu_seconds(proxy.pid), "redis": cpu_seconds(processes[0].pid)}
+            cpu = {name: cpu[name] - cpu_started[name] for name in cpu}
             outcomes = [results.get(timeout=120) for _ in children]
             for child in children:
                 child.join(timeout=30)
@@ -331,6 +348,8 @@ def main() -> None:
             if proxy is not None:
                 proxy.terminate()
                 proxy.wait(timeout=30)
+            if args.proxy_log:
+                shutil.copy(workdir / "proxy.log", args.proxy_log)
             for process in processes:
                 process.kill()
                 process.wait(timeout=10)
@@ -355,6 +374,9 @@ def main() -> None:
         "submits_per_s": round(rate("asyncgrpo_rollouts_admitted_total"), 1),
         "snapshot_writes_per_s": round(rate("asyncgrpo_snapshot_writes_total"), 1),
         "versions_published": optimizer["published"],
+        "proxy_cpu_ms_per_cycle": round(1000 * cpu["proxy"] / max(cycles, 1), 2),
+        "redis_cpu_ms_per_cycle": round(1000 * cpu["redis"] / max(cycles, 1), 2),
+        "proxy_cpu_share": round(cpu["proxy"] / window, 2),
         "refused": sum(o["refused"] for o in outcomes),
         "errors": sum(o["errors"] for o in outcomes),
     }
@@ -362,6 +384,8 @@ def main() -> None:
     print(f"  cycles/s (lease+submit+release)  {figures['cycles_per_s']}")
     print(f"  submits admitted/s               {figures['submits_per_s']}")
     print(f"  snapshot writes/s                {figures['snapshot_writes_per_s']}")
+    print(f"  proxy CPU per cycle              {figures['proxy_cpu_ms_per_cycle']} ms "
+          f"(proxy used {figures['proxy_cpu_share']} of a core; Redis {figures['redis_cpu_ms_per_cycle']} ms/cycle)")
     print(f"  versions published {figures['versions_published']}, refused {figures['refused']}, "
           f"errors {figures['errors']}")
     for kind in KINDS:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated, Any
 
+import anyio.to_thread
 import structlog
 from fastapi import Body, FastAPI, Path, Request
 from fastapi.encoders import jsonable_encoder
@@ -72,6 +73,8 @@ LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
 _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # Polled by dashboards and people: their request lines are logged at debug level only.
 _QUIET_ROUTES = frozenset({"/metrics", "/healthz", "/v1/status", "/v1/workers"})
+HANDLER_THREADS = 512
+"""Threads for the sync handlers (anyio's default is 40); most of them wait on Redis or on a snapshot put."""
 
 
 class ProxyStartupError(Exception):
@@ -174,6 +177,9 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop_holder["loop"] = asyncio.get_running_loop()
+        # Sync handlers run in anyio's threadpool; a submit holds its thread while group commit makes it durable,
+        # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         task = asyncio.create_task(housekeeping()) if run_loop else None
         try:
             yield
@@ -351,4 +357,5 @@ def serve(
         auth="off (loopback)" if not token else "bearer",
     )
     app = create_app(coordinator, token, tick_s=settings.tick_s)
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=10)
+    # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)

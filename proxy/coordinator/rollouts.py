@@ -41,6 +41,8 @@ class RolloutIntake:
 
     def _rejected(self, submission: RolloutSubmission) -> list[list[str]]:
         """[[group_id, reason], ...] with reasons normalised and capped at MAX_REJECT_REASONS labels."""
+        if not submission.rejected_groups:
+            return []  # the usual case: no round trip for the known reasons
         known_reasons = set(self.store.redis.hkeys(self.store.keys.rejected_reasons))
         rejected = []
         for item in submission.rejected_groups:
