@@ -203,7 +203,7 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     )
     app.state.coordinator = coordinator
     metrics = coordinator.metrics
-    metrics.watch_state(coordinator.status, coordinator.run_limits())
+    metrics.watch_state(coordinator.gauges, coordinator.run_limits())  # counts only: cheap per scrape
     expected = token.encode() if token else None
 
     @app.middleware("http")

@@ -180,8 +180,8 @@ EXPIRE_LEASES = LuaScript(name="expire_leases", keys=("counters", "leases"), arg
 
 RECORD_HEARTBEAT = LuaScript(
     name="record_heartbeat",
-    keys=("workers",),
-    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s"),
+    keys=("workers", "workers_generate", "workers_optimize"),
+    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s", "role"),
     ok={"OK": ("forgotten",)},
 )
 

@@ -30,13 +30,13 @@ from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.leases import Leases, live_leased_versions
-from proxy.coordinator.metrics import ProxyMetrics, RunLimits
+from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.retention import Retention
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.status import group_record, run_info, status
+from proxy.coordinator.status import gauges, group_record, run_info, status
 from proxy.coordinator.steps import Steps
 from proxy.coordinator.store import RECORD_TTL_S, RunStore, wall_clock_ms
 from proxy.coordinator.workers import Workers
@@ -227,6 +227,10 @@ class Coordinator:
 
     def status(self) -> StatusResponse:
         return status(self.store, self.config, self.heartbeats)
+
+    def gauges(self) -> StateGauges:
+        """What ``/metrics`` exports: counts only (O(1) in leases and workers), unlike ``status()``."""
+        return gauges(self.store, self.config, self.heartbeats.alive_s)
 
     def group_record(self, group_id: str) -> dict[str, str]:
         return group_record(self.store, group_id)
