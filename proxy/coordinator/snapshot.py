@@ -6,6 +6,9 @@ not yet trained rollout with its groups, the step in flight, the generate tasks 
 the rollout retention queue and all counters. The coordinator writes it after every change that matters,
 always before it tells a worker that a rollout was admitted and before it sends any task (so a rebuilt proxy
 never hands out work twice under one name). ``proxy.coordinator.rebuild`` reads it back into an empty Redis.
+
+Writes are group commits (``SnapshotWriter``): every change that arrives while a put is running is made
+durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.
 """
 
 from __future__ import annotations
