@@ -6,9 +6,11 @@ the proxy as an operator would (``python -m proxy`` with ``ASYNCGRPO_*`` variabl
 ``--workers`` simulated generate workers (asyncio + httpx, spread over ``--procs`` processes so that the load
 generator is not the bottleneck) each loop: take a real ``generate`` task message the proxy dispatched from the
 Celery broker list in Redis, lease the current version, submit a rollout for exactly that task's groups,
-release the lease. Each also heartbeats every ``HEARTBEAT_S``. A simulated optimizer takes each ``optimize``
-task from the broker, writes a small real version with ``proxy.storage.manifest.write_version`` and publishes
-it (``POST /v1/versions``), so the buffer drains and dispatch goes on; ``/metrics`` is scraped once a second.
+release the lease; every ``CHECK_EVERY``-th admitted rollout is looked up in the snapshot in the bucket right
+after its answer (durable before "admitted"). Each also heartbeats every ``HEARTBEAT_S``. A simulated
+optimizer takes each ``optimize`` task from the broker, writes a small real version with
+``proxy.storage.manifest.write_version`` and publishes it (``POST /v1/versions``), so the buffer drains and
+dispatch goes on; ``/metrics`` is scraped once a second.
 The simulators write no rollout objects (the proxy never reads them), so the bucket traffic is the proxy's.
 
 Run config chosen so that the proxy is the bottleneck, not the simulators: one group per task (one cycle
@@ -21,7 +23,8 @@ that publishes are rare next to submits, ``max_staleness=16`` so fresh submits a
 Prints cycles/s, p50/p95/p99 of each request kind, snapshot writes/s against submits/s (from the proxy's
 ``/metrics``), the proxy's and Redis's CPU time per cycle (the figure least disturbed by other load on a
 shared machine: cycles/s on N free cores is at most about N / that), and one JSON line at the end. Asserts
-nothing.
+nothing. Client-side latencies include any wait for a CPU in the load generator; the proxy's own view of each
+request is the ``seconds`` of its ``proxy.request`` log lines (``--proxy-log``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ max_staleness = 16
 rollout_retention_versions = -1
 generate_task_timeout_s = 600
 """
+CHECK_EVERY = 25
+"""Every this many admitted submits, a worker reads the snapshot from the bucket to check the rollout is in it."""
 KINDS = ("lease", "submit", "release", "heartbeat", "publish", "metrics")
 
 
@@ -97,7 +102,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _generate_workers(
-    proxy_url: str, redis_url: str, first: int, count: int, start_at: float, stop_at: float
+    proxy_url: str, redis_url: str, bucket_url: str, first: int, count: int, start_at: float, stop_at: float
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
@@ -105,7 +110,18 @@ async def _generate_workers(
     broker = aioredis.Redis.from_url(redis_url, decode_responses=True)
     tasks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    outcome = {"cycles": 0, "refused": 0, "errors": 0}
+    outcome = {"cycles": 0, "refused": 0, "errors": 0, "durable_checked": 0, "durable_missing": 0}
+    bucket = open_bucket(bucket_url)
+    snapshot_key = bucket_keys.proxy_snapshot_key(RUN)
+    admitted = 0
+
+    async def check_durable(task_id: str) -> None:
+        # Read right after the answer: the snapshot in the bucket must already name the task (buffered, or in
+        # the step that claimed it meanwhile; trained ones cannot be: publishing takes longer than this read).
+        data = await asyncio.to_thread(bucket.get, snapshot_key)
+        outcome["durable_checked"] += 1
+        if f'"{task_id}"'.encode() not in data:
+            outcome["durable_missing"] += 1
 
     async def feeder() -> None:
         # One consumer per process takes messages off the broker list for its workers (as Celery would).
@@ -164,6 +180,11 @@ async def _generate_workers(
                 if submitted.status_code != 200:
                     outcome["refused" if submitted.status_code == 409 else "errors"] += 1
                 await timed("release", "DELETE", f"/v1/leases/{grant['lease_id']}")
+                if submitted.status_code == 200:
+                    nonlocal admitted
+                    admitted += 1
+                    if admitted % CHECK_EVERY == 0:
+                        await check_durable(task["task_id"])
                 if time.time() >= start_at and time.time() < stop_at and submitted.status_code == 200:
                     outcome["cycles"] += 1
             except httpx.HTTPError:
@@ -177,7 +198,7 @@ async def _generate_workers(
     return {"latencies": latencies, **outcome}
 
 
-def generate_process(args: tuple[str, str, int, int, float, float], results: Any) -> None:
+def generate_process(args: tuple[str, str, str, int, int, float, float], results: Any) -> None:
     results.put(asyncio.run(_generate_workers(*args)))
 
 
@@ -305,7 +326,7 @@ def main() -> None:
             children = [
                 ctx.Process(
                     target=generate_process,
-                    args=((proxy_url, redis_url, firsts[i], per_proc[i], start_at, stop_at), results),
+                    args=((proxy_url, redis_url, bucket_url, firsts[i], per_proc[i], start_at, stop_at), results),
                 )
                 for i in range(args.procs)
             ]
@@ -378,6 +399,8 @@ def main() -> None:
         "redis_cpu_ms_per_cycle": round(1000 * cpu["redis"] / max(cycles, 1), 2),
         "proxy_cpu_share": round(cpu["proxy"] / window, 2),
         "refused": sum(o["refused"] for o in outcomes),
+        "durable_checked": sum(o["durable_checked"] for o in outcomes),
+        "durable_missing": sum(o["durable_missing"] for o in outcomes),
         "errors": sum(o["errors"] for o in outcomes),
     }
     print(f"proxy scale: {args.workers} workers in {args.procs} processes, {args.bucket} bucket, {window:.1f} s")
@@ -388,6 +411,8 @@ def main() -> None:
           f"(proxy used {figures['proxy_cpu_share']} of a core; Redis {figures['redis_cpu_ms_per_cycle']} ms/cycle)")
     print(f"  versions published {figures['versions_published']}, refused {figures['refused']}, "
           f"errors {figures['errors']}")
+    print(f"  durable on answer: {figures['durable_checked'] - figures['durable_missing']} of "
+          f"{figures['durable_checked']} sampled admitted rollouts were in the bucket's snapshot")
     for kind in KINDS:
         values = latencies[kind]
         if not values:
