@@ -108,33 +108,39 @@ async def _generate_workers(
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
     client = httpx.AsyncClient(base_url=proxy_url, headers=headers, limits=limits, timeout=30.0)
     broker = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    tasks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    tasks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
     outcome = {"cycles": 0, "refused": 0, "errors": 0, "durable_checked": 0, "durable_missing": 0}
     bucket = open_bucket(bucket_url)
     snapshot_key = bucket_keys.proxy_snapshot_key(RUN)
     admitted = 0
 
-    async def check_durable(task_id: str) -> None:
-        # Read right after the answer: the snapshot in the bucket must already name the task (buffered, or in
-        # the step that claimed it meanwhile; trained ones cannot be: publishing takes longer than this read).
-        data = await asyncio.to_thread(bucket.get, snapshot_key)
+    async def check_durable(task_id: str, leased_version: int) -> None:
+        # Read after the answer: the snapshot in the bucket must name the task (buffered, or in the step that
+        # claimed it since). Only decidable while no version was published after the lease: a later publish
+        # may have trained it, and trained rollouts are not in the snapshot (retention off).
+        document = json.loads(await asyncio.to_thread(bucket.get, snapshot_key))
+        if int(document["state"].get("current_version", -1)) != leased_version:
+            return
         outcome["durable_checked"] += 1
-        if f'"{task_id}"'.encode() not in data:
+        if f'"{task_id}"' not in json.dumps(document):
             outcome["durable_missing"] += 1
 
     async def feeder() -> None:
-        # One consumer per process takes messages off the broker list for its workers (as Celery would).
+        # One consumer per process takes messages off the broker list for its workers (as Celery would); it
+        # blocks on the broker rather than polling, so the load generator leaves the CPU to the proxy.
         while time.time() < stop_at:
             if tasks.qsize() >= count:
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.01)
                 continue
-            raws = await broker.rpop(GENERATE_QUEUE, count)
-            if not raws:
-                await asyncio.sleep(0.005)
+            popped = await broker.brpop([GENERATE_QUEUE], timeout=1)
+            if popped is None:
                 continue
+            raws = [popped[1], *(await broker.rpop(GENERATE_QUEUE, count - 1) or [])]
             for raw in raws:
                 tasks.put_nowait(decode_task(raw))
+        for _ in range(count):
+            tasks.put_nowait(None)  # each worker stops at its first None
 
     async def timed(kind: str, method: str, path: str, body: Any = None) -> httpx.Response:
         started = time.perf_counter()
@@ -155,10 +161,9 @@ async def _generate_workers(
                     await timed("heartbeat", "POST", "/v1/workers/heartbeat", report)
                 except httpx.HTTPError:
                     outcome["errors"] += 1
-            try:
-                task = await asyncio.wait_for(tasks.get(), timeout=0.5)
-            except TimeoutError:
-                continue
+            task = await tasks.get()
+            if task is None:
+                return
             try:
                 lease = await timed("lease", "POST", "/v1/leases", {"worker_id": worker_id, "task_id": task["task_id"]})
                 if lease.status_code != 200:
@@ -184,7 +189,7 @@ async def _generate_workers(
                     nonlocal admitted
                     admitted += 1
                     if admitted % CHECK_EVERY == 0:
-                        await check_durable(task["task_id"])
+                        await check_durable(task["task_id"], grant["version"])
                 if time.time() >= start_at and time.time() < stop_at and submitted.status_code == 200:
                     outcome["cycles"] += 1
             except httpx.HTTPError:
@@ -199,7 +204,9 @@ async def _generate_workers(
 
 
 def generate_process(args: tuple[str, str, str, int, int, float, float], results: Any) -> None:
-    results.put(asyncio.run(_generate_workers(*args)))
+    cpu = time.process_time()
+    outcome = asyncio.run(_generate_workers(*args))
+    results.put({**outcome, "cpu_s": time.process_time() - cpu})
 
 
 # ---- the simulated optimizer and the scraper (main process) ----
@@ -398,6 +405,7 @@ def main() -> None:
         "proxy_cpu_ms_per_cycle": round(1000 * cpu["proxy"] / max(cycles, 1), 2),
         "redis_cpu_ms_per_cycle": round(1000 * cpu["redis"] / max(cycles, 1), 2),
         "proxy_cpu_share": round(cpu["proxy"] / window, 2),
+        "load_generator_cpu_share": round(sum(o["cpu_s"] for o in outcomes) / (args.warmup + args.seconds), 2),
         "refused": sum(o["refused"] for o in outcomes),
         "durable_checked": sum(o["durable_checked"] for o in outcomes),
         "durable_missing": sum(o["durable_missing"] for o in outcomes),
@@ -408,7 +416,8 @@ def main() -> None:
     print(f"  submits admitted/s               {figures['submits_per_s']}")
     print(f"  snapshot writes/s                {figures['snapshot_writes_per_s']}")
     print(f"  proxy CPU per cycle              {figures['proxy_cpu_ms_per_cycle']} ms "
-          f"(proxy used {figures['proxy_cpu_share']} of a core; Redis {figures['redis_cpu_ms_per_cycle']} ms/cycle)")
+          f"(proxy used {figures['proxy_cpu_share']} of a core; Redis {figures['redis_cpu_ms_per_cycle']} ms/cycle; "
+          f"load generator {figures['load_generator_cpu_share']} of a core)")
     print(f"  versions published {figures['versions_published']}, refused {figures['refused']}, "
           f"errors {figures['errors']}")
     print(f"  durable on answer: {figures['durable_checked'] - figures['durable_missing']} of "
