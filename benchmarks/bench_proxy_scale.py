@@ -3,19 +3,19 @@
 Starts, privately: a ``redis-server``, a SeaweedFS S3 server (``--bucket s3``, the default) or a local folder
 (``--bucket file``), creates a run as ``asyncgrpo run create`` does (``proxy.run.store.create_run``), and starts
 the proxy as an operator would (``python -m proxy`` with ``ASYNCGRPO_*`` variables, INFO logs to a file). Then
-``--workers`` simulated generate workers (``proxy_load.py``: asyncio + httpx, spread over ``--procs``
-processes so that the load generator is not the bottleneck) each loop: take a real ``generate`` task message
-the proxy dispatched from the Celery broker list in Redis, lease the current version, submit a rollout for
-exactly that task's groups, release the lease; every ``CHECK_EVERY``-th admitted rollout is looked up in the snapshot in the bucket right
-after its answer (durable before "admitted"). Each also heartbeats every ``HEARTBEAT_S``. A simulated
-optimizer takes each ``optimize`` task from the broker, writes a small real version with
+``--workers`` simulated generate workers (``proxy_load.py``: asyncio + httpx, spread over ``--procs`` processes
+so that the load generator is not the bottleneck) each loop: take a real ``generate`` task message the proxy
+dispatched from the Celery broker list in Redis, lease the current version, submit a rollout for exactly that
+task's groups, release the lease; every ``CHECK_EVERY``-th admitted rollout is looked up in the snapshot in the
+bucket right after its answer (durable before "admitted"). Each also heartbeats every ``HEARTBEAT_S``. A
+simulated optimizer takes each ``optimize`` task from the broker, writes a small real version with
 ``proxy.storage.manifest.write_version`` and publishes it (``POST /v1/versions``), so the buffer drains and
-dispatch goes on; ``/metrics`` is scraped once a second.
-The simulators write no rollout objects (the proxy never reads them), so the bucket traffic is the proxy's.
+dispatch goes on; ``/metrics`` is scraped once a second. The simulators write no rollout objects (the proxy
+never reads them), so the bucket traffic is the proxy's.
 
-Run config chosen so that the proxy is the bottleneck, not the simulators: one group per task (one cycle
-per group), a large buffer (``queue_maxsize``) so there is always a task waiting in the broker, big steps so
-that publishes are rare next to submits, ``max_staleness=16`` so fresh submits are not refused, and
+Run config chosen so that the proxy is the bottleneck, not the simulators: one group per task (one cycle per
+group), a large buffer (``queue_maxsize``) so there is always a task waiting in the broker, big steps so that
+publishes are rare next to submits, ``max_staleness=16`` so fresh submits are not refused, and
 ``rollout_retention_versions=-1`` so the proxy does not delete rollout objects that were never written.
 
     python benchmarks/bench_proxy_scale.py [--workers 200] [--seconds 20] [--bucket s3|file] [--procs 2]
