@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
 from proxy.api.app import create_app
-from proxy.coordinator.metrics import HTTP_ERROR_CODES
+from proxy.coordinator.metrics import HTTP_ERROR_CODES, StateGauges
 from proxy.coordinator.service import Coordinator
+from proxy.protocol.schemas import HeartbeatRequest
 from tests.fixtures_coordinator import API_TOKEN
 from tests.proxy_harness import (
     ManualClock,
@@ -311,3 +312,34 @@ def test_staleness_alert_uses_the_exported_limit(tmp_path: Path) -> None:
     spec_path.write_text(yaml.safe_dump(spec))
     check = subprocess.run([tool, "test", "rules", str(spec_path)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _commands_processed(redis_client: Redis) -> int:
+    return int(redis_client.info("stats")["total_commands_processed"])
+
+
+def test_scrape_gauges_agree_with_status_and_cost_the_same_with_many_leases_and_workers(
+    coord: Coordinator, clock: ManualClock, redis_client: Redis
+) -> None:
+    start(coord)
+    report = HeartbeatRequest(worker_id="gen-0", role="generate", hostname="h", pid=1, state="idle")
+    coord.heartbeat(report.model_copy(update={"worker_id": "trainer", "role": "optimize"}))
+    clock.advance(31)  # the trainer is no longer alive; its record stays listed
+    costs = []
+    for workers in (1, 60):
+        for index in range(workers):
+            coord.heartbeat(report.model_copy(update={"worker_id": f"gen-{index}"}))
+            coord.lease(f"gen-{index}", "t")
+        # A role change moves the worker between the role sets.
+        coord.heartbeat(report.model_copy(update={"worker_id": "gen-0", "role": "optimize"}))
+        coord.heartbeat(report)
+        assert coord.gauges() == StateGauges.from_status(coord.status())
+        before = _commands_processed(redis_client)
+        coord.gauges()
+        costs.append(_commands_processed(redis_client) - before)
+    gauges = coord.gauges()
+    assert gauges.workers_alive_by_role == {"generate": 60}
+    assert gauges.leases_active == 61
+    assert costs[0] == costs[1], f"a scrape read {costs} Redis commands with 1 and 60 workers"
+    clock.advance(coord.config.async_.lease_ttl_s + 1)
+    assert coord.gauges().leases_active == 0 == len(coord.status().leases)

@@ -1,6 +1,7 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app       routes, bearer-token auth, error mapping, the tick loop, `serve()`
-    settings  the proxy's environment variables
+    app         routes, error mapping, the tick loop, `serve()`
+    middleware  bearer-token auth and request timing/logging, as plain ASGI
+    settings    the proxy's environment variables
 """

@@ -16,13 +16,12 @@ The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app'
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated, Any
 
+import anyio.to_thread
 import structlog
 from fastapi import Body, FastAPI, Path, Request
 from fastapi.encoders import jsonable_encoder
@@ -31,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from proxy.api.middleware import AuthAndTiming
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.errors import (
     BadRollout,
@@ -69,9 +69,8 @@ from proxy.storage.bucket import BucketError
 log = structlog.get_logger()
 
 LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
-_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# Polled by dashboards and people: their request lines are logged at debug level only.
-_QUIET_ROUTES = frozenset({"/metrics", "/healthz", "/v1/status", "/v1/workers"})
+HANDLER_THREADS = 512
+"""Threads for the sync handlers (anyio's default is 40); most of them wait on Redis or on a snapshot put."""
 
 
 class ProxyStartupError(Exception):
@@ -174,6 +173,9 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop_holder["loop"] = asyncio.get_running_loop()
+        # Sync handlers run in anyio's threadpool; a submit holds its thread while group commit makes it durable,
+        # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         task = asyncio.create_task(housekeeping()) if run_loop else None
         try:
             yield
@@ -197,31 +199,16 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     )
     app.state.coordinator = coordinator
     metrics = coordinator.metrics
-    metrics.watch_state(coordinator.status, coordinator.run_limits())
+    metrics.watch_state(coordinator.gauges, coordinator.run_limits())  # counts only: cheap per scrape
     expected = token.encode() if token else None
 
-    @app.middleware("http")
-    async def authorize_and_time(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        started = time.perf_counter()
-        if expected is not None and request.method in _STATE_CHANGING:
-            header = request.headers.get("authorization", "")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-                metrics.count_http_error(AUTH_REFUSAL)
-                response: Response = _error_body(AUTH_REFUSAL, "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                # Refused before routing: one fixed label, so a scanner cannot grow the label set.
-                metrics.http_seconds.labels("unauthorized", request.method).observe(time.perf_counter() - started)
-                return response
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        seconds = time.perf_counter() - started
-        metrics.http_seconds.labels(route, request.method).observe(seconds)
-        # One line per request with its duration; scrapes and health checks only at debug level.
-        log_line = log.debug if route in _QUIET_ROUTES else log.info
-        log_line("proxy.request", method=request.method, route=route, status=response.status_code, seconds=seconds)
+    def unauthorized() -> Response:
+        metrics.count_http_error(AUTH_REFUSAL)
+        response = _error_body(AUTH_REFUSAL, "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
+        response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
+    app.add_middleware(AuthAndTiming, token=expected, metrics=metrics, refuse=unauthorized)
     install_error_handlers(app, metrics)
 
     @app.get("/healthz")
@@ -351,4 +338,5 @@ def serve(
         auth="off (loopback)" if not token else "bearer",
     )
     app = create_app(coordinator, token, tick_s=settings.tick_s)
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=10)
+    # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)

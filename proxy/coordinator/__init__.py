@@ -17,7 +17,7 @@ Modules:
     workers         worker heartbeats and the `/v1/workers` list
     status          `/v1/status` and `/v1/run`: read-only views of the state
     retention       collect old adapter versions and rollout objects past their retention
-    snapshot        the snapshot document, its writer and its reader (`runs/<run>/proxy/snapshot.json`)
+    snapshot        the snapshot document, its group-commit writer and its reader (`runs/<run>/proxy/snapshot.json`)
     rebuild         restore an empty Redis from the snapshot, or from the versions in the bucket
     accounting      time credited to a full buffer (dispatch held back) and to a starved trainer
     pacing          how many groups to keep in flight plus buffered, from the measured trainer and generate times

@@ -73,6 +73,43 @@ FIRST_USE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300
 
 
 @dataclass(frozen=True)
+class StateGauges:
+    """What ``/metrics`` reads from Redis at each scrape: counts only, so a scrape costs the same with 10 or
+    10,000 leases and workers (``proxy.coordinator.status.gauges`` reads it in one transaction)."""
+
+    current_version: int
+    final_version: int
+    step_inflight: int | None
+    epoch: int
+    leases_active: int
+    groups_buffered: int
+    groups_inflight: int
+    groups_requeued: int
+    tasks_inflight: int
+    counters: dict[str, int]
+    rejected_by_reason: dict[str, int]
+    workers_alive_by_role: dict[str, int]
+
+    @classmethod
+    def from_status(cls, status: StatusResponse) -> StateGauges:
+        """The gauges of a full ``/v1/status`` answer (tests and tools that have one)."""
+        return cls(
+            current_version=status.current_version,
+            final_version=status.final_version,
+            step_inflight=status.step_inflight,
+            epoch=status.epoch,
+            leases_active=len(status.leases),
+            groups_buffered=status.groups_buffered,
+            groups_inflight=status.groups_inflight,
+            groups_requeued=status.groups_requeued,
+            tasks_inflight=status.tasks_inflight,
+            counters=status.counters,
+            rejected_by_reason=status.rejected_by_reason,
+            workers_alive_by_role=status.workers_alive_by_role,
+        )
+
+
+@dataclass(frozen=True)
 class RunLimits:
     """The run's configured limits, exported as gauges (the final version comes with the status)."""
 
@@ -98,9 +135,9 @@ class RunLimits:
 
 
 class _StateCollector(Collector):
-    """Reads the coordinator's status at scrape time."""
+    """Reads the coordinator's gauges (or a full status) at scrape time."""
 
-    def __init__(self, read_status: Callable[[], StatusResponse], limits: RunLimits | None) -> None:
+    def __init__(self, read_status: Callable[[], StateGauges | StatusResponse], limits: RunLimits | None) -> None:
         self.read_status = read_status
         self.limits = limits
 
@@ -112,7 +149,7 @@ class _StateCollector(Collector):
             yield gauge
         up = GaugeMetricFamily("asyncgrpo_redis_up", "1 if the proxy could read its state from Redis.")
         try:
-            status = self.read_status()
+            read = self.read_status()
         except RedisError as error:
             log.warning("proxy.metrics_unavailable", error=str(error))
             up.add_metric([], 0)
@@ -120,13 +157,14 @@ class _StateCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
+        status = read if isinstance(read, StateGauges) else StateGauges.from_status(read)
         gauges = {
             "asyncgrpo_current_version": ("Current published policy version (-1: none).", status.current_version),
             "asyncgrpo_step_inflight": (
                 "Step claimed and not yet published (-1: none).",
                 -1 if status.step_inflight is None else status.step_inflight,
             ),
-            "asyncgrpo_leases_active": ("Live adapter-version leases.", len(status.leases)),
+            "asyncgrpo_leases_active": ("Live adapter-version leases.", status.leases_active),
             "asyncgrpo_groups_buffered": ("Admitted groups waiting for a step.", status.groups_buffered),
             "asyncgrpo_groups_inflight": ("Groups in generate tasks not yet submitted.", status.groups_inflight),
             "asyncgrpo_groups_requeued": ("Prompts back in line, served first.", status.groups_requeued),
@@ -193,6 +231,12 @@ class ProxyMetrics:
             labelnames=["error"],
             registry=self.registry,
         )
+        self.snapshot_writes = Counter(
+            "asyncgrpo_snapshot_writes",
+            "Snapshot puts to the bucket by this process; one put makes every change counted before it durable "
+            "(group commit), so under load it stays well below the submit rate.",
+            registry=self.registry,
+        )
         for code in HTTP_ERROR_CODES:
             # Every code starts at 0, so rate() and increase() see the first error too.
             self.http_errors.labels(code)
@@ -205,7 +249,9 @@ class ProxyMetrics:
             code = OTHER_HTTP_ERROR
         self.http_errors.labels(code).inc()
 
-    def watch_state(self, read_status: Callable[[], StatusResponse], limits: RunLimits | None = None) -> None:
+    def watch_state(
+        self, read_status: Callable[[], StateGauges | StatusResponse], limits: RunLimits | None = None
+    ) -> None:
         """Expose the coordinator's totals and gauges (read at every scrape) and the run's limits."""
         if self._collector is not None:
             self.registry.unregister(self._collector)

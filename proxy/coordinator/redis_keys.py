@@ -16,6 +16,8 @@ Fixed keys:
 - ``tasks_inflight`` sorted set: generate task id -> deadline (ms)
 - ``leases``     sorted set: lease id -> expiry (ms)
 - ``workers``    sorted set: worker id -> last heartbeat (ms)
+- ``workers_generate``, ``workers_optimize`` sorted sets: the same, per role, so ``/metrics`` counts the
+  live workers of a role with one ZCOUNT
 - ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
   from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
 """
@@ -87,6 +89,14 @@ class RunKeys:
     @property
     def workers(self) -> str:
         return self.prefix + "workers"
+
+    @property
+    def workers_generate(self) -> str:
+        return self.prefix + "workers_generate"
+
+    @property
+    def workers_optimize(self) -> str:
+        return self.prefix + "workers_optimize"
 
     @property
     def rollout_retention(self) -> str:

@@ -40,6 +40,8 @@ class Retention:
         self.snapshots = snapshots
         # (current version, leased versions) of the last collection: nothing to do until either changes
         self._last_gc: tuple[int, frozenset[int]] | None = None
+        # whether the last collection kept an old version only for a live lease (then leases are read each tick)
+        self._held_by_lease = False
 
     def forget_last_gc(self) -> None:
         """After a rebuild: collect at the next tick whatever the last collection saw."""
@@ -49,11 +51,17 @@ class Retention:
         """Delete versions older than ``current - max_staleness - 1`` that no live lease holds.
 
         Every ``keep_every``-th version and the current one are kept. Versions newer than the window (an
-        upload in progress) are never touched. Runs only when the current version or the leased set changed.
+        upload in progress) are never touched. Runs when the current version changed, or when the last
+        collection kept an old version for a live lease and the leased set changed; otherwise a tick reads no
+        lease at all (reading them is O(workers), and nothing could be collected).
         """
         store = self.store
         current = store.current_version()
         if current < 0:
+            return []
+        if self._last_gc is not None and self._last_gc[0] == current and not self._held_by_lease:
+            # Nothing can have become collectable: the window moves only with the current version, and no
+            # old version waited for a lease to end. Skips reading every lease at every tick.
             return []
         leased = frozenset(live_leased_versions(store))
         if self._last_gc == (current, leased):
@@ -61,8 +69,12 @@ class Retention:
         cutoff = current - self.config.max_staleness - 1
         keep_every = self.config.keep_every
         deleted = []
+        held = False
         for version in list_versions(self.bucket, store.run):
-            if version >= cutoff or version in leased or (keep_every and version % keep_every == 0):
+            if version >= cutoff or (keep_every and version % keep_every == 0):
+                continue
+            if version in leased:
+                held = True
                 continue
             delete_version(self.bucket, store.run, version)
             deleted.append(version)
@@ -70,6 +82,7 @@ class Retention:
             store.count("versions_deleted", len(deleted))
             log.info("proxy.versions_collected", versions=deleted, current=current, leased=sorted(leased))
         self._last_gc = (current, leased)
+        self._held_by_lease = held
         return deleted
 
     def collect_rollouts(self) -> list[str]:

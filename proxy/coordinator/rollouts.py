@@ -41,6 +41,8 @@ class RolloutIntake:
 
     def _rejected(self, submission: RolloutSubmission) -> list[list[str]]:
         """[[group_id, reason], ...] with reasons normalised and capped at MAX_REJECT_REASONS labels."""
+        if not submission.rejected_groups:
+            return []  # the usual case: no round trip for the known reasons
         known_reasons = set(self.store.redis.hkeys(self.store.keys.rejected_reasons))
         rejected = []
         for item in submission.rejected_groups:
@@ -78,8 +80,7 @@ class RolloutIntake:
                 track=track_flag(self.config),
             )
         except RolloutTooStale as stale:
-            store.mark_changed()
-            self.snapshots.write()
+            self.snapshots.write_through(store.mark_changed())
             raise StaleRolloutError(submission.version, stale.current, self.config.max_staleness) from None
         except UnknownTask:
             raise
@@ -87,7 +88,8 @@ class RolloutIntake:
             store.mark_changed()  # its rollout went (back) under retention
             raise
         # A duplicate may have put a finished rollout back under retention.
-        store.mark_changed()
-        # Admitted (or admitted before): durable in the bucket before the worker hears so.
-        self.snapshots.write()
+        change = store.mark_changed()
+        # Admitted (or admitted before): durable in the bucket before the worker hears so. Group commit: one put
+        # covers every submit that arrived while the previous one was being written.
+        self.snapshots.write_through(change)
         return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")

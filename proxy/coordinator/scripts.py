@@ -180,8 +180,8 @@ EXPIRE_LEASES = LuaScript(name="expire_leases", keys=("counters", "leases"), arg
 
 RECORD_HEARTBEAT = LuaScript(
     name="record_heartbeat",
-    keys=("workers",),
-    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s"),
+    keys=("workers", "workers_generate", "workers_optimize"),
+    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s", "role"),
     ok={"OK": ("forgotten",)},
 )
 
@@ -203,8 +203,8 @@ RESTORE_STATE = LuaScript(
     rebuilds=False,
 )
 
-READ_SNAPSHOT = LuaScript(
-    name="read_snapshot",
+SNAPSHOT_JSON = LuaScript(
+    name="snapshot_json",
     keys=(
         "state",
         "counters",
@@ -216,10 +216,8 @@ READ_SNAPSHOT = LuaScript(
         "leases",
         "rollout_retention",
     ),
-    argv=(),
-    ok={
-        "OK": ("state", "counters", "reasons", "versions", "requeue", "buffer", "tasks", "step", "leases", "retention")
-    },
+    argv=("header_json",),
+    ok={"OK": ("document",)},
     errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
     rebuilds=False,
 )
@@ -254,7 +252,7 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
     RECORD_HEARTBEAT,
     ADD_COUNTER,
     RESTORE_STATE,
-    READ_SNAPSHOT,
+    SNAPSHOT_JSON,
     DUE_ROLLOUTS,
     FORGET_ROLLOUTS,
 )
@@ -277,6 +275,6 @@ class Scripts:
         self.record_heartbeat = bind(RECORD_HEARTBEAT)
         self.add_counter = bind(ADD_COUNTER)
         self.restore_state = bind(RESTORE_STATE)
-        self.read_snapshot = bind(READ_SNAPSHOT)
+        self.snapshot_json = bind(SNAPSHOT_JSON)
         self.due_rollouts = bind(DUE_ROLLOUTS)
         self.forget_rollouts = bind(FORGET_ROLLOUTS)

@@ -30,14 +30,14 @@ from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.leases import Leases, live_leased_versions
-from proxy.coordinator.metrics import ProxyMetrics, RunLimits
+from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.pacing import InflightPacer
 from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.retention import Retention
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.status import group_record, run_info, status
+from proxy.coordinator.status import gauges, group_record, run_info, status
 from proxy.coordinator.steps import Steps
 from proxy.coordinator.store import RECORD_TTL_S, RunStore, wall_clock_ms
 from proxy.coordinator.workers import Workers
@@ -124,7 +124,7 @@ class Coordinator:
         self.config_sha256 = config_sha256
         self.prompts_sha256 = prompts_sha256
         self.metrics = metrics or ProxyMetrics()
-        self.snapshots = SnapshotWriter(self.store, bucket)
+        self.snapshots = SnapshotWriter(self.store, bucket, self.metrics.snapshot_writes.inc)
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.pacer = InflightPacer(config.async_, self.store.clock_ms)
         self.tasks = GenerateTasks(self.store, config, num_prompts, inflight_limit=self.pacer.limit)
@@ -235,6 +235,10 @@ class Coordinator:
 
     def status(self) -> StatusResponse:
         return status(self.store, self.config, self.heartbeats)
+
+    def gauges(self) -> StateGauges:
+        """What ``/metrics`` exports: counts only (O(1) in leases and workers), unlike ``status()``."""
+        return gauges(self.store, self.config, self.heartbeats.alive_s)
 
     def group_record(self, group_id: str) -> dict[str, str]:
         return group_record(self.store, group_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from proxy.coordinator.metrics import StateGauges
 from proxy.coordinator.store import RunStore
 from proxy.coordinator.workers import Workers
 from proxy.protocol.schemas import LeaseRecord, RunInfo, StatusResponse
@@ -73,6 +74,40 @@ def status(store: RunStore, config: RunConfig, workers: Workers) -> StatusRespon
         counters={k: int(v) for k, v in counters.items()},
         rejected_by_reason={k: int(v) for k, v in reasons.items()},
         leases=lease_records,
+        workers_alive_by_role=alive,
+    )
+
+
+def gauges(store: RunStore, config: RunConfig, alive_s: float) -> StateGauges:
+    """What ``/metrics`` exports, in one transaction of counts (ZCOUNT, LLEN, ZCARD): no per-lease or
+    per-worker read, unlike ``status``, so a scrape stays cheap however many workers there are."""
+    keys = store.keys
+    now = store.clock_ms()
+    alive_since = now - int(alive_s * 1000)
+    pipe = store.redis.pipeline(transaction=True)
+    pipe.hgetall(keys.state)
+    pipe.hgetall(keys.counters)
+    pipe.hgetall(keys.rejected_reasons)
+    pipe.llen(keys.requeue)
+    pipe.zcard(keys.tasks_inflight)
+    pipe.zcount(keys.leases, f"({now}", "+inf")
+    pipe.zcount(keys.workers_generate, alive_since, "+inf")
+    pipe.zcount(keys.workers_optimize, alive_since, "+inf")
+    state, counters, reasons, requeued, tasks, leases, generate, optimize = pipe.execute()
+    step_inflight = int(state.get("step_inflight", -1))
+    alive = {role: count for role, count in (("generate", generate), ("optimize", optimize)) if count}
+    return StateGauges(
+        current_version=int(state.get("current_version", -1)),
+        final_version=config.final_version,
+        step_inflight=step_inflight if step_inflight >= 0 else None,
+        epoch=int(state.get("epoch", 0)),
+        leases_active=leases,
+        groups_buffered=int(state.get("groups_buffered", 0)),
+        groups_inflight=int(state.get("groups_inflight", 0)),
+        groups_requeued=requeued,
+        tasks_inflight=tasks,
+        counters={k: int(v) for k, v in counters.items()},
+        rejected_by_reason={k: int(v) for k, v in reasons.items()},
         workers_alive_by_role=alive,
     )
 

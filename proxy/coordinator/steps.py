@@ -188,11 +188,12 @@ class Steps:
             record_ttl_s=store.record_ttl_s,
             track=track_flag(self.config),
         )
+        change = store.changes
         if reply.code == "OK":
-            store.mark_changed()
+            change = store.mark_changed()
             log.info("proxy.version_published", version=request.version, worker=request.worker_id)
         try:
-            self.snapshots.write()
+            self.snapshots.write_through(change)
         except SnapshotFailed as error:
             # The CAS is done; a rebuild adopts the version from its manifest, so this answer stays true.
             log.error("proxy.snapshot_after_publish_failed", error=str(error))

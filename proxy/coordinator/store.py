@@ -75,10 +75,12 @@ class RunStore:
         """Add to a counter of ``/v1/status`` an event decided outside Redis."""
         self.scripts.add_counter(counter=counter, amount=amount)
 
-    def mark_changed(self) -> None:
-        """Something the snapshot holds changed: the next ``write_snapshot`` writes."""
+    def mark_changed(self) -> int:
+        """Something the snapshot holds changed (call it after the change): returns the change's number, which
+        ``SnapshotWriter.write_through`` makes durable."""
         with self._changes_lock:
             self._changes += 1
+            return self._changes
 
     @property
     def changes(self) -> int:

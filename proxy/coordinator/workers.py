@@ -29,6 +29,7 @@ class Workers:
             report_json=report.model_dump_json(),
             forget_after_ms=int(WORKER_FORGET_S * 1000),
             record_ttl_s=self.store.record_ttl_s,
+            role=report.role,
         )
 
     def list(self) -> list[WorkerRecord]:

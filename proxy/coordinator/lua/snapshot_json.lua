@@ -1,0 +1,72 @@
+-- snapshot_json: read, atomically, everything a rebuild needs (no writes) as the snapshot document's JSON.
+-- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] versions  KEYS[5] requeue  KEYS[6] buffer
+-- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention
+-- ARGV[1] prefix  ARGV[2] header_json (the document's other fields, an object)
+-- returns {"OK", document} | {"NO_STATE"}
+--   The JSON is made here (cjson) so that the proxy neither parses nor re-encodes the whole state per write.
+--   Hashes become objects of strings; buffer = [{task_id, rollout, groups: {group_id: group}}], inflight_tasks
+--   likewise with task; step = {record, groups} or null; leases = [{lease_id, lease}]; rollout_retention =
+--   {task_id: version}. Arrays are joined by hand: cjson writes an empty table as {}.
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local function hash(k)
+  local flat, out = redis.call('HGETALL', k), {}
+  for i = 1, #flat, 2 do out[flat[i]] = flat[i + 1] end
+  return out
+end
+local function array(items)
+  if #items == 0 then return '[]' end
+  return '[' .. table.concat(items, ',') .. ']'
+end
+-- {group_id: group} in the order of the ids (a rebuild requeues lost prompts in that order)
+local function groups_json(ids)
+  local parts = {}
+  for _, gid in ipairs(ids) do parts[#parts + 1] = cjson.encode(gid) .. ':' .. cjson.encode(hash(key(GROUP, gid))) end
+  return '{' .. table.concat(parts, ',') .. '}'
+end
+local function with_groups(head, ids_json)
+  return string.sub(cjson.encode(head), 1, -2) .. ',"groups":' .. groups_json(cjson.decode(ids_json)) .. '}'
+end
+local buffer = {}
+for _, tid in ipairs(redis.call('LRANGE', KEYS[6], 0, -1)) do
+  local rk = key(ROLLOUT, tid)
+  buffer[#buffer + 1] = with_groups({task_id = tid, rollout = hash(rk)}, redis.call('HGET', rk, 'group_ids'))
+end
+local tasks = {}
+for _, tid in ipairs(redis.call('ZRANGE', KEYS[7], 0, -1)) do
+  local tk = key(TASK, tid)
+  tasks[#tasks + 1] = with_groups({task_id = tid, task = hash(tk)}, redis.call('HGET', tk, 'group_ids'))
+end
+local step = 'null'
+local inflight = num(KEYS[1], 'step_inflight', -1)
+if inflight >= 0 then
+  local sk = key(STEP, inflight)
+  local ids = {}
+  for _, ref in ipairs(cjson.decode(redis.call('HGET', sk, 'rollouts'))) do
+    for _, gid in ipairs(ref['group_ids']) do ids[#ids + 1] = gid end
+  end
+  step = '{"record":' .. cjson.encode(hash(sk)) .. ',"groups":' .. groups_json(ids) .. '}'
+
+end
+local leases = {}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[8], 0, -1)) do
+  local lease = hash(key(LEASE, id))
+  if next(lease) ~= nil then leases[#leases + 1] = cjson.encode({lease_id = id, lease = lease}) end
+end
+local requeue = {}
+for _, index in ipairs(redis.call('LRANGE', KEYS[5], 0, -1)) do requeue[#requeue + 1] = cjson.encode(index) end
+local retention = {}
+local scored = redis.call('ZRANGE', KEYS[9], 0, -1, 'WITHSCORES')
+for i = 1, #scored, 2 do retention[scored[i]] = math.floor(tonumber(scored[i + 1])) end
+local header = ARGV[2]
+local document = string.sub(header, 1, -2) .. (#header > 2 and ',' or '')
+  .. '"state":' .. cjson.encode(hash(KEYS[1]))
+  .. ',"counters":' .. cjson.encode(hash(KEYS[2]))
+  .. ',"rejected_reasons":' .. cjson.encode(hash(KEYS[3]))
+  .. ',"versions":' .. cjson.encode(hash(KEYS[4]))
+  .. ',"requeue":' .. array(requeue)
+  .. ',"buffer":' .. array(buffer)
+  .. ',"inflight_tasks":' .. array(tasks)
+  .. ',"step":' .. step
+  .. ',"leases":' .. array(leases)
+  .. ',"rollout_retention":' .. cjson.encode(retention) .. '}'
+return {'OK', document}
