@@ -3,4 +3,5 @@
 Modules:
     app       routes, bearer-token auth, error mapping, the tick loop, `serve()`
     settings  the proxy's environment variables
+    version_watch  `GET /v1/versions/latest`: the long poll that tells generate workers of a new version
 """

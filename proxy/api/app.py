@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from proxy.api.settings import ProxySettings
+from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.errors import (
     BadRollout,
     LeaseLostError,
@@ -223,6 +224,8 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         return response
 
     install_error_handlers(app, metrics)
+    # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).
+    version_watch = install_version_watch(app, coordinator)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -277,6 +280,7 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         try:
             return coordinator.publish(request)
         finally:
+            version_watch.notify()
             poke()
 
     @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
@@ -351,4 +355,5 @@ def serve(
         auth="off (loopback)" if not token else "bearer",
     )
     app = create_app(coordinator, token, tick_s=settings.tick_s)
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=10)
+    releasing_server(config, app.state.version_watch).run()
