@@ -41,6 +41,8 @@ class VersionWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._closing = False
+        self.waiting = 0
+        """Requests waiting right now (tests, debugging)."""
 
     def latest(self) -> LatestVersion:
         """The current version as Redis has it (blocking: two HGETs)."""
@@ -61,16 +63,20 @@ class VersionWatch:
         if self._loop is not loop:  # first waiter (or a new loop in tests): events belong to one loop
             self._loop, self._changed = loop, asyncio.Event()
         deadline = loop.time() + wait_s
-        while True:
-            # Taken before reading Redis, so a publish between the read and the wait still wakes us.
-            changed = self._changed
-            assert changed is not None
-            latest = await asyncio.to_thread(self.latest)
-            remaining = deadline - loop.time()
-            if latest.version > after or remaining <= 0 or self._closing:
-                return latest
-            with suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=min(remaining, self.fallback_s))
+        self.waiting += 1
+        try:
+            while True:
+                # Taken before reading Redis, so a publish between the read and the wait still wakes us.
+                changed = self._changed
+                assert changed is not None
+                latest = await asyncio.to_thread(self.latest)
+                remaining = deadline - loop.time()
+                if latest.version > after or remaining <= 0 or self._closing:
+                    return latest
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), timeout=min(remaining, self.fallback_s))
+        finally:
+            self.waiting -= 1
 
     def notify(self) -> None:
         """A version was published: wake every waiter (safe from any thread)."""
