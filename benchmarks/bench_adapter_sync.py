@@ -237,6 +237,7 @@ def measure(backend: str, mode: str, versions: int, rank: int, root: Path, s3: A
 def seaweedfs(root: Path) -> Iterator[Any]:
     from tests.fixtures_s3 import start_seaweedfs
 
+    (root / "seaweedfs").mkdir()
     process, endpoint = start_seaweedfs(root / "seaweedfs")
     try:
         yield endpoint

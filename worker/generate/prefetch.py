@@ -55,7 +55,7 @@ class AdapterPrefetcher:
         *,
         wait_s: float = 20.0,
         backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
+        max_backoff_s: float = 10.0,
         max_attempts: int = 3,
     ) -> None:
         self.client = client
@@ -88,9 +88,10 @@ class AdapterPrefetcher:
         while not self._stop.is_set():
             try:
                 latest = self.client.latest_version(after=after, wait_s=self.wait_s)
-            except (ProxyError, httpx.HTTPError) as error:
+            except Exception as error:  # proxy down or restarting, a bad answer: poll again later
                 failures += 1
-                log.warning("generate.prefetch_poll_failed", error=str(error), failures=failures)
+                level = log.warning if isinstance(error, (ProxyError, httpx.HTTPError)) else log.exception
+                level("generate.prefetch_poll_failed", error=str(error), failures=failures)
                 self._stop.wait(self._delay(failures))
                 continue
             if latest.version <= after or latest.manifest_sha256 is None or self._stop.is_set():
