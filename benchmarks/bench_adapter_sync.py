@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.protocol.client import ProxyClient
+from proxy.protocol.log_setup import configure_logging
 from proxy.protocol.schemas import PublishRequest
 from proxy.run.config import load_run_config
 from proxy.run.store import create_run
@@ -253,6 +254,7 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=20)
     parser.add_argument("--rank", type=int, default=268, help="LoRA rank (268: a 4.4 MB adapter on the tiny model)")
     args = parser.parse_args()
+    configure_logging(stream=sys.stderr, role="bench")  # stdout: the figures and the JSON line only
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-adapter-sync-") as tmp:
         root = Path(tmp)

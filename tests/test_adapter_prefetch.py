@@ -154,3 +154,24 @@ def test_prefetch_is_on_by_default_and_can_be_turned_off(monkeypatch: pytest.Mon
     assert GenerateSettings().prefetch_adapters is True
     monkeypatch.setenv("ASYNCGRPO_PREFETCH_ADAPTERS", "false")
     assert GenerateSettings().prefetch_adapters is False
+
+
+def test_an_unreachable_proxy_is_logged_and_retried(tmp_path: Path) -> None:
+    from tests.fixtures_redis import free_port
+
+    def never(run: str) -> tuple[AdapterCache, Any]:
+        raise AssertionError("nothing to load from a proxy that never answered")
+
+    client = ProxyClient(f"http://127.0.0.1:{free_port()}", API_TOKEN, retries=0, timeout_s=1)
+    prefetcher = AdapterPrefetcher(
+        client, file_bucket(tmp_path), tmp_path / "staging", never, threading.RLock(), wait_s=0.5, backoff_s=0.01,
+        max_backoff_s=0.02,
+    )
+    with capture_logs() as events:
+        prefetcher.start()
+        try:
+            wait_until(lambda: sum(e["event"] == "generate.prefetch_poll_failed" for e in events) >= 3, 30)
+            assert prefetcher._thread.is_alive()  # still polling: the worker goes on without it
+        finally:
+            prefetcher.stop(timeout_s=10)
+    assert prefetcher.loaded_version is None
