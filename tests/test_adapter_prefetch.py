@@ -175,3 +175,28 @@ def test_an_unreachable_proxy_is_logged_and_retried(tmp_path: Path) -> None:
         finally:
             prefetcher.stop(timeout_s=10)
     assert prefetcher.loaded_version is None
+
+
+def test_the_worker_starts_a_prefetcher_only_on_generate_workers_with_the_setting_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tests.fixtures_redis import free_port
+    from worker.process import runtime
+
+    monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ASYNCGRPO_PROXY_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("ASYNCGRPO_PREFETCH_WAIT_S", "0.5")
+
+    def started(role: str, setting: str) -> AdapterPrefetcher | None:
+        monkeypatch.setattr(runtime, "_runtime", None)
+        monkeypatch.setenv("ASYNCGRPO_PREFETCH_ADAPTERS", setting)
+        runtime.start_prefetcher(role)
+        return runtime.get_runtime(role).prefetcher
+
+    assert started("generate", "false") is None
+    assert started("optimize", "true") is None
+    prefetcher = started("generate", "true")
+    assert prefetcher is not None and prefetcher._thread.is_alive()
+    prefetcher.stop(timeout_s=10)
+    assert not prefetcher._thread.is_alive()

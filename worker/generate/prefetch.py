@@ -73,6 +73,8 @@ class AdapterPrefetcher:
         self._thread = threading.Thread(target=self._loop, name="asyncgrpo-prefetch", daemon=True)
 
     def start(self) -> None:
+        # Leftovers of a process killed mid-download (its finally never ran); the folder is this worker's own.
+        shutil.rmtree(self.staging_root, ignore_errors=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 0.0) -> None:
