@@ -2,8 +2,9 @@
 model (a generation backend or a trainer), the adapter cache, the heartbeat and, on generate workers, the
 adapter prefetcher with the lock it shares with the generate task.
 
-Built lazily on the first task (so ``celery inspect`` and start-up stay fast) and kept for the life of the
-process: the base model is loaded once, only adapters change between tasks.
+Built lazily on the first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker with
+the prefetcher on, by the prefetcher's thread when it sees the first published version; kept for the life
+of the process: the base model is loaded once, only adapters change between tasks.
 """
 
 from __future__ import annotations
