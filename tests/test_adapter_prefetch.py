@@ -133,6 +133,19 @@ def test_a_published_version_is_loaded_before_any_task(world: World) -> None:
     assert world.cache.versions() == [1, 2, 3] and world.backend.loaded_adapters() == ["v1", "v2", "v3"]
 
 
+
+def test_close_keeps_the_lock_so_nothing_loads_while_the_process_exits(world: World) -> None:
+    world.publish(0)
+    wait_until(lambda: world.prefetcher.loaded_version == 0)
+    assert world.prefetcher.close(timeout_s=10)  # what the worker's exit path does
+    try:
+        world.publish(1)
+        world.prefetcher._thread.join(timeout=10)
+        assert not world.prefetcher._thread.is_alive()
+        assert world.backend.loaded_adapters() == ["v0"] and world.prefetcher.loaded_version == 0
+    finally:
+        world.lock.release()
+
 def test_a_corrupted_adapter_is_refused_by_the_prefetcher_and_the_task(world: World) -> None:
     world.publish(0)
     wait_until(lambda: world.prefetcher.loaded_version == 0)

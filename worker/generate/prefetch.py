@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
@@ -51,7 +50,7 @@ class AdapterPrefetcher:
         bucket: Bucket,
         staging_root: Path,
         prepare: Prepare,
-        lock: AbstractContextManager[object],
+        lock: threading.RLock,
         *,
         wait_s: float = 20.0,
         backoff_s: float = 0.5,
@@ -82,6 +81,15 @@ class AdapterPrefetcher:
         self._stop.set()
         if timeout_s > 0 and self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """At process exit: stop, wait for a load in progress, and keep the lock so that none starts.
+
+        A daemon thread inside a torch op when the interpreter finalizes aborts the process ("terminate
+        called without an active exception"), so the exit path takes the lock and never gives it back.
+        False if a load still held it after ``timeout_s``."""
+        self._stop.set()
+        return self.lock.acquire(timeout=timeout_s)
 
     def _loop(self) -> None:
         after = -1  # the newest version handled (loaded, or given up on)
@@ -133,6 +141,8 @@ class AdapterPrefetcher:
             fetch_version(self.bucket, latest.run, version, staged, expected_manifest_sha256=latest.manifest_sha256)
             fetched = time.perf_counter()
             with self.lock:
+                if self._stop.is_set():  # the process is exiting (see close)
+                    return
                 locked = time.perf_counter()
                 cache, backend = self.prepare(latest.run)
                 path = cache.get(version, latest.manifest_sha256, staged=staged)

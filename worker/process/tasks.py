@@ -83,6 +83,16 @@ def _on_worker_shutting_down(**_: Any) -> None:
         runtime.prefetcher.stop()
 
 
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    # The last call in the main thread before exit (also after a SIGTERM hand-back, which sends no
+    # worker_shutting_down): no torch op may run in the prefetcher's daemon thread past this point.
+    runtime = get_runtime(_role())
+    if runtime.prefetcher is not None:
+        closed = runtime.prefetcher.close()
+        (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
+
+
 @contextmanager
 def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[None]:
     """Idle time before the task, in-flight gauge, current task for heartbeats, error counting."""
