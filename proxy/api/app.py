@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from proxy.api.middleware import AuthAndTiming
 from proxy.api.settings import ProxySettings
+from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.errors import (
     BadRollout,
     LeaseLostError,
@@ -210,6 +211,8 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
 
     app.add_middleware(AuthAndTiming, token=expected, metrics=metrics, refuse=unauthorized)
     install_error_handlers(app, metrics)
+    # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).
+    version_watch = install_version_watch(app, coordinator)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -264,6 +267,7 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         try:
             return coordinator.publish(request)
         finally:
+            version_watch.notify()
             poke()
 
     @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
@@ -339,4 +343,7 @@ def serve(
     )
     app = create_app(coordinator, token, tick_s=settings.tick_s)
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
-    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10
+    )
+    releasing_server(config, app.state.version_watch).run()

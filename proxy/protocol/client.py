@@ -22,6 +22,7 @@ from proxy.protocol.schemas import (
     ErrorBody,
     HeartbeatRequest,
     HeartbeatResult,
+    LatestVersion,
     LeaseGrant,
     LeaseRequest,
     PublishRequest,
@@ -83,12 +84,21 @@ class ProxyClient:
         delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
         self._sleep(delay * random.uniform(0.5, 1.0))
 
-    def _request(self, method: str, path: str, body: BaseModel | None = None) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        *,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         payload = body.model_dump(mode="json") if body is not None else None
+        extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
         for attempt in range(self.retries + 1):
             last_try = attempt == self.retries
             try:
-                response = self._http.request(method, path, json=payload)
+                response = self._http.request(method, path, json=payload, params=params, **extra)
             except httpx.TransportError as error:
                 if last_try:
                     raise ProxyUnavailable(
@@ -145,6 +155,17 @@ class ProxyClient:
 
     def publish(self, request: PublishRequest) -> PublishResult:
         return PublishResult.model_validate(self._request("POST", "/v1/versions", request))
+
+    def latest_version(self, after: int = -1, wait_s: float = 0.0) -> LatestVersion:
+        """The current version: at once if newer than ``after``, else when one is published or after ``wait_s``
+        seconds (a long poll; the HTTP timeout is stretched to cover the wait)."""
+        timeout_s = self._http.timeout.read
+        stretched = None if timeout_s is None else timeout_s + wait_s
+        return LatestVersion.model_validate(
+            self._request(
+                "GET", "/v1/versions/latest", params={"after": after, "wait_s": wait_s}, timeout_s=stretched
+            )
+        )
 
     def heartbeat(self, report: HeartbeatRequest) -> HeartbeatResult:
         return HeartbeatResult.model_validate(self._request("POST", "/v1/workers/heartbeat", report))

@@ -157,6 +157,22 @@ class LeaseGrant(_Response):
     """Unix time (seconds) at which the lease lapses unless renewed."""
 
 
+class LatestVersion(_Response):
+    """Answer to ``GET /v1/versions/latest?after=N&wait_s=S``: the current version, sent at once when it is
+    newer than ``after``, else when one is published or ``wait_s`` runs out (then it is the same one).
+
+    Hop: from the proxy to each generate worker's adapter prefetcher (``worker.generate.prefetch``), which
+    fetches ``manifest_key`` and checks it against ``manifest_sha256`` exactly as for a lease.
+    """
+
+    run: str
+    version: int
+    """-1 before the init step published version 0 (then the manifest fields are None)."""
+    adapter_prefix: str | None
+    manifest_key: str | None
+    manifest_sha256: str | None
+
+
 class SubmitResult(_Response):
     status: Literal["admitted", "duplicate"]
 

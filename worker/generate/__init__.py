@@ -3,9 +3,10 @@
 Modules:
     job                   one generate task as a plain function: lease, fetch adapter, sample, score, write, submit
     adapter_cache         local LRU cache of verified adapter versions
+    prefetch              a background thread that loads each new version as soon as it is published
     backend               the generation backend interface and its result types
     factory               picks a worker's backend (transformers or vLLM)
     transformers_backend  the transformers + PEFT backend (CPU, or CUDA)
     vllm_backend          the vLLM backend (in its own environment)
-    settings              the generate side's settings (backend override, vLLM engine args)
+    settings              the generate side's settings (backend override, vLLM engine args, prefetch)
 """

@@ -45,8 +45,12 @@ class AdapterCache:
     def versions(self) -> list[int]:
         return list(self._entries)
 
-    def get(self, version: int, manifest_sha256: str) -> Path:
-        """The local folder of ``version``; downloads and verifies it on a miss."""
+    def get(self, version: int, manifest_sha256: str, staged: Path | None = None) -> Path:
+        """The local folder of ``version``; downloads and verifies it on a miss.
+
+        ``staged``: a folder the caller already fetched and verified against ``manifest_sha256`` with
+        ``fetch_version`` (the prefetcher, outside the worker's lock); on a miss it is moved in instead of
+        downloading again. Not thread-safe: callers hold the worker's backend lock."""
         entry = self._entries.get(version)
         if entry is not None and entry[1] == manifest_sha256:
             self._entries.move_to_end(version)
@@ -59,9 +63,14 @@ class AdapterCache:
         path = self.root / bucket_keys.adapter_name(version)
         if path.exists():
             shutil.rmtree(path)
-        fetch_version(self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256)
+        if staged is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staged.rename(path)
+        else:
+            fetch_version(self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256)
         self.last_fetch_s = time.perf_counter() - started
-        log.info("generate.adapter_fetched", version=version, seconds=round(self.last_fetch_s, 4))
+        seconds = round(self.last_fetch_s, 4)
+        log.info("generate.adapter_fetched", version=version, seconds=seconds, staged=staged is not None)
         self._entries[version] = (path, manifest_sha256)
         while len(self._entries) > self.capacity:
             oldest = next(iter(self._entries))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +109,10 @@ def run_generate_task(
     backend: GenerationBackend,
     adapter_cache: AdapterCache,
     worker_id: str,
+    backend_lock: AbstractContextManager[object] | None = None,
 ) -> GenerateResult:
+    """``backend_lock``: held while the task loads its adapter and samples, the same lock the worker's adapter
+    prefetcher (``worker.generate.prefetch``) holds to load a version, so neither sees the other half-done."""
     started = time.perf_counter()
     key = bucket_keys.rollout_key(run, task_id)
 
@@ -124,8 +128,9 @@ def run_generate_task(
 
     lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id))
     timings = GenerateTimings()
-    with LeaseKeeper(client, lease.lease_id, lease.ttl_s) as keeper:
-        fetch_started = time.perf_counter()
+    # Includes waiting for the lock; a cache hit and a no-op load when the prefetcher got there first.
+    fetch_started = time.perf_counter()
+    with LeaseKeeper(client, lease.lease_id, lease.ttl_s) as keeper, backend_lock or nullcontext():
         adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
         adapter = bucket_keys.adapter_name(lease.version)
         backend.load_adapter(adapter, lease.version, adapter_dir)

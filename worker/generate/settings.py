@@ -1,4 +1,5 @@
-"""The generate side's own settings section (``ASYNCGRPO_GENERATION_BACKEND``, ``ASYNCGRPO_VLLM_ENGINE_ARGS``).
+"""The generate side's own settings section (``ASYNCGRPO_GENERATION_BACKEND``, ``ASYNCGRPO_VLLM_ENGINE_ARGS``,
+``ASYNCGRPO_PREFETCH_ADAPTERS``, ``ASYNCGRPO_PREFETCH_WAIT_S``).
 
 It lives in this layer so that ``worker.generate`` reads its settings without importing ``worker.process``;
 ``worker.process.settings.WorkerSettings`` includes it.
@@ -24,6 +25,13 @@ class GenerateSettings(AsyncgrpoSettings):
     vllm_engine_args: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
     """vLLM engine settings that are not part of the run, as a JSON object passed to `vllm.LLM`, e.g.
     `{"gpu_memory_utilization": 0.85}` (vllm backend only)."""
+
+    prefetch_adapters: bool = True
+    """Fetch and load each new adapter version as soon as the proxy publishes it (a background long poll), so
+    tasks find it loaded; `false`: load it when a task first leases it."""
+
+    prefetch_wait_s: float = Field(20.0, gt=0.0, le=30.0)
+    """Longest wait (s) of one long poll for a new version; the proxy answers at once on a publish."""
 
     @field_validator("vllm_engine_args", mode="before")
     @classmethod

@@ -1,8 +1,10 @@
 """What a worker process builds once and keeps: bucket, proxy client, the run's config and prompts, the
-model (a generation backend or a trainer), the adapter cache and the heartbeat.
+model (a generation backend or a trainer), the adapter cache, the heartbeat and, on generate workers, the
+adapter prefetcher with the lock it shares with the generate task.
 
-Built lazily on the first task (so ``celery inspect`` and start-up stay fast) and kept for the life of the
-process: the base model is loaded once, only adapters change between tasks.
+Built lazily on the first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker with
+the prefetcher on, by the prefetcher's thread when it sees the first published version; kept for the life
+of the process: the base model is loaded once, only adapters change between tasks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from proxy.run.config import RunConfig
 from proxy.run.store import load_run
 from proxy.storage.bucket import Bucket, open_bucket
 from worker.generate.adapter_cache import AdapterCache
+from worker.generate.prefetch import AdapterPrefetcher
 from worker.process.heartbeat import Heartbeat
 from worker.process.settings import WorkerSettings, load_worker_settings
 
@@ -46,6 +49,10 @@ class WorkerRuntime:
     current_task: str | None = None
     heartbeat: Heartbeat | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held by a generate task while it builds or uses the backend and by the prefetcher while it loads a
+    # version: backends (vLLM's engine above all) are not thread-safe.
+    adapter_lock: threading.RLock = field(default_factory=threading.RLock)
+    prefetcher: AdapterPrefetcher | None = None
 
     def run_context(self, run: str) -> RunContext:
         context = self.runs.get(run)
@@ -64,6 +71,8 @@ class WorkerRuntime:
             info["trainer_version"] = getattr(self.trainer, "version", None)
         if self.backend is not None:
             info["backend"] = type(self.backend).__name__
+        if self.prefetcher is not None:
+            info["prefetched_version"] = self.prefetcher.loaded_version
         return {
             "state": "busy" if self.current_task else "idle",
             "versions_cached": self.versions_cached(),
@@ -93,6 +102,11 @@ class WorkerRuntime:
             )
             self.adapter_caches[context.run] = cache
         return cache
+
+    def backend_and_cache(self, run: str) -> tuple[AdapterCache, Any]:
+        """The adapter cache and backend of ``run``, built on first use; the caller holds ``adapter_lock``."""
+        context = self.run_context(run)
+        return self.adapter_cache(context), self.generation_backend(context)
 
     # -- optimize side -------------------------------------------------------------------------------
     def run_trainer(self, context: RunContext) -> Any:
@@ -140,3 +154,23 @@ def start_heartbeat(role: str) -> None:
             metrics_port=runtime.settings.metrics_port,
         )
         runtime.heartbeat.start()
+
+
+def start_prefetcher(role: str) -> None:
+    """On a generate worker with ``ASYNCGRPO_PREFETCH_ADAPTERS`` on, load new versions as they are published."""
+    runtime = get_runtime(role)
+    settings = runtime.settings
+    if role != "generate" or not settings.prefetch_adapters or runtime.prefetcher is not None:
+        return
+    # Its own client: a long poll must not share retries or a connection with the task's calls.
+    client = ProxyClient(settings.proxy_url, settings.token_value(), retries=0)
+    runtime.prefetcher = AdapterPrefetcher(
+        client,
+        runtime.bucket,
+        settings.cache / "adapters" / settings.worker_id / ".prefetch",
+        runtime.backend_and_cache,
+        runtime.adapter_lock,
+        wait_s=settings.prefetch_wait_s,
+    )
+    runtime.prefetcher.start()
+    log.info("worker.prefetch_started", wait_s=settings.prefetch_wait_s)

@@ -24,7 +24,7 @@ from worker.optimize.job import run_initialize, run_optimize_step
 from worker.process import metrics as worker_metrics
 from worker.process import preemption, result_metrics
 from worker.process.celery_app import app
-from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat
+from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
 from worker.process.settings import load_worker_settings
 
 log = structlog.get_logger()
@@ -73,6 +73,7 @@ def _on_worker_ready(**_: Any) -> None:
     preemption.install(runtime.settings.soft_shutdown_s)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     start_heartbeat(role)
+    start_prefetcher(role)
     _idle_since = time.monotonic()
 
 
@@ -81,6 +82,18 @@ def _on_worker_shutting_down(**_: Any) -> None:
     runtime = get_runtime(_role())
     if runtime.heartbeat is not None:
         runtime.heartbeat.stop()
+    if runtime.prefetcher is not None:
+        runtime.prefetcher.stop()
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    # The last call in the main thread before exit (also after a SIGTERM hand-back, which sends no
+    # worker_shutting_down): no torch op may run in the prefetcher's daemon thread past this point.
+    runtime = get_runtime(_role())
+    if runtime.prefetcher is not None:
+        closed = runtime.prefetcher.close()
+        (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
 
 
 @contextmanager
@@ -123,8 +136,10 @@ def generate(**payload: Any) -> dict[str, Any]:
     message = GenerateTaskMessage.model_validate(payload)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context = runtime.run_context(message.run)
-        backend = runtime.generation_backend(context)
+        with runtime.adapter_lock:  # the prefetcher may be building them right now
+            context = runtime.run_context(message.run)
+            backend = runtime.generation_backend(context)
+            adapter_cache = runtime.adapter_cache(context)
         settings = runtime.settings
         worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
         result = run_generate_task(
@@ -136,8 +151,9 @@ def generate(**payload: Any) -> dict[str, Any]:
             bucket=runtime.bucket,
             client=runtime.client,
             backend=backend,
-            adapter_cache=runtime.adapter_cache(context),
+            adapter_cache=adapter_cache,
             worker_id=runtime.settings.worker_id,
+            backend_lock=runtime.adapter_lock,
         )
         result_metrics.observe_generate_task(result)
         return result.summary()
