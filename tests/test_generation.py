@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from proxy.run.config import LoraConfig
 from worker.generate.backend import GenerationBackend, UnknownAdapter
@@ -133,6 +134,30 @@ def test_switching_adapters_without_reloading_the_base(tiny_model_dir: Path, tmp
     backend.drop_adapter("v2")  # dropping an unknown name is a no-op
     assert backend.loaded_adapters() == []
     assert sample(backend, None) == base_only
+
+
+def test_a_new_version_reuses_a_dropped_adapters_layers_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Eviction then load, as a generate worker's cache does each version: the new weights are copied into
+    the dropped adapter's layers, and sample exactly as a backend that loaded them afresh."""
+    folders = {v: make_adapter(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in (1, 2, 3, 4)}
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v1", 1, folders[1])
+    backend.load_adapter("v2", 2, folders[2])
+    with_second = sample(backend, "v2")
+    backend.drop_adapter("v1")
+    with capture_logs() as events:
+        backend.load_adapter("v3", 3, folders[3])
+    assert [e["reused_slot"] for e in events if e["event"] == "generation.adapter_loaded"] == [True]
+    backend.drop_adapter("v2")  # the active adapter's slot is freed while v3 is mapped to v1's old one
+    backend.load_adapter("v4", 4, folders[4])
+    assert backend.loaded_adapters() == ["v3", "v4"]
+    for version in (3, 4):
+        fresh = TransformersBackend(str(tiny_model_dir))
+        fresh.load_adapter(f"v{version}", version, folders[version])
+        assert sample(backend, f"v{version}") == sample(fresh, f"v{version}"), f"v{version} differs"
+    assert sample(backend, "v4") != with_second, "v2's weights were overwritten, not kept"
+    with pytest.raises(UnknownAdapter):
+        sample(backend, "v2")
 
 
 def test_bad_arguments_are_rejected(backend: TransformersBackend, tmp_path: Path) -> None:

@@ -50,7 +50,8 @@ def generate_runtime(
     runtime.backend_run = RUN
     cache = AdapterCache(bucket, RUN, tmp_path / "cache", capacity=3)
     for version in (3, 4):
-        _, sha = write_version(bucket, RUN, version, {"adapter_config.json": json.dumps({"v": version}).encode()}, {})
+        files = {"adapter_config.json": json.dumps({"v": version}).encode(), "adapter_model.safetensors": b"w"}
+        _, sha = write_version(bucket, RUN, version, files, {})
         cache.get(version, sha)
     runtime.adapter_caches[RUN] = cache
     monkeypatch.setattr(runtime_module, "_runtime", runtime)

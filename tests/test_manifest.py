@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,41 @@ def test_manifest_is_written_last_and_create_only(tmp_path: Path) -> None:
     write_version(bucket, RUN, 0, _files(0), {})
     assert bucket.writes[-1] == (bucket_keys.manifest_key(RUN, 0), True)
     assert {key for key, _ in bucket.writes[:-1]} == {bucket_keys.adapter_file_key(RUN, 0, name) for name in _files(0)}
+
+
+class _SlowWeightsBucket(FileBucket):
+    """Stores the adapter weights slowly and records when each put finished."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.finished: list[str] = []
+        self.lock = threading.Lock()
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if key.endswith(bucket_keys.ADAPTER_WEIGHTS_NAME):
+            time.sleep(0.2)
+        super().put(key, data, if_absent=if_absent)
+        with self.lock:
+            self.finished.append(key)
+
+
+def test_files_travel_in_parallel_and_the_manifest_waits_for_the_slowest(tmp_path: Path) -> None:
+    bucket = _SlowWeightsBucket(tmp_path)
+    write_version(bucket, RUN, 0, _files(0), {})
+    weights = bucket_keys.adapter_file_key(RUN, 0, bucket_keys.ADAPTER_WEIGHTS_NAME)
+    assert bucket.finished[-1] == bucket_keys.manifest_key(RUN, 0), "the manifest is stored after every file"
+    assert bucket.finished[-2] == weights, "the other files did not wait for the slow one"
+
+
+def test_a_generate_worker_fetches_only_the_adapter_files(bucket: Bucket, tmp_path: Path) -> None:
+    _, sha = write_version(bucket, RUN, 0, _files(0), {})
+    fetch_version(bucket, RUN, 0, tmp_path / "v0", expected_manifest_sha256=sha, names=bucket_keys.ADAPTER_FILE_NAMES)
+    assert sorted(p.name for p in (tmp_path / "v0").iterdir()) == sorted(
+        [*bucket_keys.ADAPTER_FILE_NAMES, bucket_keys.MANIFEST_NAME]
+    )
+    with pytest.raises(IntegrityError, match=re.escape("lists no ['optimizer.bin']")):
+        fetch_version(bucket, RUN, 0, tmp_path / "other", names=["optimizer.bin"])
+    assert not (tmp_path / "other").exists()
 
 
 def test_redelivered_write_is_idempotent_and_other_files_are_refused(bucket: Bucket, tmp_path: Path) -> None:

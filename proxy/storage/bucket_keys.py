@@ -24,6 +24,8 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 TRAINER_STATE_TENSORS_NAME = "trainer_state.safetensors"
 TRAINER_STATE_JSON_NAME = "trainer_state.json"
+ADAPTER_FILE_NAMES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
+"""The files of a version a generate worker needs (a plain PEFT adapter folder); the rest is the trainer's."""
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")

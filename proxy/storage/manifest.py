@@ -23,14 +23,34 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
+
+_Item = TypeVar("_Item")
+
+TRANSFER_THREADS = 8
+"""Files of one version moved at once: object stores answer each request after a round trip, and a local
+file's fsync waits on the disk; neither needs the GIL, so a version's files travel in parallel."""
+
+
+def _each_in_parallel(action: Callable[[_Item], None], items: Iterable[_Item]) -> None:
+    """``action`` on every item, several at a time; the first failure is raised once all have ended."""
+    items = list(items)
+    if len(items) < 2:
+        for item in items:
+            action(item)
+        return
+    with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(items))) as pool:
+        for future in [pool.submit(action, item) for item in items]:
+            future.result()
 
 log = structlog.get_logger()
 
@@ -152,8 +172,9 @@ def write_version(
     if stored is not None:
         return stored
 
-    for name, data in files.items():
-        bucket.put(bucket_keys.adapter_file_key(run, version, name), data)
+    # Every file before the manifest (written last, create-only): a reader never sees a manifest without them.
+    _each_in_parallel(lambda item: bucket.put(bucket_keys.adapter_file_key(run, version, item[0]), item[1]),
+                      files.items())
     payload = manifest.to_bytes()
     try:
         bucket.put(manifest_key, payload, if_absent=True)
@@ -208,8 +229,9 @@ def fetch_version(
     version: int,
     dest_dir: Path,
     expected_manifest_sha256: str | None = None,
+    names: Collection[str] | None = None,
 ) -> Manifest:
-    """Download every file of ``version`` into ``dest_dir``, checked against the manifest.
+    """Download every file of ``version`` (or only ``names``) into ``dest_dir``, checked against the manifest.
 
     Files land in a temp folder next to ``dest_dir`` that is renamed into place only when every sha256
     matched, so ``dest_dir`` is either the whole verified version or untouched. ``MANIFEST.json`` is
@@ -230,14 +252,25 @@ def fetch_version(
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = dest_dir.with_name(f".{dest_dir.name}.partial-{uuid.uuid4().hex}")
     staging.mkdir()
+    wanted = dict(manifest.files) if names is None else {name: manifest.files.get(name) for name in names}
+    absent = sorted(name for name, entry in wanted.items() if entry is None)
+    if absent:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise IntegrityError(f"manifest {manifest_key!r} lists no {absent}; the version is not a complete adapter",
+                             key=manifest_key)
+
+    def download(item: tuple[str, ManifestEntry | None]) -> None:
+        name, entry = item
+        assert entry is not None
+        key = bucket_keys.adapter_file_key(run, version, name)
+        target = staging / name
+        bucket.get_file(key, target)
+        actual = sha256_file(target)
+        if actual != entry.sha256:
+            raise _mismatch(key, entry.sha256, actual)
+
     try:
-        for name, entry in manifest.files.items():
-            key = bucket_keys.adapter_file_key(run, version, name)
-            target = staging / name
-            bucket.get_file(key, target)
-            actual = sha256_file(target)
-            if actual != entry.sha256:
-                raise _mismatch(key, entry.sha256, actual)
+        _each_in_parallel(download, wanted.items())
         (staging / bucket_keys.MANIFEST_NAME).write_bytes(manifest_bytes)
         _move_into_place(staging, dest_dir, manifest_bytes)
     finally:

@@ -67,7 +67,10 @@ class AdapterCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             staged.rename(path)
         else:
-            fetch_version(self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256)
+            fetch_version(
+                self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256,
+                names=bucket_keys.ADAPTER_FILE_NAMES,  # the trainer state is the trainer's: never downloaded here
+            )
         self.last_fetch_s = time.perf_counter() - started
         seconds = round(self.last_fetch_s, 4)
         log.info("generate.adapter_fetched", version=version, seconds=seconds, staged=staged is not None)

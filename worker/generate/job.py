@@ -62,7 +62,12 @@ class GenerateResult:
 
 
 class LeaseKeeper:
-    """Renews a lease from a background thread while generation runs; releases it at the end."""
+    """Renews a lease from a background thread while generation runs; the same thread releases it at the end.
+
+    The release is off the task's path (the rollout is encoded, written and submitted meanwhile): the
+    version no longer needs protecting once sampling is done, and a release that never arrives (the process
+    died) only lets the lease lapse at its TTL.
+    """
 
     def __init__(self, client: ProxyClient, lease_id: str, ttl_s: float) -> None:
         self.client = client
@@ -78,11 +83,10 @@ class LeaseKeeper:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-        try:
-            self.client.release(self.lease_id)
-        except (LeaseLost, ProxyError) as error:
-            log.info("generate.lease_release_failed", lease_id=self.lease_id, error=str(error))
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Wait until the lease is released (tests, and a worker about to exit)."""
+        self._thread.join(timeout=timeout_s)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -95,6 +99,10 @@ class LeaseKeeper:
                 return
             except ProxyError as error:
                 log.warning("generate.lease_renew_failed", lease_id=self.lease_id, error=str(error))
+        try:
+            self.client.release(self.lease_id)
+        except (LeaseLost, ProxyError) as error:
+            log.info("generate.lease_release_failed", lease_id=self.lease_id, error=str(error))
 
 
 def run_generate_task(

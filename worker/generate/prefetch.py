@@ -138,7 +138,10 @@ class AdapterPrefetcher:
         # Verified outside the lock: a task may be sampling meanwhile. fetch_version leaves nothing on a mismatch.
         staged = self.staging_root / f"{bucket_keys.adapter_name(version)}-{uuid.uuid4().hex}"
         try:
-            fetch_version(self.bucket, latest.run, version, staged, expected_manifest_sha256=latest.manifest_sha256)
+            fetch_version(
+                self.bucket, latest.run, version, staged, expected_manifest_sha256=latest.manifest_sha256,
+                names=bucket_keys.ADAPTER_FILE_NAMES,
+            )
             fetched = time.perf_counter()
             with self.lock:
                 if self._stop.is_set():  # the process is exiting (see close)

@@ -1,7 +1,8 @@
 """The transformers + PEFT generation backend (CPU, or CUDA when present).
 
-One base model in memory; each adapter version is loaded into the same PeftModel under its own name and
-selected per call with ``set_adapter``, so switching versions never reloads the base. Sampling is a plain
+One base model in memory; each adapter version is loaded into the same PeftModel and selected per call with
+``set_adapter``, so switching versions never reloads the base. A version whose LoRA shape matches a
+dropped one is copied into the dropped one's layers (a slot) rather than given new layers. Sampling is a plain
 KV-cached loop rather than ``model.generate`` so that the logprob of each sampled token is exactly the one
 the token was drawn from: ``log_softmax(logits / temperature)``, restricted to the top-p nucleus and
 renormalised when ``top_p < 1``. Prompts are left-padded with position ids counted from each prompt's first
@@ -11,12 +12,15 @@ real token, so a padded row computes the same thing as the prompt alone.
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
-from peft import PeftModel
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file as load_safetensors
 from transformers import DynamicCache
 
 from worker.generate.backend import (
@@ -31,6 +35,10 @@ from worker.generate.backend import (
 from worker.model.policy import Policy
 
 log = structlog.get_logger()
+
+MAX_FREE_SLOTS = 2
+"""Dropped adapters kept as slots. A new version of the same LoRA shape is copied into one instead of
+getting new LoRA layers (PEFT's ``load_adapter``), which costs several times more per version."""
 
 
 class TransformersBackend:
@@ -48,6 +56,11 @@ class TransformersBackend:
         self.policy = policy if policy is not None else Policy.load(base, dtype=dtype, device=device)
         self._peft: PeftModel | None = None
         self._versions: dict[str, int] = {}
+        # Adapter name -> the PEFT adapter (slot) holding its weights. A dropped adapter's slot is kept for
+        # the next version of the same shape (see MAX_FREE_SLOTS), so slot names are internal only.
+        self._slot_of: dict[str, str] = {}
+        self._slot_config: dict[str, dict[str, Any]] = {}
+        self._free_slots: list[str] = []
 
     @property
     def eos_token_id(self) -> int:
@@ -69,31 +82,79 @@ class TransformersBackend:
         if name in self._versions:
             return
         path = Path(path)
-        if not (path / "adapter_config.json").is_file():
+        config_path = path / "adapter_config.json"
+        if not config_path.is_file():
             raise FileNotFoundError(f"{path} is not a PEFT adapter folder: adapter_config.json is missing")
         started = time.perf_counter()
-        if self._peft is None:
+        config = json.loads(config_path.read_text())
+        slot = self._take_free_slot(config)
+        if slot is not None:
+            self._fill_slot(slot, path)
+        elif self._peft is None:
             self._peft = PeftModel.from_pretrained(self.policy.model, str(path), adapter_name=name)
+            slot = name
         else:
             self._peft.load_adapter(str(path), adapter_name=name)
+            slot = name
+        assert self._peft is not None
         self._peft.eval()
+        self._slot_of[name] = slot
+        self._slot_config[slot] = config
         self._versions[name] = version
-        log.info("generation.adapter_loaded", adapter=name, version=version, s=time.perf_counter() - started)
+        log.info(
+            "generation.adapter_loaded",
+            adapter=name, version=version, s=time.perf_counter() - started, reused_slot=slot != name,
+        )
 
     def drop_adapter(self, name: str) -> None:
         if name not in self._versions or self._peft is None:
             return
-        if len(self._versions) == 1:
+        slot = self._slot_of.pop(name)
+        del self._versions[name]
+        if len(self._free_slots) < MAX_FREE_SLOTS:
+            self._free_slots.append(slot)  # its LoRA layers stay; the next version's weights are copied in
+        else:
+            self._delete_slot(slot)
+        log.info("generation.adapter_dropped", adapter=name)
+
+    def _take_free_slot(self, config: dict[str, Any]) -> str | None:
+        """A dropped adapter's slot whose LoRA shape (its adapter_config) is the new one's, if any."""
+        for slot in self._free_slots:
+            if self._slot_config.get(slot) == config:
+                self._free_slots.remove(slot)
+                return slot
+        return None
+
+    def _fill_slot(self, slot: str, path: Path) -> None:
+        """Copy a version's weights into an existing adapter of the same shape: exact values, no new layers."""
+        assert self._peft is not None
+        weights = path / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise FileNotFoundError(f"{path} is not a PEFT adapter folder: adapter_model.safetensors is missing")
+        state = load_safetensors(str(weights), device=str(self.policy.device))
+        result = set_peft_model_state_dict(self._peft, state, adapter_name=slot)
+        missing = [key for key in result.missing_keys if "lora_" in key and f".{slot}." in key]
+        if result.unexpected_keys or missing:
+            # Not the shape its config promised: never generate from a half-overwritten slot.
+            self._delete_slot(slot)
+            raise ValueError(
+                f"{weights} does not fit the adapter layers of its adapter_config.json (unexpected "
+                f"{sorted(result.unexpected_keys)[:3]}, missing {missing[:3]}); the version files are inconsistent"
+            )
+
+    def _delete_slot(self, slot: str) -> None:
+        assert self._peft is not None
+        self._slot_config.pop(slot, None)
+        others = [s for s in [*self._slot_of.values(), *self._free_slots] if s != slot]
+        if not others:
             # PEFT cannot delete the last adapter of a PeftModel; unwrap back to the bare base instead.
             self.policy.model = self._unwrap_base()
             self._peft = None
-        else:
-            if name in self._peft.active_adapters:
-                other = next(n for n in self._versions if n != name)
-                self._peft.set_adapter(other)
-            self._peft.delete_adapter(name)
-        del self._versions[name]
-        log.info("generation.adapter_dropped", adapter=name)
+            self._free_slots.clear()
+            return
+        if slot in self._peft.active_adapters:
+            self._peft.set_adapter(others[0])
+        self._peft.delete_adapter(slot)
 
     def _unwrap_base(self) -> torch.nn.Module:
         assert self._peft is not None
@@ -154,8 +215,9 @@ class TransformersBackend:
             return _BaseOnly(self._peft) if self._peft is not None else self.policy.model
         self.adapter_version(adapter)  # raises UnknownAdapter with the loaded names
         assert self._peft is not None
-        if self._peft.active_adapter != adapter:
-            self._peft.set_adapter(adapter)
+        slot = self._slot_of[adapter]
+        if self._peft.active_adapter != slot:
+            self._peft.set_adapter(slot)
         return self._peft
 
 
