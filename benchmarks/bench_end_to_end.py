@@ -19,9 +19,9 @@ Configurations:
 - ``s0``: the system (private redis-server, ``asyncgrpo proxy``, Celery workers started as an operator
   starts them, one torch thread each) with ``max_staleness = 0`` and one generate worker.
 - ``s2x1`` / ``s2x2``: the system with ``max_staleness = 2`` and one / two generate workers.
-- ``s4`` / ``s4full``: ``max_staleness = 4`` with a deep buffer (``queue_maxsize = 32``), trainer-bound, with
-  the proxy sizing its in-flight work from the rates it measures (``s4``) and with that sizing off, so the
-  buffer stays full (``s4full``).
+- ``s4`` / ``s4full``: ``max_staleness = 4`` with a deep buffer (``queue_maxsize = 32``) and two generate
+  workers, so the trainer is the bottleneck; with the proxy sizing its in-flight work from the rates it
+  measures (``s4``) and with that sizing off, so the buffer stays full (``s4full``).
 
 Each configuration prints one JSON line: completions/s and steps/s over the steps after a warm-up, trainer
 and generator busy shares (task time over wall time, from the workers' own log lines), mean and max
@@ -83,8 +83,9 @@ CONFIGS: dict[str, tuple[int, int, int, bool]] = {
     "s0": (0, 1, 16, True),
     "s2x1": (2, 1, 16, True),
     "s2x2": (2, 2, 16, True),
-    "s4": (4, 1, 32, True),
-    "s4full": (4, 1, 32, False),
+    # Two generate workers: the trainer is the bottleneck, so a full buffer would only age the samples.
+    "s4": (4, 2, 32, True),
+    "s4full": (4, 2, 32, False),
 }
 
 

@@ -1,7 +1,9 @@
 """The simulated workers of ``bench_proxy_scale.py``: generate workers over HTTP, and an optimizer.
 
 Each generate worker loops: take a real ``generate`` task message the proxy dispatched from the Celery broker
-list in Redis, lease, submit a rollout for exactly that task's groups, release; every ``CHECK_EVERY``-th
+list in Redis, lease, submit a rollout for exactly that task's groups, naming the lease so that the
+submission releases it (as a real generate worker does; ``--separate-release`` sends a DELETE instead, the
+older protocol); every ``CHECK_EVERY``-th
 admitted rollout is looked up in the bucket's snapshot right after the answer. The optimizer takes each
 ``optimize`` task, writes a small real version and publishes it. Latencies are kept per request kind.
 """
@@ -47,7 +49,8 @@ def decode_task(raw: str) -> dict[str, Any]:
 
 
 async def _generate_workers(
-    proxy_url: str, redis_url: str, bucket_url: str, first: int, count: int, start_at: float, stop_at: float
+    proxy_url: str, redis_url: str, bucket_url: str, first: int, count: int, start_at: float, stop_at: float,
+    separate_release: bool,
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
@@ -131,10 +134,13 @@ async def _generate_workers(
                     "num_samples": 4 * len(group_ids),
                     "stats": {"reward_mean": 0.5},
                 }
+                if not separate_release:
+                    submission["lease_id"] = grant["lease_id"]
                 submitted = await timed("submit", "POST", "/v1/rollouts", submission)
                 if submitted.status_code != 200:
                     outcome["refused" if submitted.status_code == 409 else "errors"] += 1
-                await timed("release", "DELETE", f"/v1/leases/{grant['lease_id']}")
+                if separate_release:
+                    await timed("release", "DELETE", f"/v1/leases/{grant['lease_id']}")
                 if submitted.status_code == 200:
                     nonlocal admitted
                     admitted += 1
@@ -153,7 +159,7 @@ async def _generate_workers(
     return {"latencies": latencies, **outcome}
 
 
-def generate_process(args: tuple[str, str, str, int, int, float, float], results: Any) -> None:
+def generate_process(args: tuple[str, str, str, int, int, float, float, bool], results: Any) -> None:
     cpu = time.process_time()
     outcome = asyncio.run(_generate_workers(*args))
     results.put({**outcome, "cpu_s": time.process_time() - cpu})

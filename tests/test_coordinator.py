@@ -350,6 +350,20 @@ def test_lease_renew_release_expire(coord: Coordinator, clock: ManualClock) -> N
     assert coord.status().counters["leases_expired"] == 1
 
 
+def test_a_submission_releases_the_lease_it_names(coord: Coordinator) -> None:
+    """One round trip less per task: the submission carries the lease, admitted or refused."""
+    started(coord)
+    fresh, refused = coord.dispatcher.generate[0], coord.dispatcher.generate[1]
+    kept = coord.lease("gen-3", "task-without-submission")
+    grant = coord.lease("gen-1", fresh["task_id"])
+    coord.submit(submission(coord, fresh, 0).model_copy(update={"lease_id": grant.lease_id}))
+    assert {lease.lease_id for lease in coord.status().leases} == {kept.lease_id}
+    other = coord.lease("gen-2", refused["task_id"])
+    with pytest.raises(BadRollout):
+        coord.submit(submission(coord, refused, 0).model_copy(update={"key": "elsewhere", "lease_id": other.lease_id}))
+    assert {lease.lease_id for lease in coord.status().leases} == {kept.lease_id}
+
+
 def test_leased_version_survives_gc_until_the_lease_ends(coord: Coordinator, clock: ManualClock) -> None:
     started(coord)
     held = coord.lease("slow-gen", "t-slow")  # on v0

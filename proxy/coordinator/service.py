@@ -206,7 +206,12 @@ class Coordinator:
 
     def submit(self, submission: RolloutSubmission) -> SubmitResult:
         """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout."""
-        result = self.rollouts.submit(submission)
+        try:
+            result = self.rollouts.submit(submission)
+        finally:
+            if submission.lease_id is not None:
+                # Admitted, stale or refused: the worker is done with the version either way.
+                self.leases.release(submission.lease_id)
         self.pacer.submitted(submission.task_id, submission.worker_id)
         return result
 

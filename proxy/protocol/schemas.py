@@ -106,6 +106,9 @@ class RolloutSubmission(_Request):
     num_samples: int = Field(ge=0)
     rejected_groups: list[RejectedGroup] = Field(default_factory=list)
     stats: dict[str, float | int | None] = Field(default_factory=dict)
+    lease_id: str | None = Field(None, pattern=ID_PATTERN)
+    """The task's lease, released with the submission (one round trip less per task); whatever the answer,
+    the worker no longer needs the version."""
 
 
 class PublishRequest(_Request):

@@ -62,11 +62,12 @@ class GenerateResult:
 
 
 class LeaseKeeper:
-    """Renews a lease from a background thread while generation runs; the same thread releases it at the end.
+    """Renews a lease from a background thread while generation runs.
 
-    The release is off the task's path (the rollout is encoded, written and submitted meanwhile): the
-    version no longer needs protecting once sampling is done, and a release that never arrives (the process
-    died) only lets the lease lapse at its TTL.
+    After a clean exit the lease is handed to the submission, which releases it at the proxy (one round
+    trip less per task); after a failure, or with ``release()`` when no submission will be made, the lease
+    is released explicitly. A release that never arrives (the process died) only lets the lease lapse at
+    its TTL.
     """
 
     def __init__(self, client: ProxyClient, lease_id: str, ttl_s: float) -> None:
@@ -74,6 +75,7 @@ class LeaseKeeper:
         self.lease_id = lease_id
         self.interval_s = max(ttl_s / 3.0, 0.05)
         self.lost = False
+        self._release_on_stop = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="asyncgrpo-lease", daemon=True)
 
@@ -81,12 +83,16 @@ class LeaseKeeper:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        # On failure the renewal thread releases the lease on its way out, off the task's path.
+        self._release_on_stop = exc_type is not None
         self._stop.set()
 
-    def join(self, timeout_s: float = 5.0) -> None:
-        """Wait until the lease is released (tests, and a worker about to exit)."""
-        self._thread.join(timeout=timeout_s)
+    def release(self) -> None:
+        """Release now: the submission that would have released the lease will not be made."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._release()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -99,6 +105,10 @@ class LeaseKeeper:
                 return
             except ProxyError as error:
                 log.warning("generate.lease_renew_failed", lease_id=self.lease_id, error=str(error))
+        if self._release_on_stop:
+            self._release()
+
+    def _release(self) -> None:
         try:
             self.client.release(self.lease_id)
         except (LeaseLost, ProxyError) as error:
@@ -178,11 +188,16 @@ def run_generate_task(
         extra=RolloutExtra(rejected_groups=rejected),
     )
     data = encode_rollout(rollout)
-    bucket.put(key, data)
+    try:
+        bucket.put(key, data)
+    except BaseException:
+        keeper.release()
+        raise
     reward_mean = sum(s.reward for s in samples) / len(samples) if samples else None
     return _submit(
         client, run, task_id, worker_id, lease.version, key, data, accepted, rejected, timings,
         len(samples), reused=False, started=started, tokens=tokens, reward_mean=reward_mean,
+        lease_id=lease.lease_id,
     )
 
 
@@ -261,6 +276,7 @@ def _submit(
     started: float,
     tokens: int = 0,
     reward_mean: float | None = None,
+    lease_id: str | None = None,
 ) -> GenerateResult:
     # Free-form figures about the task; the proxy decides nothing on them.
     stats: dict[str, float | int | None] = {"tokens": tokens, **timings.model_dump()}
@@ -276,6 +292,7 @@ def _submit(
         num_samples=num_samples,
         rejected_groups=rejected,
         stats=stats,
+        lease_id=lease_id,
     )
     try:
         status = client.submit_rollout(submission).status

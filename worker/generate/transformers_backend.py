@@ -132,6 +132,13 @@ class TransformersBackend:
         if not weights.is_file():
             raise FileNotFoundError(f"{path} is not a PEFT adapter folder: adapter_model.safetensors is missing")
         state = load_safetensors(str(weights), device=str(self.policy.device))
+        targets = self._slot_parameters(slot)
+        if state.keys() == targets.keys() and all(state[k].shape == targets[k].shape for k in state):
+            with torch.no_grad():
+                for key, value in state.items():
+                    targets[key].copy_(value)
+            return
+        # Other key names (another PEFT tuner): PEFT's own loader, checked.
         result = set_peft_model_state_dict(self._peft, state, adapter_name=slot)
         missing = [key for key in result.missing_keys if "lora_" in key and f".{slot}." in key]
         if result.unexpected_keys or missing:
@@ -141,6 +148,16 @@ class TransformersBackend:
                 f"{weights} does not fit the adapter layers of its adapter_config.json (unexpected "
                 f"{sorted(result.unexpected_keys)[:3]}, missing {missing[:3]}); the version files are inconsistent"
             )
+
+    def _slot_parameters(self, slot: str) -> dict[str, torch.Tensor]:
+        """The slot's tensors under the names PEFT saves them with (the adapter name left out)."""
+        assert self._peft is not None
+        marker = f".{slot}."
+        return {
+            name.replace(marker, "."): tensor
+            for name, tensor in self._peft.state_dict(keep_vars=True).items()
+            if marker in name
+        }
 
     def _delete_slot(self, slot: str) -> None:
         assert self._peft is not None
