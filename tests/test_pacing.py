@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prometheus_client import generate_latest
 from redis import Redis
 
 from proxy.coordinator.pacing import MIN_SAMPLES, InflightPacer
@@ -108,5 +109,6 @@ def test_the_coordinator_dispatches_up_to_the_paced_limit(redis_client: Redis, t
         clock.advance(1.0)
         advance_version(coord, submitted)
     assert coord.pacer.limit() == 4
+    assert "asyncgrpo_inflight_limit_groups 4.0" in generate_latest(coord.metrics.registry).decode()
     assert in_flight_and_buffered[0] > 4, "before anything was measured the buffer was deep"
     assert in_flight_and_buffered[-1] <= 4, f"the buffer shrank to one step of groups: {in_flight_and_buffered}"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
@@ -235,6 +235,12 @@ class ProxyMetrics:
             "asyncgrpo_snapshot_writes",
             "Snapshot puts to the bucket by this process; one put makes every change counted before it durable "
             "(group commit), so under load it stays well below the submit rate.",
+            registry=self.registry,
+        )
+        self.inflight_limit = Gauge(
+            "asyncgrpo_inflight_limit_groups",
+            "In-flight + buffered groups the proxy allows now: paced from the measured trainer step and generate "
+            "task times (async.adaptive_inflight), never above async.queue_maxsize.",
             registry=self.registry,
         )
         for code in HTTP_ERROR_CODES:

@@ -127,6 +127,7 @@ class Coordinator:
         self.snapshots = SnapshotWriter(self.store, bucket, self.metrics.snapshot_writes.inc)
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.pacer = InflightPacer(config.async_, self.store.clock_ms)
+        self.metrics.inflight_limit.set_function(self.pacer.limit)
         self.tasks = GenerateTasks(self.store, config, num_prompts, inflight_limit=self.pacer.limit)
         self.rollouts = RolloutIntake(self.store, config.async_, self.snapshots)
         self.steps = Steps(self.store, config.async_, bucket, self.snapshots, self.metrics)
