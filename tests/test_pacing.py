@@ -71,18 +71,18 @@ def test_more_generate_workers_need_fewer_versions_ahead() -> None:
     # Two tasks per version at 0.4 s each against a 0.5 s step: one worker needs two steps, two need one.
     _measure(one, one_clock, task_s=0.4, step_s=0.5, workers=1)
     _measure(two, two_clock, task_s=0.4, step_s=0.5, workers=2)
-    assert one.versions_ahead() == 3 and one.limit() == 24
-    assert two.versions_ahead() == 2 and two.limit() == 16
+    assert one.versions_ahead() == 2 and one.limit() == 16
+    assert two.versions_ahead() == 1 and two.limit() == 8
 
 
 def test_workers_that_stopped_submitting_leave_the_fleet() -> None:
     clock = ManualClock()
     pacer = InflightPacer(_config(), clock)
     _measure(pacer, clock, task_s=0.4, step_s=0.5, workers=2)
-    assert pacer.versions_ahead() == 2
+    assert pacer.versions_ahead() == 1
     clock.advance(120)
     pacer.submitted("late", "gen-0")  # only one worker is still submitting
-    assert pacer.versions_ahead() == 3
+    assert pacer.versions_ahead() == 2
 
 
 def test_the_coordinator_dispatches_up_to_the_paced_limit(redis_client: Redis, tmp_path: Path) -> None:

@@ -29,9 +29,10 @@ SAMPLES_KEPT = 20
 """Recent measurements of each kind the estimates are medians of."""
 MIN_SAMPLES = 3
 """Measurements of each kind needed before the limit moves off ``queue_maxsize``."""
-REFILL_MARGIN = 1.25
-"""Head-room on the measured refill time: delivery latency and jitter must not starve the trainer."""
-DELIVERY_ALLOWANCE_S = 0.02
+REFILL_MARGIN = 1.0
+"""Head-room on the measured refill time. The medians already cover ordinary jitter, and every extra version
+of head-room adds one version of staleness to every sample, so none is added by default."""
+DELIVERY_ALLOWANCE_S = 0.01
 """Per round of generate tasks: the broker delivering it and the proxy admitting it."""
 WORKER_WINDOW_S = 30.0
 """A generate worker counts as part of the fleet for this long after its last submission."""
