@@ -74,7 +74,7 @@ class Workload:
 
 
 WORKLOADS = {
-    "tiny": Workload("tiny", completion_tokens=8, steps=100, warmup_steps=5, timeout_s=600),
+    "tiny": Workload("tiny", completion_tokens=8, steps=100, warmup_steps=10, timeout_s=600),
     "compute": Workload("compute", completion_tokens=128, steps=12, warmup_steps=2, timeout_s=900),
 }
 

@@ -32,6 +32,10 @@ MIN_SAMPLES = 3
 REFILL_MARGIN = 1.0
 """Head-room on the measured refill time. The medians already cover ordinary jitter, and every extra version
 of head-room adds one version of staleness to every sample, so none is added by default."""
+WAIT_TOLERANCE = 0.1
+"""Share of a step the trainer may wait for its next groups before a version of head-room is added: a
+refill up to 10 % slower than a step costs at most that much throughput, a version more costs a version
+of staleness on every sample."""
 DELIVERY_ALLOWANCE_S = 0.01
 """Per round of generate tasks: the broker delivering it and the proxy admitting it."""
 WORKER_WINDOW_S = 30.0
@@ -116,4 +120,4 @@ class InflightPacer:
         tasks = self.groups_per_version // self.groups_per_task
         rounds = math.ceil(tasks / workers)
         refill_s = rounds * (task_s + DELIVERY_ALLOWANCE_S) * REFILL_MARGIN
-        return max(1, math.ceil(refill_s / max(step_s, 1e-3)))
+        return max(1, math.ceil(refill_s / max(step_s, 1e-3) - WAIT_TOLERANCE))
