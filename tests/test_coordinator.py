@@ -95,7 +95,7 @@ def test_run_stops_at_its_final_version(redis_client: Redis, tmp_path: Path) -> 
 
 
 def test_prompt_order_is_a_seeded_permutation_per_epoch(redis_client: Redis, tmp_path: Path) -> None:
-    config = small_config(seed=7, groups_per_task=2, groups_per_step=2, queue_maxsize=12)
+    config = small_config(seed=7, groups_per_task=2, groups_per_step=2, queue_maxsize=12, adaptive_inflight=False)
     coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, num_prompts=5)
     started(coord)
     sent = [g["prompt_index"] for t in coord.dispatcher.generate for g in t["groups"]]

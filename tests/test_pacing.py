@@ -42,7 +42,7 @@ def _measure(pacer: InflightPacer, clock: ManualClock, *, task_s: float, step_s:
 def test_unmeasured_or_switched_off_the_limit_is_queue_maxsize() -> None:
     clock = ManualClock()
     pacer = InflightPacer(_config(), clock)
-    assert pacer.limit() == 32, "a fresh proxy knows no rates: full buffer"
+    assert pacer.limit() == 16, "a fresh proxy knows no rates: two versions' worth, not the full buffer"
     off = InflightPacer(_config(adaptive_inflight=False), clock)
     _measure(off, clock, task_s=0.05, step_s=1.0)
     assert off.limit() == 32
@@ -92,7 +92,7 @@ def test_the_coordinator_dispatches_up_to_the_paced_limit(redis_client: Redis, t
     submitted: set[str] = set()
     advance_version(coord, submitted)  # version 0
     coord.tick()
-    assert coord.status().groups_inflight == 16, "unmeasured: the whole buffer"
+    assert coord.status().groups_inflight == 8, "unmeasured: two versions' worth of groups"
     in_flight_and_buffered = []
     # A trainer-bound run: tasks are leased and submitted quickly, each step takes a second.
     for _ in range(10):

@@ -11,8 +11,8 @@ buffer is deep. The proxy therefore measures, in this process:
 and keeps ``versions_ahead * groups_per_version`` groups in flight plus buffered, where ``versions_ahead``
 is the number of trainer steps the fleet needs to produce one version's worth of groups (1 when it
 produces them within one step: each step's batch is then made while the previous step trains, staleness
-1). ``async.queue_maxsize`` stays the upper bound; until enough has been measured (a fresh or restarted
-proxy), and with ``async.adaptive_inflight = false``, the limit is ``queue_maxsize``.
+1). ``async.queue_maxsize`` stays the upper bound. Until enough has been measured (a fresh or restarted
+proxy) the limit is two versions' worth; with ``async.adaptive_inflight = false`` it is ``queue_maxsize``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from proxy.run.config import AsyncConfig
 SAMPLES_KEPT = 20
 """Recent measurements of each kind the estimates are medians of."""
 MIN_SAMPLES = 3
-"""Measurements of each kind needed before the limit moves off ``queue_maxsize``."""
+"""Measurements of each kind needed before the limit follows them."""
+UNMEASURED_VERSIONS_AHEAD = 2
+"""Versions' worth of groups in flight before anything is measured (a fresh or restarted proxy)."""
 REFILL_MARGIN = 1.0
 """Head-room on the measured refill time. The medians already cover ordinary jitter, and every extra version
 of head-room adds one version of staleness to every sample, so none is added by default."""
@@ -98,9 +100,11 @@ class InflightPacer:
 
     def limit(self) -> int:
         """Groups allowed in flight plus buffered now: at most ``queue_maxsize``, at least one version's worth."""
-        versions_ahead = self.versions_ahead()
-        if versions_ahead is None:
+        if not self.enabled:
             return self.queue_maxsize
+        # Until measured: two versions' worth, the trainer's next batch and the one after, not a full buffer
+        # whose samples would all be old by the time the trainer reaches them.
+        versions_ahead = self.versions_ahead() or UNMEASURED_VERSIONS_AHEAD
         return min(self.queue_maxsize, versions_ahead * self.groups_per_version)
 
     def versions_ahead(self) -> int | None:
