@@ -41,6 +41,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.fixtures_s3, from a plain clone too
+
 from proxy.protocol.client import ProxyClient
 from proxy.protocol.log_setup import configure_logging
 from proxy.protocol.schemas import PublishRequest
