@@ -84,6 +84,14 @@ def publish_next(coord: Coordinator) -> int:
     return coord.publish(publish_request(version, sha)).current_version
 
 
+def start_run(coord: Coordinator) -> Coordinator:
+    """Version 0 published and the first generate tasks dispatched, as a fresh run starts."""
+    coord.tick()
+    publish_next(coord)
+    coord.tick()
+    return coord
+
+
 def submission(
     coord: Coordinator,
     task: dict[str, Any],

@@ -15,7 +15,7 @@ from tests.proxy_harness import (
     ManualClock,
     file_bucket,
     make_coordinator,
-    publish_next,
+    start_run,
     submission,
     write_fake_version,
 )
@@ -27,10 +27,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 def coord(coord: Coordinator) -> Coordinator:
     """The plugin's fresh coordinator, started: version 0 published and generate tasks dispatched."""
-    coord.tick()
-    publish_next(coord)
-    coord.tick()
-    return coord
+    return start_run(coord)
 
 
 def state_of(coord: Coordinator) -> dict:
@@ -161,10 +158,7 @@ def test_refusals_have_their_codes(http: TestClient, coord: Coordinator) -> None
 def test_stale_rollout_is_409_with_the_numbers(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> None:
     from tests.proxy_harness import advance_version
 
-    coord = make_coordinator(redis_client, file_bucket(tmp_path), clock=clock)
-    coord.tick()
-    publish_next(coord)
-    coord.tick()
+    coord = start_run(make_coordinator(redis_client, file_bucket(tmp_path), clock=clock))
     late = coord.dispatcher.generate[0]
     submitted = {late["task_id"]}
     advance_version(coord, submitted)

@@ -27,6 +27,7 @@ from tests.proxy_harness import (
     make_coordinator,
     publish_next,
     publish_request,
+    start_run,
     submit_pending,
     write_fake_version,
 )
@@ -37,10 +38,7 @@ URL = "/v1/versions/latest"
 @pytest.fixture
 def coord(coord: Coordinator) -> Coordinator:
     """Version 0 published, generate tasks dispatched."""
-    coord.tick()
-    publish_next(coord)
-    coord.tick()
-    return coord
+    return start_run(coord)
 
 
 def claim_next_step(coord: Coordinator) -> None:
