@@ -130,14 +130,6 @@ def version_reached(cluster: LocalCluster, version: int) -> Callable[[], bool]:
     return lambda: cluster.status()["current_version"] >= version and len(records_of(cluster)) >= version
 
 
-def busy_task(cluster: LocalCluster, worker_id: str) -> str | None:
-    workers = httpx.get(f"{cluster.proxy_url}/v1/workers", timeout=5).json()["workers"]
-    for record in workers:
-        if record["worker_id"] == worker_id and record.get("current_task"):
-            return record["current_task"]
-    return None
-
-
 def generate_task_unsubmitted(cluster: LocalCluster) -> Callable[[str], bool]:
     redis_client = redis.Redis.from_url(cluster.redis_url)
     in_flight_key = RunKeys(cluster.run).tasks_inflight
@@ -148,21 +140,49 @@ def step_unpublished(cluster: LocalCluster) -> Callable[[str], bool]:
     return lambda task: cluster.status()["current_version"] < int(task.split("-")[1])
 
 
+def working_on(cluster: LocalCluster, worker_id: str) -> Callable[[], str | None]:
+    """What the worker is doing now, read from Redis (a heartbeat lags by up to its interval, and a task
+    lasts tens of milliseconds): a generate worker's task while it holds the lease it takes before sampling
+    and releases with its submission; an optimize worker's step once sent and until published."""
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    keys = RunKeys(cluster.run)
+
+    def generate_task() -> str | None:
+        for lease_id in client.zrange(keys.leases, 0, -1):
+            worker, task = client.hmget(keys.lease(lease_id), ["worker_id", "task_id"])
+            if worker == worker_id:
+                return task
+        return None
+
+    def optimize_step() -> str | None:
+        step = int(client.hget(keys.state, "step_inflight") or -1)
+        sent = step >= 0 and int(client.hget(keys.step(step), "sends") or 0) > 0
+        return f"step-{step}" if sent else None
+
+    return optimize_step if worker_id.startswith("opt") else generate_task
+
+
 def pause_mid_task(
     cluster: LocalCluster, child: ChildProcess, worker_id: str, unfinished: Callable[[str], bool], attempts: int = 20
 ) -> str:
     """SIGSTOP the worker while its task's result has not reached the proxy; return the task's name.
 
-    The heartbeat names the task until the task returns, so a pause can land just after the submit or
-    publish: then resume and try again with its next task.
+    A pause can land just after the submit or publish: then resume and try again with its next task.
     """
+    busy = working_on(cluster, worker_id)
     for _ in range(attempts):
-        task = wait_for(lambda: busy_task(cluster, worker_id), 60, f"{worker_id} busy", cluster)
+        deadline = time.monotonic() + 60
+        task = busy()
+        while task is None:
+            assert time.monotonic() < deadline, f"{worker_id} never got busy; status={cluster.status()}"
+            cluster.check_children()
+            time.sleep(0.001)
+            task = busy()
         os.kill(child.pid, signal.SIGSTOP)
         if unfinished(task):
             return task
         os.kill(child.pid, signal.SIGCONT)
-        wait_for(lambda done=task: busy_task(cluster, worker_id) != done, 30, f"{worker_id} done with {task}", cluster)
+        wait_for(lambda done=task: busy() != done, 30, f"{worker_id} done with {task}", cluster)
     raise AssertionError(f"could not pause {worker_id} mid-task in {attempts} attempts")
 
 
