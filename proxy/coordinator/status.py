@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from redis.client import Pipeline
+
 from proxy.coordinator.metrics import StateGauges
 from proxy.coordinator.store import RunStore
 from proxy.coordinator.workers import Workers
@@ -40,41 +44,52 @@ def _live_leases(store: RunStore, leases: list[tuple[str, float]]) -> list[Lease
     ]
 
 
-def status(store: RunStore, config: RunConfig, workers: Workers) -> StatusResponse:
-    """The run's state and counters, read in one transaction (leases and workers just after)."""
+def _queue_common_reads(store: RunStore, pipe: Pipeline) -> None:
+    """The reads ``status`` and ``gauges`` share, in this order (see ``_common_fields``)."""
     keys = store.keys
-    now = store.clock_ms()
-    pipe = store.redis.pipeline(transaction=True)
     pipe.hgetall(keys.state)
     pipe.hgetall(keys.counters)
     pipe.hgetall(keys.rejected_reasons)
     pipe.llen(keys.requeue)
     pipe.zcard(keys.tasks_inflight)
-    pipe.zrangebyscore(keys.leases, f"({now}", "+inf", withscores=True)
-    state, counters, reasons, requeued, tasks, leases = pipe.execute()
-    lease_records = _live_leases(store, leases)
+
+
+def _common_fields(config: RunConfig, replies: list[Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The run's state hash, and the fields ``StatusResponse`` and ``StateGauges`` both carry."""
+    state, counters, reasons, requeued, tasks = replies
+    step_inflight = int(state.get("step_inflight", -1))
+    return state, {
+        "current_version": int(state.get("current_version", -1)),
+        "final_version": config.final_version,
+        "step_inflight": step_inflight if step_inflight >= 0 else None,
+        "epoch": int(state.get("epoch", 0)),
+        "groups_buffered": int(state.get("groups_buffered", 0)),
+        "groups_inflight": int(state.get("groups_inflight", 0)),
+        "groups_requeued": requeued,
+        "tasks_inflight": tasks,
+        "counters": {k: int(v) for k, v in counters.items()},
+        "rejected_by_reason": {k: int(v) for k, v in reasons.items()},
+    }
+
+
+def status(store: RunStore, config: RunConfig, workers: Workers) -> StatusResponse:
+    """The run's state and counters, read in one transaction (leases and workers just after)."""
+    pipe = store.redis.pipeline(transaction=True)
+    _queue_common_reads(store, pipe)
+    pipe.zrangebyscore(store.keys.leases, f"({store.clock_ms()}", "+inf", withscores=True)
+    *common, leases = pipe.execute()
+    state, fields = _common_fields(config, common)
     alive: dict[str, int] = {}
     for worker in workers.list():
         if worker.alive:
             alive[worker.role] = alive.get(worker.role, 0) + 1
-    step_inflight = int(state.get("step_inflight", -1))
-    current = int(state.get("current_version", -1))
     return StatusResponse(
         run=store.run,
-        current_version=current,
-        final_version=config.final_version,
-        finished=current >= config.final_version,
-        step_inflight=step_inflight if step_inflight >= 0 else None,
-        epoch=int(state.get("epoch", 0)),
+        finished=fields["current_version"] >= config.final_version,
         epoch_pos=int(state.get("epoch_pos", 0)),
-        groups_buffered=int(state.get("groups_buffered", 0)),
-        groups_inflight=int(state.get("groups_inflight", 0)),
-        groups_requeued=requeued,
-        tasks_inflight=tasks,
-        counters={k: int(v) for k, v in counters.items()},
-        rejected_by_reason={k: int(v) for k, v in reasons.items()},
-        leases=lease_records,
+        leases=_live_leases(store, leases),
         workers_alive_by_role=alive,
+        **fields,
     )
 
 
@@ -85,31 +100,14 @@ def gauges(store: RunStore, config: RunConfig, alive_s: float) -> StateGauges:
     now = store.clock_ms()
     alive_since = now - int(alive_s * 1000)
     pipe = store.redis.pipeline(transaction=True)
-    pipe.hgetall(keys.state)
-    pipe.hgetall(keys.counters)
-    pipe.hgetall(keys.rejected_reasons)
-    pipe.llen(keys.requeue)
-    pipe.zcard(keys.tasks_inflight)
+    _queue_common_reads(store, pipe)
     pipe.zcount(keys.leases, f"({now}", "+inf")
     pipe.zcount(keys.workers_generate, alive_since, "+inf")
     pipe.zcount(keys.workers_optimize, alive_since, "+inf")
-    state, counters, reasons, requeued, tasks, leases, generate, optimize = pipe.execute()
-    step_inflight = int(state.get("step_inflight", -1))
+    *common, leases, generate, optimize = pipe.execute()
+    _, fields = _common_fields(config, common)
     alive = {role: count for role, count in (("generate", generate), ("optimize", optimize)) if count}
-    return StateGauges(
-        current_version=int(state.get("current_version", -1)),
-        final_version=config.final_version,
-        step_inflight=step_inflight if step_inflight >= 0 else None,
-        epoch=int(state.get("epoch", 0)),
-        leases_active=leases,
-        groups_buffered=int(state.get("groups_buffered", 0)),
-        groups_inflight=int(state.get("groups_inflight", 0)),
-        groups_requeued=requeued,
-        tasks_inflight=tasks,
-        counters={k: int(v) for k, v in counters.items()},
-        rejected_by_reason={k: int(v) for k, v in reasons.items()},
-        workers_alive_by_role=alive,
-    )
+    return StateGauges(leases_active=leases, workers_alive_by_role=alive, **fields)
 
 
 def group_record(store: RunStore, group_id: str) -> dict[str, str]:

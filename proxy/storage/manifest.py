@@ -249,19 +249,19 @@ def fetch_version(
             f"manifest {manifest_key!r} describes version {manifest.version}, not {version}", key=manifest_key
         )
 
-    dest_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = dest_dir.with_name(f".{dest_dir.name}.partial-{uuid.uuid4().hex}")
-    staging.mkdir()
-    wanted = dict(manifest.files) if names is None else {name: manifest.files.get(name) for name in names}
-    absent = sorted(name for name, entry in wanted.items() if entry is None)
+    absent = sorted(set(names or ()) - set(manifest.files))
     if absent:
-        shutil.rmtree(staging, ignore_errors=True)
         raise IntegrityError(f"manifest {manifest_key!r} lists no {absent}; the version is not a complete adapter",
                              key=manifest_key)
 
-    def download(item: tuple[str, ManifestEntry | None]) -> None:
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest_dir.with_name(f".{dest_dir.name}.partial-{uuid.uuid4().hex}")
+    staging.mkdir()
+
+    wanted = manifest.files if names is None else {name: manifest.files[name] for name in names}
+
+    def download(item: tuple[str, ManifestEntry]) -> None:
         name, entry = item
-        assert entry is not None
         key = bucket_keys.adapter_file_key(run, version, name)
         target = staging / name
         bucket.get_file(key, target)

@@ -60,6 +60,7 @@ class TransformersBackend:
         # the next version of the same shape (see MAX_FREE_SLOTS), so slot names are internal only.
         self._slot_of: dict[str, str] = {}
         self._slot_config: dict[str, dict[str, Any]] = {}
+        self._slot_tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._free_slots: list[str] = []
 
     @property
@@ -150,24 +151,31 @@ class TransformersBackend:
             )
 
     def _slot_parameters(self, slot: str) -> dict[str, torch.Tensor]:
-        """The slot's tensors under the names PEFT saves them with (the adapter name left out)."""
+        """The slot's tensors under the names PEFT saves them with (the adapter name left out); found once
+        per slot, since walking the whole model's state dict per version would cost more than the copy."""
         assert self._peft is not None
-        marker = f".{slot}."
-        return {
-            name.replace(marker, "."): tensor
-            for name, tensor in self._peft.state_dict(keep_vars=True).items()
-            if marker in name
-        }
+        tensors = self._slot_tensors.get(slot)
+        if tensors is None:
+            marker = f".{slot}."
+            tensors = {
+                name.replace(marker, "."): tensor
+                for name, tensor in self._peft.state_dict(keep_vars=True).items()
+                if marker in name
+            }
+            self._slot_tensors[slot] = tensors
+        return tensors
 
     def _delete_slot(self, slot: str) -> None:
         assert self._peft is not None
         self._slot_config.pop(slot, None)
+        self._slot_tensors.pop(slot, None)
         others = [s for s in [*self._slot_of.values(), *self._free_slots] if s != slot]
         if not others:
             # PEFT cannot delete the last adapter of a PeftModel; unwrap back to the bare base instead.
             self.policy.model = self._unwrap_base()
             self._peft = None
             self._free_slots.clear()
+            self._slot_tensors.clear()
             return
         if slot in self._peft.active_adapters:
             self._peft.set_adapter(others[0])
