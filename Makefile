@@ -16,7 +16,7 @@ demo: install
 test: install
 	ruff check .
 	lint-imports
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -rs
 
 lint:
 	ruff check .

@@ -88,6 +88,7 @@ def make_coordinator(redis_url: str, root: Path, run: str) -> Coordinator:
         config,
         1000,
         RecordingDispatcher(),
+        require_generate_worker=False,  # the benchmark sends no heartbeats
     )
 
 

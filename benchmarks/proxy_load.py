@@ -21,7 +21,7 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from proxy.coordinator.dispatch import GENERATE_QUEUE, OPTIMIZE_QUEUE
+from proxy.protocol.queues import GENERATE_QUEUE, OPTIMIZE_QUEUE
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
 from proxy.storage.manifest import write_version

@@ -24,7 +24,12 @@ from proxy.protocol.settings import SettingsError
     is_flag=True,
     help="Allow running without ASYNCGRPO_TOKEN; only accepted with a loopback --host.",
 )
-def main(run_name: str | None, host: str | None, port: int | None, insecure_loopback: bool) -> None:
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="If another proxy holds the run, wait and take over when its lease lapses [default: ASYNCGRPO_PROXY_STANDBY].",
+)
+def main(run_name: str | None, host: str | None, port: int | None, insecure_loopback: bool, standby: bool) -> None:
     """Run the coordinator of RUN (HTTP API, dispatch, GC)."""
     try:
         settings = ProxySettings()
@@ -42,6 +47,7 @@ def main(run_name: str | None, host: str | None, port: int | None, insecure_loop
         port=port or settings.proxy_port,
         insecure_loopback=insecure_loopback,
         settings=settings,
+        standby=standby,
     )
 
 

@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures_s3",
     "tests.fixtures_model",
     "tests.fixtures_coordinator",
+    "tests.e2e_harness",
 ]

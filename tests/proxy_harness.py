@@ -49,7 +49,9 @@ def make_coordinator(
     num_prompts: int = 20,
     clock: ManualClock | None = None,
     dispatcher: RecordingDispatcher | None = None,
+    require_generate_worker: bool = False,
 ) -> Coordinator:
+    """``require_generate_worker`` off by default: these tests send no heartbeats."""
     return Coordinator(
         redis_client,
         bucket,
@@ -60,13 +62,19 @@ def make_coordinator(
         clock_ms=clock or ManualClock(),
         config_sha256="0" * 64,
         prompts_sha256="1" * 64,
+        require_generate_worker=require_generate_worker,
     )
 
 
-def write_fake_version(bucket: Bucket, run: str, version: int, *, worker_id: str = "trainer-1") -> str:
-    """Upload a version (JSON-only files) the way a trainer does; returns its manifest sha256."""
+def write_fake_version(
+    bucket: Bucket, run: str, version: int, *, worker_id: str = "trainer-1", rollouts: list[str] | None = None
+) -> str:
+    """Upload a version (JSON-only files) the way a trainer does; returns its manifest sha256. ``rollouts``:
+    the task ids of the batch it was made from, as a trainer records them (omitted: not checked)."""
     files = {"adapter_config.json": json.dumps({"r": 1, "version": version, "by": worker_id}).encode()}
-    metadata = {"step": version, "base_version": version - 1, "worker_id": worker_id}
+    metadata: dict = {"step": version, "base_version": version - 1, "worker_id": worker_id}
+    if rollouts is not None:
+        metadata["rollouts"] = rollouts
     _, sha = write_version(bucket, run, version, files, metadata)
     return sha
 

@@ -21,7 +21,6 @@ from proxy.coordinator.service import Coordinator
 from proxy.protocol.client import ProxyClient
 from proxy.protocol.schemas import GroupRef
 from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
 from proxy.storage.manifest import IntegrityError, write_version
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
@@ -69,9 +68,11 @@ class World:
             submit_pending(self.coord, self.submitted)
             self.coord.tick()  # claims step `version`
         files = self.trainer.version_files(version)
-        _, sha = write_version(self.coord.bucket, RUN, version, files, {"step": version, "base_version": version - 1})
+        manifest, sha = write_version(
+            self.coord.bucket, RUN, version, files, {"step": version, "base_version": version - 1}
+        )
         if corrupt:  # the object changes after its manifest was written: a torn or tampered upload
-            key = bucket_keys.adapter_file_key(RUN, version, "adapter_model.safetensors")
+            key = manifest.file_key(RUN, "adapter_model.safetensors")
             self.coord.bucket.put(key, b"not the adapter")
         assert self.client.publish(publish_request(version, sha)).current_version == version
 
@@ -116,8 +117,9 @@ def test_a_published_version_is_loaded_before_any_task(world: World) -> None:
     world.publish(0)
     wait_until(lambda: world.backend.loaded_adapters() == ["v0"])
     world.publish(1)
-    wait_until(lambda: "v1" in world.backend.loaded_adapters())
-    assert world.cache.versions() == [0, 1] and world.prefetcher.loaded_version == 1
+    # The prefetcher records the version just after the backend's load returns: wait for the record, not the load.
+    wait_until(lambda: world.prefetcher.loaded_version == 1)
+    assert world.cache.versions() == [0, 1] and "v1" in world.backend.loaded_adapters()
 
     with capture_logs() as events:
         result = world.run_task()

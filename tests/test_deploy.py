@@ -272,7 +272,7 @@ def test_alert_rules_cover_the_issue_list() -> None:
               if "alert" in rule}
     for name in ("AsyncgrpoNoNewVersion", "AsyncgrpoTrainerStarved", "AsyncgrpoStalenessNearMax",
                  "AsyncgrpoStaleDropsRising", "AsyncgrpoNoGenerateWorker", "AsyncgrpoLeaseExpiriesSpiking",
-                 "AsyncgrpoRatioDrift"):
+                 "AsyncgrpoRatioDrift", "AsyncgrpoRunHalted"):
         assert name in alerts, f"missing alert {name}"
         assert alerts[name]["annotations"]["summary"] and alerts[name]["labels"]["severity"]
 

@@ -9,15 +9,17 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.api import app as api
+from proxy.api import refusals as api
 from proxy.coordinator.errors import (
     BadRollout,
+    BadStepFailure,
     CasLost,
     LeaseLostError,
     ManifestMissing,
     NoVersionYet,
     SnapshotFailed,
     StateMissing,
+    StepNoLongerClaimed,
     StepNotFound,
     TaskCancelled,
     UnknownTask,
@@ -39,6 +41,8 @@ REFUSALS: list[tuple[Exception, str]] = [
     (UnknownTask("never dispatched"), "cancelled"),
     (BadRollout("foreign groups"), "bad_request"),
     (StepNotFound("no step 9"), "not_found"),
+    (StepNoLongerClaimed("step 9 claimed again with another batch"), "not_claimed"),
+    (BadStepFailure("rollout t1 is not in the batch of step 9"), "bad_request"),
     (SnapshotFailed("bucket down"), "unavailable"),
     (StateMissing("redis empty"), "unavailable"),
     (RedisConnectionError("refused"), "unavailable"),

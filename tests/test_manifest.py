@@ -69,9 +69,11 @@ class _RecordingBucket(FileBucket):
 
 def test_manifest_is_written_last_and_create_only(tmp_path: Path) -> None:
     bucket = _RecordingBucket(tmp_path)
-    write_version(bucket, RUN, 0, _files(0), {})
+    manifest, _ = write_version(bucket, RUN, 0, _files(0), {})
     assert bucket.writes[-1] == (bucket_keys.manifest_key(RUN, 0), True)
-    assert {key for key, _ in bucket.writes[:-1]} == {bucket_keys.adapter_file_key(RUN, 0, name) for name in _files(0)}
+    assert {key for key, _ in bucket.writes[:-1]} == {manifest.file_key(RUN, name) for name in _files(0)}
+    # The files sit under this attempt's own folder, which the manifest names.
+    assert manifest.attempt and all(f"/v00000000/{manifest.attempt}/" in key for key, _ in bucket.writes[:-1])
 
 
 class _SlowWeightsBucket(FileBucket):
@@ -92,8 +94,8 @@ class _SlowWeightsBucket(FileBucket):
 
 def test_files_travel_in_parallel_and_the_manifest_waits_for_the_slowest(tmp_path: Path) -> None:
     bucket = _SlowWeightsBucket(tmp_path)
-    write_version(bucket, RUN, 0, _files(0), {})
-    weights = bucket_keys.adapter_file_key(RUN, 0, bucket_keys.ADAPTER_WEIGHTS_NAME)
+    manifest, _ = write_version(bucket, RUN, 0, _files(0), {})
+    weights = manifest.file_key(RUN, bucket_keys.ADAPTER_WEIGHTS_NAME)
     assert bucket.finished[-1] == bucket_keys.manifest_key(RUN, 0), "the manifest is stored after every file"
     assert bucket.finished[-2] == weights, "the other files did not wait for the slow one"
 
@@ -123,7 +125,7 @@ def test_redelivered_write_is_idempotent_and_other_files_are_refused(bucket: Buc
 def test_corrupted_object_is_refused_and_nothing_is_left(bucket: Bucket, tmp_path: Path) -> None:
     files = _files(2)
     manifest, manifest_sha = write_version(bucket, RUN, 2, files, {})
-    weights_key = bucket_keys.adapter_file_key(RUN, 2, bucket_keys.ADAPTER_WEIGHTS_NAME)
+    weights_key = manifest.file_key(RUN, bucket_keys.ADAPTER_WEIGHTS_NAME)
     corrupted = bytearray(files[bucket_keys.ADAPTER_WEIGHTS_NAME])
     corrupted[100] ^= 0xFF
     bucket.put(weights_key, bytes(corrupted))

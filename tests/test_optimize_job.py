@@ -13,19 +13,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proxy.protocol.errors import Conflict
+from proxy.protocol.errors import Conflict, NotFound
 from proxy.protocol.records import StepRecord
-from proxy.protocol.schemas import GroupRef, PublishRequest, RolloutRef
+from proxy.protocol.schemas import CorruptResult, GroupRef, PublishRequest, RolloutRef, StepStartRequest, VersionInfo
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import fetch_version, sha256_hex, write_version
+from proxy.storage.manifest import IntegrityError, fetch_version, read_manifest, sha256_hex, write_version
 from worker.algo.grpo import group_advantages
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize import rescore
+from worker.optimize.batch import build_train_samples
 from worker.optimize.job import run_optimize_step
 from worker.optimize.trainer import Trainer
 from worker.optimize.trainer_state import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
@@ -40,13 +41,34 @@ class RecordingProxy:
 
     current_version: int
     published: list[PublishRequest] = field(default_factory=list)
+    versions: dict[int, str] = field(default_factory=dict)  # the manifest sha "recorded" at each publish
+    reports: list[tuple[int, str]] = field(default_factory=list)  # corruption reports: (version, key)
+    started: list[tuple[int, StepStartRequest]] = field(default_factory=list)
 
     def run_info(self) -> Any:
         return self
 
+    def start_step(self, step: int, request: StepStartRequest) -> None:
+        self.started.append((step, request))
+
     def publish(self, request: PublishRequest) -> None:
         self.published.append(request)
+        self.versions[request.version] = request.manifest_sha256
         self.current_version = request.version
+
+    def version_info(self, version: int) -> VersionInfo:
+        if version not in self.versions:
+            if version != 0:
+                raise NotFound(f"version {version} was never published")
+            self.versions[0] = V0_SHA[0]  # the setup fixture's version 0, as if published
+        return VersionInfo(version=version, manifest_sha256=self.versions[version])
+
+    def report_corrupt(self, version: int, worker_id: str, key: str) -> CorruptResult:
+        self.reports.append((version, key))
+        return CorruptResult(action="repair_sent", holder="opt-1")
+
+
+V0_SHA: list[str] = []
 
 
 def config() -> RunConfig:
@@ -60,7 +82,8 @@ def setup(tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None) -> tuple
     cfg = config()
     trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), cfg)
     bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
-    write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
+    _, sha = write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
+    V0_SHA[:] = [sha]
     adapter_dir = tmp_path / "v0"
     fetch_version(bucket, RUN, 0, adapter_dir)
     return trainer, bucket, adapter_dir
@@ -173,6 +196,7 @@ class ProxyThatAdoptedOurUpload(RecordingProxy):
 
     def publish(self, request: PublishRequest) -> None:
         self.current_version = request.version
+        self.versions[request.version] = request.manifest_sha256
         raise Conflict("409 conflict: the current version is already v1")
 
 
@@ -190,7 +214,6 @@ def test_conflict_on_our_own_adopted_upload_still_records_the_step(
         bucket=bucket, client=proxy, worker_id="opt-1",
     )
     assert result.status == "published" and trainer.version == 1
-    assert bucket.head(bucket_keys.metrics_key(RUN, 1)) is not None, "the step record must reach metrics/"
     # The returned record is the stored one, plus the upload time only this attempt measured.
     assert result.record is not None and result.record.step == 1 and result.record.timings.upload_s is not None
 
@@ -286,14 +309,15 @@ def test_a_published_step_writes_metrics_from_memory_without_rereading(
     # nothing read back after publishing (manifest and record used to be re-read to copy the record).
     manifest = bucket_keys.manifest_key(RUN, 1)
     assert reads == [manifest, ref.key, manifest]
-    stored = StepRecord.model_validate_json(plain_get(bucket_keys.metrics_key(RUN, 1)))
-    assert result.record is not None and stored == result.record
-    timings = stored.timings
+    # metrics/ is the proxy's to write (it copies the published manifest's record before answering).
+    assert bucket.head(bucket_keys.metrics_key(RUN, 1)) is None
+    assert result.record is not None
+    timings = result.record.timings
     assert None not in (timings.fetch_s, timings.rescore_s, timings.serialize_s, timings.upload_s, timings.publish_s)
-    in_version = StepRecord.model_validate_json(plain_get(bucket_keys.adapter_file_key(RUN, 1, "step_record.json")))
-    assert in_version.timings.upload_s is None and in_version.model_dump(exclude={"timings"}) == stored.model_dump(
-        exclude={"timings"}
-    )
+    manifest, _ = read_manifest(bucket, RUN, 1)
+    in_version = StepRecord.model_validate_json(plain_get(manifest.file_key(RUN, "step_record.json")))
+    assert in_version.timings.upload_s is None
+    assert in_version.model_dump(exclude={"timings"}) == result.record.model_dump(exclude={"timings"})
 
 
 def test_rescoring_plan_checks_every_rollout_and_reuses_only_the_first_update(
@@ -319,3 +343,24 @@ def test_rescoring_plan_checks_every_rollout_and_reuses_only_the_first_update(
     assert plan(seed=1) == first and plan(seed=2) != first, "the sample is seeded by the step"
     assert plan(seed=1, fraction=1e-6).rescored == 3, "at least one sequence per rollout"
     assert plan(seed=1, fraction=1.0).rescored == 25
+
+
+def test_rescoring_under_an_older_version_is_pinned_to_the_sha_the_proxy_published(
+    setup: tuple[Trainer, Bucket, Path],
+) -> None:
+    """The bucket's manifest of version 0 is not the one the proxy recorded (another attempt's, or replaced):
+    its weights are never used to rescore."""
+    trainer, bucket, _ = setup
+    rescore.forget_adapter_weights(RUN, 0)
+    sample = RolloutSample(0, [1], [2, 3], [-1.0, -1.0], 0.0, 0.0, "length")
+    stale = Rollout(RUN, "t0", 0, "gen", [GroupRef(group_id="g", prompt_index=0)], [sample])
+    plan = rescore.RescorePlan(separate={0: [0]})
+    train_samples, _ = build_train_samples([stale])
+    with pytest.raises(IntegrityError, match="not the one the proxy published"):
+        rescore.rescore_planned(
+            trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: "0" * 64
+        )
+    scored = rescore.rescore_planned(
+        trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: V0_SHA[0]
+    )
+    assert list(scored) == [0]

@@ -53,7 +53,10 @@ def test_a_trainer_bound_run_keeps_one_version_of_groups_in_flight() -> None:
     pacer = InflightPacer(_config(), clock)
     _measure(pacer, clock, task_s=0.05, step_s=1.0)
     assert pacer.versions_ahead() == 1
-    assert pacer.limit() == 8, "generation of a step's groups takes far less than a step: no deeper buffer"
+    # Generation of a step's groups takes far less than a step: no deeper buffer than one version's groups,
+    # plus room for one more task (3 groups short of a task): with 7 buffered (a rejected group leaves the
+    # buffer off the task grid) and nothing in flight, a 4-group task must fit or no step is claimed again.
+    assert pacer.limit() == 8 + 4 - 1
 
 
 def test_a_generator_bound_run_gets_the_whole_buffer() -> None:
@@ -72,7 +75,7 @@ def test_more_generate_workers_need_fewer_versions_ahead() -> None:
     _measure(one, one_clock, task_s=0.4, step_s=0.5, workers=1)
     _measure(two, two_clock, task_s=0.4, step_s=0.5, workers=2)
     assert one.versions_ahead() == 2 and one.limit() == 16
-    assert two.versions_ahead() == 1 and two.limit() == 8
+    assert two.versions_ahead() == 1 and two.limit() == 8 + 4 - 1
 
 
 def test_workers_that_stopped_submitting_leave_the_fleet() -> None:
@@ -108,7 +111,7 @@ def test_the_coordinator_dispatches_up_to_the_paced_limit(redis_client: Redis, t
         in_flight_and_buffered.append(status.groups_inflight + status.groups_buffered)
         clock.advance(1.0)
         advance_version(coord, submitted)
-    assert coord.pacer.limit() == 4
-    assert "asyncgrpo_inflight_limit_groups 4.0" in generate_latest(coord.metrics.registry).decode()
-    assert in_flight_and_buffered[0] > 4, "before anything was measured the buffer was deep"
-    assert in_flight_and_buffered[-1] <= 4, f"the buffer shrank to one step of groups: {in_flight_and_buffered}"
+    assert coord.pacer.limit() == 4 + 2 - 1  # one step of groups, and room for a task with one group short
+    assert "asyncgrpo_inflight_limit_groups 5.0" in generate_latest(coord.metrics.registry).decode()
+    assert in_flight_and_buffered[0] > 5, "before anything was measured the buffer was deep"
+    assert in_flight_and_buffered[-1] <= 5, f"the buffer shrank to about one step of groups: {in_flight_and_buffered}"

@@ -130,8 +130,8 @@ def test_merged_model_matches_the_adapter(published, tmp_path: Path) -> None:
 def test_corrupted_adapter_is_refused_and_nothing_is_written(published, tmp_path: Path) -> None:
     bucket, trainer = published
     files = trainer.version_files(2)
-    write_version(bucket, RUN, 2, files, {"step": 2, "base_version": 1, "worker_id": "t-1"})
-    key = bucket_keys.adapter_file_key(RUN, 2, bucket_keys.ADAPTER_WEIGHTS_NAME)
+    manifest, _ = write_version(bucket, RUN, 2, files, {"step": 2, "base_version": 1, "worker_id": "t-1"})
+    key = manifest.file_key(RUN, bucket_keys.ADAPTER_WEIGHTS_NAME)
     bucket.delete(key)
     bucket.put(key, files[bucket_keys.ADAPTER_WEIGHTS_NAME][:-8] + b"corrupt!")
     out = tmp_path / "bad"

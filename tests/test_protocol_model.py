@@ -1,19 +1,25 @@
-"""A hypothesis state machine runs leases, submits, claims, publishes and clock jumps against the real
-coordinator (real Redis, FileBucket, recording dispatcher) and a small in-memory model of the protocol, and
-checks invariants 1-4 after every rule:
+"""A hypothesis state machine runs leases, submits, claims, publishes, clock jumps, proxy restarts, Redis losses,
+broker refusals, bad submissions and two attempts at one step against the real coordinator (real Redis,
+FileBucket, recording dispatcher) and the model of ``tests/protocol_model.py``, checking after every rule:
 
-1. the current version only moves by a publish of ``current + 1`` from a claimed step; bad publishes
-   change nothing;
+1. the version only moves by a publish of ``current + 1`` from a claimed step (one of two attempts wins);
+   bad publishes change nothing; a rebuild never goes back;
 2. every claimed batch is fresh: ``base - version <= max_staleness`` for each rollout;
 3. versions under a live lease, and the versions of the staleness window, are in the bucket;
-4. every dispatched group has exactly the fate the model gives it, terminal fates never change, no group
-   is trained twice, stale and cancelled prompts come back first and in order, nothing else does.
+4. every dispatched group has exactly the fate the model gives it, none is trained twice, stale and
+   cancelled prompts come back first and in order; a refused submission changes nothing.
+
+Redis loss: the snapshot is the state of its last write (submits and publishes write through; ``tick()``
+writes before sending and before deleting rollouts), so the model copies itself at each write and a rebuild
+must give ``rebuilt(copy)``. Leases are not written through: one survives surely only if a write surely saw it.
 """
 
 from __future__ import annotations
 
-import random
+import copy
 import uuid
+from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,10 +28,26 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from redis import Redis
 
-from proxy.coordinator.errors import LeaseLostError, NoVersionYet, PublishConflict, TaskCancelled
+from proxy.coordinator.errors import (
+    BadRollout,
+    LeaseLostError,
+    NoVersionYet,
+    PublishConflict,
+    TaskCancelled,
+    UnknownTask,
+)
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.manifest import list_versions
+from tests.protocol_model import (
+    NUM_PROMPTS,
+    SEED,
+    FlakyDispatcher,
+    ModelState,
+    bad_submission,
+    rebuilt,
+    upload_twice,
+)
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,
@@ -37,7 +59,6 @@ from tests.proxy_harness import (
 )
 
 TIMEOUT_S = 300
-NUM_PROMPTS = 7
 
 
 class ProtocolMachine(RuleBasedStateMachine):
@@ -48,7 +69,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.redis.flushdb()
         self.clock = ManualClock()
         self.config = small_config(
-            seed=3,
+            seed=SEED,
             max_staleness=max_staleness,
             groups_per_task=2,
             groups_per_step=4,
@@ -56,120 +77,78 @@ class ProtocolMachine(RuleBasedStateMachine):
             lease_ttl_s=60,
             generate_task_timeout_s=TIMEOUT_S,
         )
+        self.resend_ms = int(self.config.async_.optimize_task_timeout_s * 1000)
         self.bucket = file_bucket(root / uuid.uuid4().hex)
-        self.coord = self._new_coordinator()
+        self.dispatcher = FlakyDispatcher()
+        kwargs = {"config": self.config, "num_prompts": NUM_PROMPTS, "clock": self.clock, "dispatcher": self.dispatcher}
+        self._new_coordinator = partial(make_coordinator, self.redis, self.bucket, **kwargs)
+        self.coord: Coordinator = self._new_coordinator()
         self.needed = 4
-        # the model
-        self.current = -1
-        self.group_state: dict[str, str] = {}
-        self.group_prompt: dict[str, int] = {}
-        self.task_groups: dict[str, list[str]] = {}
-        self.task_state: dict[str, str] = {}
-        self.task_deadline: dict[str, int] = {}
-        self.rollout_version: dict[str, int] = {}
-        self.rollout_groups: dict[str, list[str]] = {}
-        self.buffer: list[str] = []
-        self.requeue: list[int] = []
-        self.leases: dict[str, tuple[int, int]] = {}
-        self.batches: dict[int, dict] = {}
-        self.step_inflight: int | None = None
-        self.seen_generate = 0
-        self.seen_optimize = 0
-        self.epoch, self.pos = 0, 0
-
-    def _new_coordinator(self) -> Coordinator:
-        return make_coordinator(self.redis, self.bucket, config=self.config, num_prompts=NUM_PROMPTS, clock=self.clock)
+        self.m = ModelState()
+        self.snap = ModelState()  # the model as of the coordinator's last snapshot write
+        self.leases: dict[str, tuple[int, int]] = {}  # lease id -> (version, expires_ms), known to be live
+        self.maybe_leases: dict[str, int] = {}  # lease id -> version: a rebuild may or may not have kept it
+        self.snap_leases: dict[str, tuple[int, int]] = {}  # the leases a snapshot write surely saw
+        self.fresh_writer = True  # a new coordinator's first tick always writes the snapshot
+        self.seen = {"generate": 0, "optimize": 0, "refused_generate": 0, "refused_optimize": 0}
 
     def teardown(self) -> None:
         self.redis.close()
 
-    # ---- model helpers ----
+    def _new(self, kind: str) -> list[dict]:
+        messages = getattr(self.dispatcher, kind)[self.seen[kind] :]
+        self.seen[kind] += len(messages)
+        return messages
 
-    def _next_fresh_prompt(self) -> int:
-        perm = list(range(NUM_PROMPTS))
-        random.Random(3 + self.epoch).shuffle(perm)
-        prompt = perm[self.pos]
-        self.pos += 1
-        if self.pos == NUM_PROMPTS:
-            self.epoch, self.pos = self.epoch + 1, 0
-        return prompt
-
-    def _end(self, gid: str, fate: str) -> None:
-        self.group_state[gid] = fate
-        if fate in ("stale", "cancelled"):
-            self.requeue.append(self.group_prompt[gid])
-
-    def _count(self, state: str) -> int:
-        return sum(1 for s in self.group_state.values() if s == state)
+    def _durable(self, *, leases_seen: bool) -> None:
+        """A snapshot write happened now; ``leases_seen``: surely now (else the leases may be older)."""
+        self.snap = copy.deepcopy(self.m)
+        if leases_seen:
+            self.snap_leases = dict(self.leases)
 
     # ---- rules ----
 
     @rule()
     def tick(self) -> None:
-        now = self.clock()
+        m, now = self.m, self.clock()
         self.leases = {k: v for k, v in self.leases.items() if v[1] > now}
-        due = sorted(
-            (self.task_deadline[t], t)
-            for t, s in self.task_state.items()
-            if s == "inflight" and self.task_deadline[t] <= now
-        )
-        for _, tid in due:
-            self.task_state[tid] = "cancelled"
-            for gid in self.task_groups[tid]:
-                self._end(gid, "cancelled")
-        if self.step_inflight is None and self.current >= 0:
-            for tid in list(self.buffer):
-                if self.current - self.rollout_version[tid] > self.max_staleness:
-                    self.buffer.remove(tid)
-                    for gid in self.rollout_groups[tid]:
-                        self._end(gid, "stale")
+        changed = m.expire(now, self.config.async_.max_group_attempts) > 0 or self.fresh_writer
+        self.fresh_writer = False
+        before = m.step_inflight
+        due = before is not None and (m.step_sent_ms is None or now - m.step_sent_ms > self.resend_ms)
+        changed = m.drop_stale(self.max_staleness) > 0 or changed
 
-        self.coord.tick()
+        report = self.coord.tick()
 
-        for message in self.coord.dispatcher.optimize[self.seen_optimize :]:
-            step = message["step"]
-            if step in self.batches:
-                assert message == self.batches[step], "a re-sent step carries the same batch"
-                continue
-            assert step == self.current + 1 and message["base_version"] == self.current
-            assert self.step_inflight is None, "one step in flight at a time"
-            claimed = [ref["task_id"] for ref in message["rollouts"]]
-            assert claimed == self.buffer[: len(claimed)], "oldest rollouts first"
-            for ref in message["rollouts"]:
-                assert self.current - ref["version"] <= self.max_staleness, "invariant 2"
-                assert ref["group_ids"] == self.rollout_groups[ref["task_id"]]
-                for gid in ref["group_ids"]:
-                    assert self.group_state[gid] == "buffered"
-                    self.group_state[gid] = "claimed"
-            if step > 0:
-                assert sum(len(ref["group_ids"]) for ref in message["rollouts"]) >= self.needed
-            del self.buffer[: len(claimed)]
-            self.batches[step] = message
-            self.step_inflight = step
-        self.seen_optimize = len(self.coord.dispatcher.optimize)
+        sent_steps, refused_steps = self._new("optimize"), self._new("refused_optimize")
+        steps = sent_steps + refused_steps
+        assert len(steps) == int(due) if before is not None else len(steps) <= 1, "one send when due"
+        for message in steps:
+            if message["step"] in m.batches:
+                assert due and message == m.batches[before], "a re-sent step carries the same batch"
+            else:
+                m.claim(message, self.max_staleness, self.needed)
+                changed = True
+        if sent_steps:
+            m.step_sent_ms = now
+        sent, refused = self._new("generate"), self._new("refused_generate")
+        assert not (sent and refused), "the broker refused this tick's sends, or none"
+        for message in sent + refused:
+            m.dispatched(message, now + TIMEOUT_S * 1000)
+        self._durable(leases_seen=changed or bool(sent or refused))  # written before anything is sent
+        for message in refused:  # never sent: cancelled at once, no attempt counted
+            m.force_cancel(message["task_id"])
+        if report.rollouts_deleted:
+            self._durable(leases_seen=True)  # written again before rollout objects are deleted
+        m.check_liveness(self.needed, self.config.async_.queue_maxsize)
 
-        for message in self.coord.dispatcher.generate[self.seen_generate :]:
-            assert self.current >= 0, "no generate task before version 0"
-            tid = message["task_id"]
-            assert tid not in self.task_state
-            self.task_state[tid] = "inflight"
-            self.task_deadline[tid] = now + TIMEOUT_S * 1000
-            self.task_groups[tid] = []
-            for group in message["groups"]:
-                gid = group["group_id"]
-                assert gid not in self.group_state
-                expected = self.requeue.pop(0) if self.requeue else self._next_fresh_prompt()
-                assert group["prompt_index"] == expected, "requeued prompts first, then the permutation"
-                self.group_state[gid] = "inflight"
-                self.group_prompt[gid] = group["prompt_index"]
-                self.task_groups[tid].append(gid)
-        self.seen_generate = len(self.coord.dispatcher.generate)
-        # Liveness: a step is claimed whenever one can be; the buffer is fed up to its bound.
-        if self.step_inflight is None and self.current >= 0:
-            assert self._count("buffered") < self.needed
-        assert self._count("inflight") + self._count("buffered") <= self.config.async_.queue_maxsize
-        if self.current >= 0 and not self.requeue:
-            assert self._count("inflight") + self._count("buffered") + 2 > self.config.async_.queue_maxsize
+    @rule()
+    def tick_while_the_broker_refuses(self) -> None:
+        self.dispatcher.fail = True
+        try:
+            self.tick()
+        finally:
+            self.dispatcher.fail = False
 
     @rule(seconds=st.sampled_from([1, 20, 61, TIMEOUT_S + 1]))
     def advance_clock(self, seconds: int) -> None:
@@ -184,91 +163,148 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), lag=st.integers(0, 3), reject_first=st.booleans())
     def submit(self, data: st.DataObject, lag: int, reject_first: bool) -> None:
-        if not self.task_state:
+        if not self.m.task_state:
             return
-        self._submit(data.draw(st.sampled_from(sorted(self.task_state))), lag, reject_first)
+        self._submit(data.draw(st.sampled_from(sorted(self.m.task_state))), lag, reject_first)
 
     @rule(lag=st.integers(0, 2))
     def submit_every_task_in_flight(self, lag: int) -> None:
-        for tid in sorted(t for t, state in self.task_state.items() if state == "inflight"):
+        for tid in sorted(t for t, state in self.m.task_state.items() if state == "inflight"):
             self._submit(tid, lag, reject_first=False)
 
     def _submit(self, tid: str, lag: int, reject_first: bool) -> None:
-        task = {
-            "task_id": tid,
-            "groups": [{"group_id": g, "prompt_index": self.group_prompt[g]} for g in self.task_groups[tid]],
-        }
-        version = max(0, self.current - lag)
-        rejected = {self.task_groups[tid][0]: "bad_prompt"} if reject_first else {}
-        sub = submission(self.coord, task, version, rejected=rejected)
-        state = self.task_state[tid]
-        if state == "cancelled":
-            with pytest.raises(TaskCancelled):
+        m = self.m
+        version = max(0, m.current - lag)
+        rejected = {m.task_groups[tid][0]: "bad_prompt"} if reject_first else {}
+        sub = submission(self.coord, m.task(tid), version, rejected=rejected)
+        state = m.task_state[tid]
+        if state in ("cancelled", "unknown"):
+            with pytest.raises(TaskCancelled) as refused:
                 self.coord.submit(sub)
-        elif state == "stale":
+            assert refused.type is (UnknownTask if state == "unknown" else TaskCancelled)
+            return
+        if state == "stale":
             with pytest.raises(StaleRolloutError):
                 self.coord.submit(sub)
         elif state == "admitted":
             assert self.coord.submit(sub).status == "duplicate"
-        elif self.current - version > self.max_staleness:
+        elif m.current - version > self.max_staleness:
+            m.ran(tid)
             with pytest.raises(StaleRolloutError):
                 self.coord.submit(sub)
-            self.task_state[tid] = "stale"
-            for gid in self.task_groups[tid]:
-                self._end(gid, "rejected" if gid in rejected else "stale")
+            m.task_state[tid] = "stale"
+            for gid in m.task_groups[tid]:
+                m.end(gid, "rejected" if gid in rejected else "stale")
         else:
+            m.ran(tid)
             assert self.coord.submit(sub).status == "admitted"
-            self.task_state[tid] = "admitted"
-            kept = [gid for gid in self.task_groups[tid] if gid not in rejected]
-            for gid in self.task_groups[tid]:
-                self.group_state[gid] = "rejected" if gid in rejected else "buffered"
+            m.task_state[tid] = "admitted"
+            kept = [gid for gid in m.task_groups[tid] if gid not in rejected]
+            for gid in m.task_groups[tid]:
+                m.group_state[gid] = "rejected" if gid in rejected else "buffered"
             if kept:
-                self.buffer.append(tid)
-                self.rollout_version[tid] = version
-                self.rollout_groups[tid] = kept
+                m.buffer.append(tid)
+                m.rollout_version[tid] = version
+                m.rollout_groups[tid] = kept
+        self._durable(leases_seen=True)  # written through before the answer
+
+    @rule(data=st.data(), kind=st.sampled_from(["key", "foreign_group", "twice", "future", "unknown_task"]))
+    def submit_bad(self, data: st.DataObject, kind: str) -> None:
+        """Refused with its exception, and nothing changes: no fate, counter, line or snapshot."""
+        m = self.m
+        inflight = sorted(t for t, s in m.task_state.items() if s == "inflight")
+        tids = inflight if kind in ("foreign_group", "twice", "future") else sorted(m.task_state)
+        if not tids:
+            return
+        tid = data.draw(st.sampled_from(tids))
+        sub = submission(self.coord, m.task(tid), max(0, m.current))
+        if kind == "unknown_task":
+            sub, expected = submission(self.coord, m.task(tid) | {"task_id": tid + "-never"}, 0), UnknownTask
+        else:
+            others = sorted(g for g in m.group_state if g not in sub.group_ids) or ["nobody.0"]
+            sub, expected = bad_submission(sub, kind, data.draw(st.sampled_from(others)), m.current), BadRollout
+        before = (self.coord.status().counters, self._records(), self.coord.snapshots.writes)
+        with pytest.raises(expected):
+            self.coord.submit(sub)
+        assert (self.coord.status().counters, self._records(), self.coord.snapshots.writes) == before
+
+    def _records(self) -> list[str | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for gid in sorted(self.m.group_state):
+            pipe.hget(self.coord.keys.group(gid), "state")
+        return [*pipe.execute(), *self.redis.lrange(self.coord.keys.requeue, 0, -1)]
+
+    def _published(self, version: int) -> None:
+        m = self.m
+        for ref in m.batches[version]["rollouts"]:
+            for gid in ref["group_ids"]:
+                assert m.group_state[gid] == "claimed", "trained at most once"
+                m.group_state[gid] = "trained"
+        m.current, m.step_inflight, m.step_sent_ms = version, None, None
+        self._durable(leases_seen=True)  # written through before the answer
 
     @rule()
     def publish_claimed_step(self) -> None:
-        if self.step_inflight is None:
+        if self.m.step_inflight is None:
             return
-        version = self.step_inflight
+        version = self.m.step_inflight
         sha = write_fake_version(self.bucket, "r1", version)
         assert self.coord.publish(publish_request(version, sha)).current_version == version
-        for ref in self.batches[version]["rollouts"]:
-            for gid in ref["group_ids"]:
-                assert self.group_state[gid] == "claimed", "trained at most once"
-                self.group_state[gid] = "trained"
-        self.current = version
-        self.step_inflight = None
+        self._published(version)
+
+    @rule(same_worker=st.booleans(), second_first=st.booleans(), borrowed=st.booleans())
+    def two_attempts_publish(self, same_worker: bool, second_first: bool, borrowed: bool) -> None:
+        """Two uploads of the step in flight: one manifest per version, exactly one publish wins."""
+        version = self.m.step_inflight
+        if version is None:
+            return
+        requests = upload_twice(self.bucket, version, same_worker, second_first, borrowed)
+        answers = []
+        for request in requests:
+            try:
+                answers.append(self.coord.publish(request).current_version)
+            except PublishConflict as conflict:  # CasLost, or ManifestMismatch for a manifest that lost
+                assert not same_worker and conflict.current_version in (version - 1, version)
+        assert answers == [version] * (2 if same_worker else 1), "exactly one attempt publishes (a retry: ALREADY)"
+        self._published(version)
 
     @rule(kind=st.sampled_from(["zombie", "skip_ahead", "missing_manifest"]))
     def publish_wrong(self, kind: str) -> None:
-        if kind == "zombie" and self.current >= 0:
+        current = self.m.current
+        if kind == "zombie" and current >= 0:
             # A second trainer that also finished the step that made the current version.
-            sha = self.coord.redis.hget(self.coord.keys.versions, str(self.current))
-            request = publish_request(self.current, sha, worker_id="zombie")
+            sha = self.coord.redis.hget(self.coord.keys.versions, str(current))
+            request = publish_request(current, sha, worker_id="zombie")
         elif kind == "skip_ahead":
-            request = publish_request(self.current + 2, "d" * 64).model_copy(update={"base_version": self.current})
+            request = publish_request(current + 2, "d" * 64).model_copy(update={"base_version": current})
         else:
-            request = publish_request(self.current + 1, "e" * 64)
+            request = publish_request(current + 1, "e" * 64)
         with pytest.raises(PublishConflict):
             self.coord.publish(request)
 
     @rule()
     def lease(self) -> None:
-        if self.current < 0:
+        if self.m.current < 0:
             with pytest.raises(NoVersionYet):
                 self.coord.lease("gen-1", "t")
             return
         grant = self.coord.lease("gen-1", "t")
-        assert grant.version == self.current
+        assert grant.version == self.m.current
         self.leases[grant.lease_id] = (grant.version, int(grant.expires_at * 1000))
 
     @rule(data=st.data())
     def renew(self, data: st.DataObject) -> None:
-        if not self.leases:
+        ids = [*self.leases, *self.maybe_leases]  # insertion order: lease ids are random
+        if not ids:
             return
-        lease_id = data.draw(st.sampled_from(list(self.leases)))  # insertion order: lease ids are random
+        lease_id = data.draw(st.sampled_from(ids))
+        if lease_id in self.maybe_leases:  # kept by a rebuild or not: either answer is right
+            version = self.maybe_leases.pop(lease_id)
+            with suppress(LeaseLostError):
+                grant = self.coord.renew(lease_id)
+                assert grant.version == version
+                self.leases[lease_id] = (version, int(grant.expires_at * 1000))
+            return
         version, expires = self.leases[lease_id]
         if expires > self.clock():
             grant = self.coord.renew(lease_id)
@@ -281,52 +317,70 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        if not self.leases:
+        ids = [*self.leases, *self.maybe_leases]
+        if not ids:
             return
-        lease_id = data.draw(st.sampled_from(list(self.leases)))  # insertion order: lease ids are random
+        lease_id = data.draw(st.sampled_from(ids))
         self.coord.release(lease_id)
-        del self.leases[lease_id]
+        self.leases.pop(lease_id, None)
+        self.maybe_leases.pop(lease_id, None)
 
     @rule()
     def restart_proxy(self) -> None:
         """A new proxy process on the same Redis: nothing lives only in the old one's memory."""
-        dispatcher = self.coord.dispatcher
         self.coord = self._new_coordinator()
-        self.coord.dispatcher = dispatcher
+        self.fresh_writer = True
+
+    @rule()
+    def lose_redis(self) -> None:
+        """Redis loses everything and a new proxy rebuilds the run from the bucket's snapshot."""
+        self.redis.flushdb()
+        self.coord = self._new_coordinator()
+        assert self.coord.ensure_state() == "rebuilt"
+        now = self.clock()
+        self.m = rebuilt(self.snap)
+        surely = {k: v for k, v in self.leases.items() if self.snap_leases.get(k) == v and v[1] > now}
+        self.maybe_leases.update({k: v[0] for k, v in self.leases.items() if k not in surely})
+        self.leases = surely
+        assert {v for v, _ in surely.values()} <= self.coord.live_leased_versions(), "a snapshot's lease kept"
+        self.fresh_writer = True
 
     # ---- invariants ----
 
     @invariant()
     def version_matches_the_model(self) -> None:
-        assert self.coord.current_version() == self.current
+        assert self.coord.current_version() == self.m.current
 
     @invariant()
     def leased_and_window_versions_exist(self) -> None:
-        if self.current < 0:
+        current = self.m.current
+        if current < 0:
             return
         present = set(list_versions(self.bucket, "r1"))
         now = self.clock()
         leased = {v for v, expires in self.leases.values() if expires > now}
-        window = set(range(max(0, self.current - self.max_staleness - 1), self.current + 1))
+        window = set(range(max(0, current - self.max_staleness - 1), current + 1))
         assert leased | window <= present, (leased, window, present)
 
     @invariant()
     def every_group_has_its_one_fate(self) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        gids = sorted(self.group_state)
-        for gid in gids:
-            pipe.hget(self.coord.keys.group(gid), "state")
-        for gid, state in zip(gids, pipe.execute(), strict=True):
-            assert state == self.group_state[gid], (gid, state, self.group_state[gid])
+        m = self.m
+        gids = sorted(m.group_state)
+        records = self._records()
+        for gid, state in zip(gids, records, strict=False):
+            expected = None if gid in m.forgotten else m.group_state[gid]
+            assert state == expected, (gid, state, expected)
+        assert records[len(gids) :] == [str(p) for p in m.requeue]
         status = self.coord.status()
-        assert status.groups_inflight == self._count("inflight")
-        assert status.groups_buffered == self._count("buffered")
-        assert self.redis.lrange(self.coord.keys.requeue, 0, -1) == [str(p) for p in self.requeue]
+        assert status.groups_inflight == m.count("inflight")
+        assert status.groups_buffered == m.count("buffered")
+        assert status.step_inflight == m.step_inflight
         counters = status.counters
-        assert counters.get("groups_trained", 0) == self._count("trained")
-        assert counters.get("groups_stale", 0) == self._count("stale")
-        assert counters.get("groups_cancelled", 0) == self._count("cancelled")
-        assert counters.get("groups_rejected", 0) == self._count("rejected")
+        for fate in ("trained", "stale", "cancelled", "rejected"):
+            assert counters.get(f"groups_{fate}", 0) == m.count(fate), fate
+        attempts = self.redis.hgetall(self.coord.keys.prompt_attempts)
+        assert {int(p): int(n) for p, n in attempts.items() if p.isdigit()} == m.attempts
+        assert {int(p.split(":")[1]) for p in attempts if p.startswith("quarantined:")} == m.quarantined
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])

@@ -14,6 +14,7 @@ from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import SnapshotCorrupt
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket
+from proxy.storage.manifest import write_version
 from tests.proxy_harness import (
     ManualClock,
     advance_version,
@@ -51,6 +52,15 @@ def busy_run(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> tuple[C
     return coord, submitted
 
 
+def claim_step_3(coord: Coordinator, submitted: set[str]) -> list[dict]:
+    """From ``busy_run``: one more rollout admitted, so the tick claims step 3 on base 2. Returns the tasks
+    still in flight after it (none submitted)."""
+    pending = [t for t in coord.dispatcher.generate if t["task_id"] not in submitted]
+    coord.submit(submission(coord, pending[0], 2))
+    coord.tick()
+    return pending[1:]
+
+
 def test_flushall_then_restart_keeps_version_and_admitted_rollouts(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
@@ -86,9 +96,7 @@ def test_flushall_then_restart_keeps_version_and_admitted_rollouts(
 
 def test_claimed_step_is_resent_with_the_same_batch(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
     coord, submitted = busy_run(redis_client, bucket, clock)
-    pending = [t for t in coord.dispatcher.generate if t["task_id"] not in submitted]
-    coord.submit(submission(coord, pending[0], 2))
-    coord.tick()
+    claim_step_3(coord, submitted)
     step = coord.dispatcher.optimize[-1]
     assert step["step"] == 3
     redis_client.flushall()
@@ -104,9 +112,7 @@ def test_version_published_to_the_bucket_but_not_redis_is_adopted(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
     coord, submitted = busy_run(redis_client, bucket, clock)
-    pending = [t for t in coord.dispatcher.generate if t["task_id"] not in submitted]
-    coord.submit(submission(coord, pending[0], 2))
-    coord.tick()
+    pending = claim_step_3(coord, submitted)
     batch = coord.get_step(3)
     # The trainer uploads version 3 (manifest last) and Redis dies before its publish arrives.
     write_fake_version(bucket, "r1", 3)
@@ -121,18 +127,14 @@ def test_version_published_to_the_bucket_but_not_redis_is_adopted(
     assert status.step_inflight is None and fresh.dispatcher.optimize == [], "step 3 is done, not re-sent"
     assert status.counters["publish"] == 4 and status.counters["groups_trained"] == 12
     with pytest.raises(TaskCancelled):  # nothing else changed: the rebuilt proxy moves on from v3
-        fresh.submit(submission(fresh, pending[1], 2))
+        fresh.submit(submission(fresh, pending[0], 2))
 
 
 def test_version_not_from_the_claimed_step_is_not_adopted(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
     coord, submitted = busy_run(redis_client, bucket, clock)
-    pending = [t for t in coord.dispatcher.generate if t["task_id"] not in submitted]
-    coord.submit(submission(coord, pending[0], 2))
-    coord.tick()
-    from proxy.storage.manifest import write_version
-
+    claim_step_3(coord, submitted)
     write_version(bucket, "r1", 3, {"adapter_config.json": b"{}"}, {"step": 3, "base_version": 1})
     redis_client.flushall()
     fresh = restart(redis_client, bucket, clock)

@@ -221,3 +221,12 @@ def test_the_command_line_takes_its_defaults_from_the_settings(tmp_path: Path, m
     # An option given on the command line wins over the variable.
     flag = runner.invoke(cli_main, ["plot", "--run", "from-flag", "--out", out])
     assert "run 'from-flag' has no step records" in flag.output
+
+
+def test_an_optimize_worker_consumes_its_own_queue_too() -> None:
+    """Steps are routed to the trainer that holds their base version through that worker's own queue."""
+    argv = launcher.celery_worker_argv("optimize", [], worker_id="opt-7")
+    queues = argv[argv.index("--queues") + 1].split(",")
+    assert queues == ["optimize", "optimize.opt-7"]
+    argv = launcher.celery_worker_argv("generate", [], worker_id="gen-1")
+    assert argv[argv.index("--queues") + 1] == "generate"

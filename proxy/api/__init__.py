@@ -1,7 +1,9 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app            routes, error mapping, the tick loop, `serve()`
+    app            routes, the tick loop, `serve()`
+    refusals       which coordinator refusal is which error code; the error body and its handlers
+    fencing        start-up checks (Redis eviction policy, create-only writes, the run's lease) and the lease keeper
     middleware     bearer-token auth and request timing/logging, as plain ASGI
     settings       the proxy's environment variables
     version_watch  `GET /v1/versions/latest`: the long poll that tells generate workers of a new version

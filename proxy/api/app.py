@@ -17,38 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
-from typing import Annotated, Any
+from typing import Annotated
 
 import anyio.to_thread
 import structlog
-from fastapi import Body, FastAPI, Path, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
+from fastapi import Body, FastAPI, Path
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
 from proxy.api.middleware import AuthAndTiming
+from proxy.api.refusals import AUTH_REFUSAL, UNAVAILABLE, error_body, install_error_handlers
 from proxy.api.settings import ProxySettings
 from proxy.api.version_watch import install_version_watch, releasing_server
-from proxy.coordinator.errors import (
-    BadRollout,
-    LeaseLostError,
-    NoVersionYet,
-    PublishConflict,
-    SnapshotFailed,
-    StateMissing,
-    StepNotFound,
-    TaskCancelled,
-)
-from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.errors import error_code
 from proxy.protocol.schemas import (
     ID_PATTERN,
-    ErrorBody,
+    CorruptReport,
+    CorruptResult,
     HeartbeatRequest,
     HeartbeatResult,
     LeaseGrant,
@@ -61,108 +50,41 @@ from proxy.protocol.schemas import (
     RunInfo,
     StatusResponse,
     StepBatch,
+    StepFailureReport,
+    StepFailureResult,
+    StepStartRequest,
+    StepStartResult,
     SubmitResult,
+    TaskFailureReport,
+    TaskFailureResult,
+    VersionInfo,
     WorkersResponse,
 )
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage.bucket import BucketError
 
 log = structlog.get_logger()
 
 LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
+TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
 HANDLER_THREADS = 512
 """Threads for the sync handlers (anyio's default is 40); most of them wait on Redis or on a snapshot put."""
 
 
-class ProxyStartupError(Exception):
-    """The proxy cannot start as configured; the message says what to change."""
-
-
-# Which coordinator refusal is which protocol error code; the HTTP status comes from the shared table. A
-# subclass takes its nearest listed ancestor's code (UnknownTask is cancelled, CasLost a conflict).
-REFUSAL_CODES: dict[type[Exception], str] = {
-    StaleRolloutError: "stale",
-    NoVersionYet: "not_ready",
-    PublishConflict: "conflict",
-    LeaseLostError: "lease_lost",
-    TaskCancelled: "cancelled",
-    BadRollout: "bad_request",
-    StepNotFound: "not_found",
-    SnapshotFailed: "unavailable",
-    StateMissing: "unavailable",
-    RedisError: "unavailable",
-    BucketError: "unavailable",
-}
-SCHEMA_REFUSAL = "bad_request"
-"""Sent with 422 for a body that does not match its schema."""
-AUTH_REFUSAL = "unauthorized"
-UNAVAILABLE = "unavailable"
-"""Also what ``/healthz`` answers when Redis is unreachable."""
-SENT_CODES = frozenset(REFUSAL_CODES.values()) | {SCHEMA_REFUSAL, AUTH_REFUSAL, UNAVAILABLE}
-"""Every error code this server can send (checked against the table by a test)."""
-
-
-def _error_body(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
-    entry = error_code(code)
-    status = entry.status if status is None else status
-    if status not in entry.statuses:
-        raise ValueError(f"error code {code!r} is never sent with status {status}; see proxy.protocol.errors")
-    body = ErrorBody(error=code, detail=detail, **extra)
-    return JSONResponse(status_code=status, content=jsonable_encoder(body))
-
-
-def _snake(name: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
-
-
-def _refusal_code(exc: Exception) -> str:
-    return next(REFUSAL_CODES[kind] for kind in type(exc).__mro__ if kind in REFUSAL_CODES)
-
-
-def _refusal_fields(exc: Exception) -> dict[str, Any]:
-    """What a client needs beyond the sentence to act on a refusal."""
-    if isinstance(exc, StaleRolloutError):
-        return {"version": exc.sample_version, "current_version": exc.current, "max_staleness": exc.max_staleness}
-    if isinstance(exc, PublishConflict):
-        return {"reason": _snake(type(exc).__name__), "current_version": exc.current_version}
-    return {}
-
-
-def install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
-    """Answer every coordinator refusal and schema failure with its code's body; count each by code."""
-
-    def _error(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
-        metrics.count_http_error(code)
-        return _error_body(code, detail, status=status, **extra)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(
-            SCHEMA_REFUSAL,
-            "the request body does not match the schema",
-            status=422,
-            errors=jsonable_encoder(exc.errors()),
-        )
-
-    async def _refused(_: Request, exc: Exception) -> JSONResponse:
-        code = _refusal_code(exc)
-        if code == UNAVAILABLE:
-            log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)
-            return _error(code, f"{type(exc).__name__}: {exc}; retry shortly")
-        return _error(code, str(exc), **_refusal_fields(exc))
-
-    for kind in REFUSAL_CODES:
-        app.add_exception_handler(kind, _refused)
-
-
-def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0.25, run_loop: bool = True) -> FastAPI:
+def create_app(
+    coordinator: Coordinator,
+    token: str | None,
+    *,
+    tick_s: float = 0.25,
+    run_loop: bool = True,
+    stop_on_lost_lease: Callable[[], object] = stop_this_process,
+) -> FastAPI:
     """The API of one run. ``token=None`` disables auth (only ``serve`` on loopback may do that).
-    ``run_loop=False`` leaves ``tick()`` to the caller (tests)."""
+    ``run_loop=False`` leaves ``tick()`` to the caller (tests). With a ``coordinator.fence``, the lease is
+    renewed in the background and ``stop_on_lost_lease`` is called once it is lost."""
     wake = asyncio.Event()
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     async def housekeeping() -> None:
-        while True:
+        while coordinator.fence is None or coordinator.fence.lost is None:
             try:
                 await asyncio.to_thread(coordinator.tick)
             except Exception:  # the loop must outlive any one failed round; it is logged, not passed
@@ -177,11 +99,13 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         # Sync handlers run in anyio's threadpool; a submit holds its thread while group commit makes it durable,
         # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
-        task = asyncio.create_task(housekeeping()) if run_loop else None
+        tasks = [asyncio.create_task(housekeeping())] if run_loop else []
+        if coordinator.fence is not None:  # one live proxy per run (proxy.api.fencing)
+            tasks.append(asyncio.create_task(keep_lease(coordinator.fence, stop_on_lost_lease)))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
@@ -203,13 +127,19 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
     metrics.watch_state(coordinator.gauges, coordinator.run_limits())  # counts only: cheap per scrape
     expected = token.encode() if token else None
 
+    def unavailable(detail: str) -> Response:
+        metrics.count_http_error(UNAVAILABLE)
+        return error_body(UNAVAILABLE, detail)
+
     def unauthorized() -> Response:
         metrics.count_http_error(AUTH_REFUSAL)
-        response = _error_body(AUTH_REFUSAL, "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
+        response = error_body(AUTH_REFUSAL, "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
     app.add_middleware(AuthAndTiming, token=expected, metrics=metrics, refuse=unauthorized)
+    app.middleware("http")(lease_guard(coordinator.fence, unavailable))
+
     install_error_handlers(app, metrics)
     # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).
     version_watch = install_version_watch(app, coordinator)
@@ -220,7 +150,7 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
             current = coordinator.current_version()
         except RedisError as error:
             metrics.count_http_error(UNAVAILABLE)
-            return _error_body(UNAVAILABLE, f"Redis unreachable: {error}")
+            return error_body(UNAVAILABLE, f"Redis unreachable: {error}")
         return JSONResponse({"status": "ok", "run": coordinator.run, "current_version": current})
 
     @app.get("/metrics")
@@ -258,9 +188,27 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         finally:
             poke()
 
+    @app.post("/v1/tasks/{task_id}/failure", response_model=TaskFailureResult)
+    def report_task_failure(task_id: TaskId, report: TaskFailureReport) -> TaskFailureResult:
+        try:
+            return coordinator.report_task_failure(task_id, report)
+        finally:
+            poke()
+
     @app.get("/v1/steps/{step}", response_model=StepBatch)
     def get_step(step: Annotated[int, Path(ge=0)]) -> StepBatch:
         return coordinator.get_step(step)
+
+    @app.post("/v1/steps/{step}/start", response_model=StepStartResult)
+    def start_step(step: Annotated[int, Path(ge=0)], request: StepStartRequest) -> StepStartResult:
+        return coordinator.start_step(step, request)
+
+    @app.post("/v1/steps/{step}/failure", response_model=StepFailureResult)
+    def report_step_failure(step: Annotated[int, Path(ge=0)], report: StepFailureReport) -> StepFailureResult:
+        try:
+            return coordinator.report_step_failure(step, report)
+        finally:
+            poke()  # re-send or re-claim at once
 
     @app.post("/v1/versions", response_model=PublishResult)
     def publish_version(request: PublishRequest) -> PublishResult:
@@ -269,6 +217,16 @@ def create_app(coordinator: Coordinator, token: str | None, *, tick_s: float = 0
         finally:
             version_watch.notify()
             poke()
+
+    # ---- published versions: recorded sha and corruption reports (proxy.coordinator.versions) ----
+
+    @app.get("/v1/versions/{version}", response_model=VersionInfo)
+    def version_info(version: Annotated[int, Path(ge=0)]) -> VersionInfo:
+        return coordinator.version_info(version)
+
+    @app.post("/v1/versions/{version}/corrupt", response_model=CorruptResult)
+    def report_corrupt(version: Annotated[int, Path(ge=0)], report: CorruptReport) -> CorruptResult:
+        return coordinator.report_corrupt(version, report)
 
     @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
     def heartbeat(report: HeartbeatRequest) -> HeartbeatResult:
@@ -304,10 +262,16 @@ def check_can_serve(host: str, token: str | None, insecure_loopback: bool) -> No
 
 
 def serve(
-    run_name: str, host: str, port: int, insecure_loopback: bool = False, settings: ProxySettings | None = None
+    run_name: str,
+    host: str,
+    port: int,
+    insecure_loopback: bool = False,
+    settings: ProxySettings | None = None,
+    standby: bool = False,
 ) -> None:
     """Run the coordinator of ``run_name`` until SIGINT/SIGTERM; ``settings`` as the caller already read them
-    (else from ``ASYNCGRPO_*``)."""
+    (else from ``ASYNCGRPO_*``). Exits non-zero if another proxy holds the run (unless ``standby``: wait for
+    it) or takes it over while this one serves."""
     import uvicorn
     from redis import Redis
 
@@ -328,8 +292,18 @@ def serve(
     configure_logging(role="proxy", run=run_name)
     bucket = open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url)
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        fence = start_checks(redis, bucket, run_name, settings, standby=standby)
+    except ProxyStartupError as error:
+        raise SystemExit(f"asyncgrpo proxy: {error}") from error
     coordinator = Coordinator.from_bucket(
-        redis, bucket, run_name, CeleryDispatcher(settings.redis_url), worker_alive_s=settings.worker_alive_s
+        redis,
+        bucket,
+        run_name,
+        CeleryDispatcher(settings.redis_url),
+        worker_alive_s=settings.worker_alive_s,
+        fence=fence,
+        require_generate_worker=True,
     )
     outcome = coordinator.ensure_state()
     log.info(
@@ -340,10 +314,12 @@ def serve(
         state=outcome,
         current_version=coordinator.current_version(),
         auth="off (loopback)" if not token else "bearer",
+        proxy_epoch=fence.epoch,
     )
     app = create_app(coordinator, token, tick_s=settings.tick_s)
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
-    config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10
-    )
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)
     releasing_server(config, app.state.version_watch).run()
+    if fence.lost is not None:  # non-zero, so that systemd restarts it (as a stand-by if so configured)
+        raise SystemExit(f"asyncgrpo proxy: lost the lease of run {run_name!r} to {fence.lost.describe()}")
+    fence.release()  # a clean stop: a stand-by takes over at once

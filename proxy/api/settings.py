@@ -24,6 +24,21 @@ class ProxySettings(CommonSettings):
     """Seconds between housekeeping rounds (expire, dispatch, claim, GC, snapshot); a round also runs right
     after every submit and publish."""
 
-    worker_alive_s: float = Field(30.0, gt=0.0, le=86400.0)
-    """A worker counts as alive if it sent a heartbeat within this many seconds (about 3x the workers'
-    `ASYNCGRPO_HEARTBEAT_S`)."""
+    worker_alive_s: float = Field(15.0, gt=0.0, le=86400.0)
+    """A worker counts as alive if it sent a heartbeat within this many seconds (3x the workers'
+    `ASYNCGRPO_HEARTBEAT_S`); the task or step of a worker silent this long is re-sent at once."""
+
+    proxy_standby: bool = False
+    """Start as a stand-by: if another proxy holds the run's lease, wait and take over when it lapses, instead
+    of refusing to start (also `asyncgrpo proxy --standby`)."""
+
+    proxy_lease_ttl_s: float = Field(6.0, ge=1.0, le=600.0)
+    """Seconds the proxy's lease on its run lives unless renewed (renewed every third of it); a stand-by takes
+    over this long after the live proxy stops."""
+
+    allow_redis_eviction: bool = False
+    """Start even if Redis's `maxmemory-policy` is not `noeviction` (evicted state keys lose admitted work)."""
+
+    allow_unconditional_bucket: bool = False
+    """Start even if the bucket ignores create-only writes (`If-None-Match: *`): manifests are then
+    write-once by convention only."""

@@ -17,9 +17,7 @@ from proxy.run.config import RunConfig
 class WaitingAccount:
     """Credits the time between ticks to what the proxy was waiting on."""
 
-    def __init__(
-        self, store: RunStore, config: RunConfig, inflight_limit: Callable[[], int] | None = None
-    ) -> None:
+    def __init__(self, store: RunStore, config: RunConfig, inflight_limit: Callable[[], int] | None = None) -> None:
         self.store = store
         self.config = config
         self.inflight_limit = inflight_limit or (lambda: config.async_.queue_maxsize)

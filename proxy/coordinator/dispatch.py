@@ -1,25 +1,32 @@
 """Sending Celery tasks by name: the proxy never imports worker code, it only knows task names and queues.
 
-``CeleryDispatcher`` is the real one (``celery.Celery(broker=redis_url).send_task``, JSON only);
+``CeleryDispatcher`` is the real one (``celery.Celery(broker=redis_url).send_task``, JSON only; a generate
+message expires at its task's deadline);
 ``RecordingDispatcher`` keeps the messages in memory for tests of the coordinator's logic.
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import structlog
 
-from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage
+from proxy.protocol.queues import (
+    GENERATE_QUEUE,
+    GENERATE_TASK_NAME,
+    OPTIMIZE_QUEUE,
+    OPTIMIZE_TASK_NAME,
+    REPAIR_TASK_NAME,
+    worker_queue,
+)
+from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
 
 log = structlog.get_logger()
 
-GENERATE_TASK_NAME = "asyncgrpo.generate"
-OPTIMIZE_TASK_NAME = "asyncgrpo.optimize"
-GENERATE_QUEUE = "generate"
-OPTIMIZE_QUEUE = "optimize"
 
 
 def optimize_task_id(run: str, step: int) -> str:
@@ -34,7 +41,16 @@ class DispatchError(Exception):
 class Dispatcher(Protocol):
     def send_generate(self, message: GenerateTaskMessage) -> None: ...
 
-    def send_optimize(self, message: OptimizeTaskMessage) -> None: ...
+    def send_optimize(
+        self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
+    ) -> None:
+        """``queue``: one worker's own queue (``proxy.protocol.queues.worker_queue``); None: the shared one.
+        ``expires_s``: a copy not started within this many seconds (e.g. redelivered late) is dropped unrun."""
+        ...
+
+    def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
+        """A repair task to the own queue of ``worker_id``, the optimize worker holding the version's bytes."""
+        ...
 
 
 class CeleryDispatcher:
@@ -51,7 +67,9 @@ class CeleryDispatcher:
             broker_connection_retry_on_startup=True,
         )
 
-    def _send(self, name: str, queue: str, task_id: str, kwargs: dict[str, Any]) -> None:
+    def _send(
+        self, name: str, queue: str, task_id: str, kwargs: dict[str, Any], expires: float | datetime | None = None
+    ) -> None:
         from kombu.exceptions import KombuError, OperationalError
         from redis.exceptions import RedisError
 
@@ -62,6 +80,7 @@ class CeleryDispatcher:
                 queue=queue,
                 task_id=task_id,
                 serializer="json",
+                expires=expires,
                 retry=True,
                 retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
             )
@@ -70,11 +89,20 @@ class CeleryDispatcher:
         log.info("proxy.task_sent", task=name, task_id=task_id, queue=queue)
 
     def send_generate(self, message: GenerateTaskMessage) -> None:
-        self._send(GENERATE_TASK_NAME, GENERATE_QUEUE, message.task_id, message.model_dump(mode="json"))
+        # Past its deadline the proxy no longer wants the task: the worker drops the message unrun.
+        expires = None if message.expires_at is None else datetime.fromtimestamp(message.expires_at, tz=UTC)
+        self._send(GENERATE_TASK_NAME, GENERATE_QUEUE, message.task_id, message.model_dump(mode="json"), expires)
 
-    def send_optimize(self, message: OptimizeTaskMessage) -> None:
+    def send_optimize(
+        self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
+    ) -> None:
         task_id = optimize_task_id(message.run, message.step)
-        self._send(OPTIMIZE_TASK_NAME, OPTIMIZE_QUEUE, task_id, message.model_dump(mode="json"))
+        kwargs = message.model_dump(mode="json")
+        self._send(OPTIMIZE_TASK_NAME, queue or OPTIMIZE_QUEUE, task_id, kwargs, expires_s)
+
+    def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
+        task_id = f"repair-{message.run}-{message.version}-{uuid.uuid4().hex[:8]}"
+        self._send(REPAIR_TASK_NAME, worker_queue(worker_id), task_id, message.model_dump(mode="json"))
 
 
 @dataclass
@@ -83,6 +111,9 @@ class RecordingDispatcher:
 
     generate: list[dict[str, Any]] = field(default_factory=list)
     optimize: list[dict[str, Any]] = field(default_factory=list)
+    optimize_queues: list[str | None] = field(default_factory=list)  # the queue of each optimize message
+    repairs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (worker_id, message)
+    optimize_expires: list[float | None] = field(default_factory=list)  # the expiry of each, in seconds
     fail: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -92,8 +123,18 @@ class RecordingDispatcher:
         with self._lock:
             self.generate.append(message.model_dump(mode="json"))
 
-    def send_optimize(self, message: OptimizeTaskMessage) -> None:
+    def send_optimize(
+        self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
+    ) -> None:
         if self.fail:
             raise DispatchError(f"recording dispatcher set to fail (optimize step {message.step})")
         with self._lock:
             self.optimize.append(message.model_dump(mode="json"))
+            self.optimize_queues.append(queue)
+            self.optimize_expires.append(expires_s)
+
+    def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
+        if self.fail:
+            raise DispatchError(f"recording dispatcher set to fail (repair of version {message.version})")
+        with self._lock:
+            self.repairs.append((worker_id, message.model_dump(mode="json")))

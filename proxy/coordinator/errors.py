@@ -33,6 +33,11 @@ class UnknownTask(TaskCancelled):
     """The proxy never dispatched this task (or forgot it in a rebuild); its work is not wanted."""
 
 
+class TaskEnded(TaskCancelled):
+    """A lease asked for a generate task that is no longer in flight (cancelled, submitted, or forgotten):
+    the worker skips the task and acks its message."""
+
+
 class BadRollout(CoordinatorError):
     """A submission that does not match its task (foreign or repeated groups, a future version, a bad key)."""
 
@@ -106,5 +111,13 @@ class StepNoLongerClaimed(CoordinatorError):
     """The step was published (or forgotten) between reading it and marking its optimize task sent."""
 
 
+class BadStepFailure(CoordinatorError):
+    """A step failure report that does not match the step (it names a rollout outside the batch)."""
+
+
 class StateExists(CoordinatorError):
     """A restore found the run's state already in Redis (another restore won); nothing was written."""
+
+
+class VersionNotFound(StepNotFound):
+    """No published version with this number is recorded (never published, or collected)."""

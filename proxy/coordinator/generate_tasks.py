@@ -1,11 +1,20 @@
 """Generate tasks: dispatch one (requeued prompts first, then the seeded permutation), cancel and expire them.
 
-The prompt order is a seeded permutation per epoch (``seed + epoch``); its position lives in Redis
-(``epoch``, ``epoch_pos``), so a restarted proxy goes on where it was. A task is dispatched only while
-in-flight plus buffered groups stay within ``async.queue_maxsize`` (back-pressure). A task not submitted by
-its deadline (``async.generate_task_timeout_s``) is presumed lost: it is cancelled and its prompts go back in
-line (invariant 4); a task the broker refused or that a failed snapshot would not make durable is cancelled
-at once (``force``).
+The prompt order is a seeded permutation per epoch (``seed + epoch``); its position lives in Redis (``epoch``,
+``epoch_pos``), so a restarted proxy goes on where it was. A task is dispatched only while in-flight plus
+buffered groups stay within ``async.queue_maxsize`` (back-pressure). A task not submitted by its deadline
+(``async.generate_task_timeout_s``) is presumed lost: it is cancelled and its prompts go back in line
+(invariant 4); a task the broker refused is cancelled at once (``force``).
+
+Invariants 8 and 9: a task whose lease holder stopped sending heartbeats is cancelled at once (``reap_dead``),
+and so is one whose worker reports a failure (``fail``). A timed-out, dead-worker or failed task counts one
+failed attempt for each of its prompts (``prompt_attempts``; cleared when the prompt's task runs to a
+submission); at ``async.max_group_attempts`` the group ends as rejected instead of requeued, with the last
+reported reason or ``failed_<n>_attempts``, and its prompt is quarantined: never dispatched again
+(``prompts_quarantined``), or a poison prompt would fail that many times more every epoch. A failure the
+worker says is not the prompts' fault (an adapter version it could not load) counts no attempt. Tasks a failed
+snapshot would not make durable were never sent: ``undo`` takes them back without counting anything, their
+prompts at the front of the line.
 """
 
 from __future__ import annotations
@@ -17,12 +26,17 @@ from collections.abc import Callable
 import structlog
 
 from proxy.coordinator.errors import BufferFull, EpochMoved
+from proxy.coordinator.halt import halt
 from proxy.coordinator.retention import track_flag
+from proxy.coordinator.rollouts import MAX_REJECT_REASONS, normalise_reason
 from proxy.coordinator.store import RunStore
 from proxy.protocol.schemas import GenerateTaskMessage, GroupRef
 from proxy.run.config import RunConfig
 
 log = structlog.get_logger()
+
+QUARANTINE_HALT = "prompts_quarantined"
+"""The halt source (``proxy.coordinator.halt``) of a run whose every prompt is quarantined."""
 
 _DISPATCH_ATTEMPTS = 8
 """How often a dispatch re-reads a prompt order position that moved under it before it gives up."""
@@ -78,6 +92,17 @@ class GenerateTasks:
             epoch_raw, pos_raw = store.redis.hmget(store.keys.state, ["epoch", "epoch_pos"])
             epoch, pos = int(epoch_raw or 0), int(pos_raw or 0)
             deadline = store.clock_ms() + int(cfg.generate_task_timeout_s * 1000)
+            # Quarantined prompts are skipped: enough candidates that groups_per_task of them are not.
+            quarantined = int(store.redis.hget(store.keys.prompt_attempts, "quarantined") or 0)
+            if quarantined >= self.num_prompts:
+                halt(
+                    store,
+                    f"all {self.num_prompts} prompts of run {store.run!r} are quarantined (each failed "
+                    f"async.max_group_attempts times; see rejected_by_reason): fix the reward or the data and "
+                    "create a new run",
+                    by=QUARANTINE_HALT,
+                )
+                return None
             try:
                 reply = store.scripts.dispatch_generate(
                     now_ms=store.clock_ms(),
@@ -88,7 +113,7 @@ class GenerateTasks:
                     epoch_pos=pos,
                     num_prompts=self.num_prompts,
                     run=store.run,
-                    candidates=self.order.candidates(epoch, pos, cfg.groups_per_task),
+                    candidates=self.order.candidates(epoch, pos, cfg.groups_per_task + quarantined),
                 )
             except BufferFull:
                 return None
@@ -96,27 +121,75 @@ class GenerateTasks:
                 continue
             store.mark_changed()
             groups = [GroupRef(**g) for g in json.loads(reply["groups_json"])]
-            return GenerateTaskMessage(run=store.run, task_id=reply["task_id"], groups=groups)
+            return GenerateTaskMessage(
+                run=store.run, task_id=reply["task_id"], groups=groups, expires_at=deadline / 1000.0
+            )
         raise RuntimeError("dispatch_generate kept seeing the epoch position move; is a second proxy running?")
 
     def cancel(self, task_ids: list[str], *, force: bool) -> tuple[int, int]:
-        """Cancel in-flight tasks (past their deadline, or any if ``force``); returns (tasks, groups)."""
-        if not task_ids:
-            return 0, 0
-        reply = self.store.scripts.cancel_tasks(
-            now_ms=self.store.clock_ms(),
-            record_ttl_s=self.store.record_ttl_s,
-            force="1" if force else "0",
-            track=track_flag(self.config),
-            task_ids=task_ids,
-        )
-        tasks, groups = int(reply["tasks_cancelled"]), int(reply["groups_requeued"])
-        if tasks:
-            self.store.mark_changed()
-            log.warning("proxy.tasks_cancelled", tasks=tasks, groups_requeued=groups, forced=force)
+        """Cancel in-flight tasks (past their deadline, or any if ``force``); returns (tasks, groups requeued)."""
+        tasks, groups, _ = self._cancel(task_ids, "force" if force else "deadline")
         return tasks, groups
 
     def expire(self) -> tuple[int, int]:
-        """Cancel the tasks past their deadline; returns (tasks, groups)."""
+        """Cancel the tasks past their deadline; returns (tasks, groups requeued)."""
         due = self.store.redis.zrangebyscore(self.store.keys.tasks_inflight, "-inf", self.store.clock_ms())
         return self.cancel(list(due), force=False)
+
+    # ---- invariants 8 and 9: dead workers, reported failures, attempts, undone dispatches ----
+
+    def reap_dead(self, alive_s: float) -> int:
+        """Cancel the tasks whose lease holder was not heard from within ``alive_s``; returns how many."""
+        inflight = list(self.store.redis.zrange(self.store.keys.tasks_inflight, 0, -1))
+        alive_since = self.store.clock_ms() - int(alive_s * 1000)
+        tasks, _, _ = self._cancel(inflight, "dead", alive_since_ms=alive_since)
+        return tasks
+
+    def fail(self, task_id: str, worker_id: str, reason: str, *, prompt_at_fault: bool = True) -> bool:
+        """A worker reports that ``task_id`` failed: cancel it now, counting an attempt unless the failure is
+        not its prompts' fault; False if it was not in flight (or another worker holds it)."""
+        mode = "failed" if prompt_at_fault else "failed_uncounted"
+        tasks, _, _ = self._cancel([task_id], mode, reason=self._reason_label(reason), worker_id=worker_id)
+        return tasks > 0
+
+    def undo(self, task_ids: list[str]) -> int:
+        """Take back tasks never sent (their snapshot failed): nothing counted, prompts back in front."""
+        if not task_ids:
+            return 0
+        reply = self.store.scripts.undo_dispatch(task_ids=task_ids)
+        undone = int(reply["tasks_undone"])
+        if undone:
+            self.store.mark_changed()
+        return undone
+
+    def _reason_label(self, reason: str) -> str:
+        label = normalise_reason(reason)
+        known = set(self.store.redis.hkeys(self.store.keys.rejected_reasons))
+        return label if label in known or len(known) < MAX_REJECT_REASONS else "other"
+
+    def _cancel(
+        self, task_ids: list[str], mode: str, *, reason: str = "", worker_id: str = "", alive_since_ms: int = 0
+    ) -> tuple[int, int, int]:
+        """Run CANCEL_TASKS in ``mode``; returns (tasks cancelled, groups requeued, groups rejected)."""
+        if not task_ids:
+            return 0, 0, 0
+        reply = self.store.scripts.cancel_tasks(
+            now_ms=self.store.clock_ms(),
+            record_ttl_s=self.store.record_ttl_s,
+            mode=mode,
+            track=track_flag(self.config),
+            max_attempts=self.config.max_group_attempts,
+            reason=reason,
+            alive_since_ms=alive_since_ms,
+            worker_id=worker_id,
+            task_ids=task_ids,
+        )
+        tasks, groups, rejected = (
+            int(reply[name]) for name in ("tasks_cancelled", "groups_requeued", "groups_rejected")
+        )
+        if tasks:
+            self.store.mark_changed()
+            log.warning(
+                "proxy.tasks_cancelled", tasks=tasks, groups_requeued=groups, groups_rejected=rejected, why=mode
+            )
+        return tasks, groups, rejected

@@ -21,6 +21,11 @@ from proxy.storage import bucket_keys
 log = structlog.get_logger()
 
 
+def task_id_prefix(run: str) -> str:
+    """How every generate task id of ``run`` starts (``lua/dispatch_generate.lua`` makes them)."""
+    return f"gen-{run}-"
+
+
 def live_leased_versions(store: RunStore) -> set[int]:
     """The versions some unexpired lease names."""
     now = store.clock_ms()
@@ -60,11 +65,17 @@ class Leases:
         )
 
     def grant(self, worker_id: str, task_id: str) -> LeaseGrant:
-        """Lease the current version; raises NoVersionYet before the init step published version 0."""
+        """Lease the current version for a task in flight; raises NoVersionYet before the init step published
+        version 0, TaskEnded for a task of this run that is cancelled, done or forgotten."""
         lease_id = uuid.uuid4().hex
         now = self.store.clock_ms()
         reply = self.store.scripts.grant_lease(
-            now_ms=now, ttl_ms=self._ttl_ms, lease_id=lease_id, worker_id=worker_id, task_id=task_id
+            now_ms=now,
+            ttl_ms=self._ttl_ms,
+            lease_id=lease_id,
+            worker_id=worker_id,
+            task_id=task_id,
+            task_prefix=task_id_prefix(self.store.run),
         )
         version = int(reply["version"])
         if version > self._first_use_marked:

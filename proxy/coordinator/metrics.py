@@ -42,11 +42,20 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "groups_cancelled": ("asyncgrpo_groups_cancelled", "Groups of lost tasks, requeued."),
     "steps_claimed": ("asyncgrpo_steps_claimed", "Optimizer steps claimed."),
     "groups_claimed": ("asyncgrpo_groups_claimed", "Prompt groups claimed for steps."),
-    "optimize_resent": ("asyncgrpo_optimize_resent", "Optimize tasks re-sent after a timeout."),
+    "optimize_resent": (
+        "asyncgrpo_optimize_resent",
+        "Optimize tasks re-sent (dead holder, dead target, failure report, timeout).",
+    ),
+    "step_failures": ("asyncgrpo_step_failures", "Optimize attempts that failed without naming a rollout."),
+    "steps_unclaimed": ("asyncgrpo_steps_unclaimed", "Steps un-claimed after a rejected rollout or attempts."),
     "groups_trained": ("asyncgrpo_groups_trained", "Prompt groups in a published step."),
     "publish": ("asyncgrpo_publish", "Versions published."),
     "conflicts": ("asyncgrpo_publish_conflicts", "Publish requests refused (CAS lost, bad manifest, ...)."),
     "versions_deleted": ("asyncgrpo_versions_deleted", "Adapter versions garbage-collected."),
+    "versions_not_adopted": (
+        "asyncgrpo_rebuild_versions_not_adopted",
+        "Versions in the bucket a rebuild did not adopt (another batch, or a gap); inspect them.",
+    ),
     "rollouts_deleted": ("asyncgrpo_rollouts_deleted", "Rollout objects deleted by retention."),
 }
 
@@ -89,6 +98,7 @@ class StateGauges:
     counters: dict[str, int]
     rejected_by_reason: dict[str, int]
     workers_alive_by_role: dict[str, int]
+    halted: str | None = None  # proxy.coordinator.halt
 
     @classmethod
     def from_status(cls, status: StatusResponse) -> StateGauges:
@@ -106,6 +116,7 @@ class StateGauges:
             counters=status.counters,
             rejected_by_reason=status.rejected_by_reason,
             workers_alive_by_role=status.workers_alive_by_role,
+            halted=status.halted,
         )
 
 
@@ -171,6 +182,10 @@ class _StateCollector(Collector):
             "asyncgrpo_generate_tasks_inflight": ("Generate tasks not yet submitted.", status.tasks_inflight),
             "asyncgrpo_epoch": ("Current pass over the prompts.", status.epoch),
             "asyncgrpo_final_version": ("The version at which the run ends.", status.final_version),
+            "asyncgrpo_run_halted": (
+                "1 while the run's steps are halted for an operator (see /v1/status halted).",
+                int(status.halted is not None),
+            ),
         }
         for name, (help_text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, help_text)

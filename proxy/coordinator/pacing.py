@@ -99,13 +99,17 @@ class InflightPacer:
     # ---- what dispatch asks ----
 
     def limit(self) -> int:
-        """Groups allowed in flight plus buffered now: at most ``queue_maxsize``, at least one version's worth."""
+        """Groups allowed in flight plus buffered now: at most ``queue_maxsize``, at least one version's worth
+        plus one task less a group."""
         if not self.enabled:
             return self.queue_maxsize
         # Until measured: two versions' worth, the trainer's next batch and the one after, not a full buffer
         # whose samples would all be old by the time the trainer reaches them.
         versions_ahead = self.versions_ahead() or UNMEASURED_VERSIONS_AHEAD
-        return min(self.queue_maxsize, versions_ahead * self.groups_per_version)
+        # The floor: with one group short of a step buffered (a rejected group leaves the buffer off the task
+        # grid) and nothing in flight, a whole task must still fit, or no step is ever claimed again.
+        floor = self.groups_per_version + self.groups_per_task - 1
+        return min(self.queue_maxsize, max(floor, versions_ahead * self.groups_per_version))
 
     def versions_ahead(self) -> int | None:
         """Trainer steps the fleet needs to make one version's groups; None while unmeasured or when off."""

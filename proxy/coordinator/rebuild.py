@@ -2,12 +2,13 @@
 
 - no snapshot and no version in the bucket: a fresh run (current = -1, the init step will be sent);
 - no snapshot but versions: start at the latest complete version (the prompt order restarts);
-- a snapshot: restore it; if the bucket holds the version the snapshot's in-flight step was to produce
-  (manifest metadata naming that step and base version), adopt it as current and mark the step's groups
-  trained; otherwise keep the step claimed and send it again. Generate tasks that were in flight are
-  cancelled and their prompts requeued (their broker messages may be gone with Redis); leases that have not
-  expired are restored. Task ids carry an incarnation number bumped by every rebuild, so a task handed out
-  before the crash never shares its id with one handed out after.
+- a snapshot: restore it; if the bucket holds complete, contiguous versions above the snapshot's current one
+  whose batches the snapshot accounts for (``proxy.coordinator.adoption``: the claimed step's manifest must
+  name that very batch), adopt them, newest as current, and mark their groups trained; otherwise keep the
+  step claimed and send it again. A rebuild never goes back behind a version it can account for. Generate
+  tasks that were in flight are cancelled and their prompts requeued (their broker messages may be gone
+  with Redis); leases that have not expired are restored. Task ids carry an incarnation number bumped by
+  every rebuild, so a task handed out before the crash never shares its id with one handed out after.
 
 Rollout retention survives a rebuild: the snapshot carries the ``rollout_retention`` queue, and a rebuild
 (from a snapshot or from the versions alone) also lists ``runs/<run>/rollouts/`` and queues every object
@@ -25,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from proxy.coordinator.adoption import Claimed, adopt_newer_versions
 from proxy.coordinator.errors import StateExists
 from proxy.coordinator.snapshot import load_snapshot
 from proxy.coordinator.store import RunStore
@@ -97,17 +99,6 @@ def _is_rollout_key(run: str, task_id: str, key: str) -> bool:
         return False
 
 
-def _adoptable(src: _Sources, latest: int | None, step: int, base: int) -> str | None:
-    """The manifest sha256 of version ``step`` if the bucket holds it as the result of that very step."""
-    if latest is None or latest != step:
-        return None
-    manifest, sha = read_manifest(src.bucket, src.store.run, step)
-    meta = manifest.metadata
-    if meta.get("step") == step and meta.get("base_version") == base:
-        return sha
-    return None
-
-
 def _fresh_ops(src: _Sources, latest: int | None, now: int) -> tuple[_Ops, str]:
     ops = _Ops(src.store.record_ttl_s)
     state: dict[str, Any] = {
@@ -152,9 +143,33 @@ def _rebuild_ops(src: _Sources, document: dict[str, Any], latest: int | None, no
         count("tasks_cancelled")
     state["groups_inflight"] = 0
 
+    current = int(state["current_version"])
+    step_doc = document.get("step")
+    claimed = None
+    if step_doc:
+        record = step_doc["record"]
+        task_ids = [ref["task_id"] for ref in json.loads(record["rollouts"])]
+        claimed = Claimed(int(record["step"]), int(record["base_version"]), task_ids)
+    buffer_ids = {item["task_id"] for item in document["buffer"]}
+    adoption = adopt_newer_versions(src.bucket, src.store.run, current, latest, claimed, buffer_ids)
+    versions.update({str(version): sha for version, sha in adoption.versions.items()})
+    state["current_version"] = current = adoption.current
+    count("publish", len(adoption.versions))
+    count("versions_not_adopted", adoption.not_adopted)
+    known = {tid: int(version) for tid, version in document.get("rollout_retention", {}).items()}
+
     buffered = 0
     for item in document["buffer"]:
         tid, rollout = item["task_id"], item["rollout"]
+        trained_into = adoption.trained_from_buffer.get(tid)
+        if trained_into is not None:  # claimed and trained after the snapshot was written
+            ops.hset(keys.rollout(tid), rollout, retire=True)
+            ops.hset(keys.task(tid), {"state": "admitted", "version": rollout["version"]}, retire=True)
+            for gid, group in item["groups"].items():
+                ops.hset(keys.group(gid), {**group, "state": "trained", "ended_ms": now}, retire=True)
+            count("groups_trained", len(item["groups"]))
+            known[tid] = trained_into
+            continue
         ops.hset(keys.rollout(tid), rollout)
         ops.rpush(keys.buffer, [tid])
         ops.hset(keys.task(tid), {"state": "admitted", "version": rollout["version"]})
@@ -163,45 +178,28 @@ def _rebuild_ops(src: _Sources, document: dict[str, Any], latest: int | None, no
         buffered += len(item["groups"])
     state["groups_buffered"] = buffered
 
-    current = int(state["current_version"])
     # Rollouts of the buffer and of a step kept in flight are still needed; a retention queue never holds them.
-    needed = {item["task_id"] for item in document["buffer"]}
-    known = {tid: int(version) for tid, version in document.get("rollout_retention", {}).items()}
-    step_doc = document.get("step")
+    needed = buffer_ids - set(adoption.trained_from_buffer)
     state["step_inflight"] = -1
-    if step_doc:
-        record = step_doc["record"]
-        step, base = int(record["step"]), int(record["base_version"])
-        task_ids = [ref["task_id"] for ref in json.loads(record["rollouts"])]
-        sha = _adoptable(src, latest, step, base) if base == current else None
-        if sha is not None:
-            versions[str(step)] = sha
-            state["current_version"] = current = step
+    if step_doc and claimed is not None:
+        record, step = step_doc["record"], claimed.step
+        if adoption.claimed_adopted:
             ops.hset(keys.step(step), {**record, "state": "published", "published_ms": now}, retire=True)
             for gid, group in step_doc["groups"].items():
                 ops.hset(keys.group(gid), {**group, "state": "trained", "ended_ms": now}, retire=True)
-            for tid in task_ids:
+            for tid in claimed.task_ids:
                 ops.hset(keys.task(tid), {"state": "admitted"}, retire=True)
             count("groups_trained", len(step_doc["groups"]))
-            count("publish")
-            known.update({tid: step for tid in task_ids})  # trained into version ``step``
-            log.warning("proxy.rebuild_adopted_version", version=step, base_version=base)
+            known.update({tid: step for tid in claimed.task_ids})  # trained into version ``step``
         else:
             ops.hset(keys.step(step), {**record, "sent_ms": 0})
             for gid, group in step_doc["groups"].items():
                 ops.hset(keys.group(gid), group)
-            for tid in task_ids:
+            for tid in claimed.task_ids:
                 ops.hset(keys.task(tid), {"state": "admitted"})
             state["step_inflight"] = step
-            needed.update(task_ids)
+            needed.update(claimed.task_ids)
     ops.zadd(keys.rollout_retention, _rollout_retention(src, current, known, needed))
-    if latest is not None and latest > current:
-        log.error(
-            "proxy.rebuild_version_not_adopted",
-            latest_in_bucket=latest,
-            current=current,
-            hint="the bucket holds a version this run's snapshot does not explain; inspect it before going on",
-        )
 
     for item in document["leases"]:
         lease = item["lease"]
@@ -217,6 +215,8 @@ def _rebuild_ops(src: _Sources, document: dict[str, Any], latest: int | None, no
         ops.hset(keys.counters, counters)
     if document["rejected_reasons"]:
         ops.hset(keys.rejected_reasons, document["rejected_reasons"])
+    if document.get("prompt_attempts"):  # failed-attempt counts of prompts (invariant 9)
+        ops.hset(keys.prompt_attempts, document["prompt_attempts"])
     ops.rpush(keys.requeue, requeue)
     state["incarnation"] = int(state.get("incarnation", 0)) + 1
     ops.hset(keys.state, state)

@@ -20,6 +20,12 @@ Fixed keys:
   live workers of a role with one ZCOUNT
 - ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
   from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
+- ``proxy_lease`` string (JSON, with a TTL): the one live proxy of the run and its fencing epoch
+- ``proxy_epoch`` counter: the last fencing epoch handed out (``proxy.coordinator.proxy_lease``)
+- ``prompt_attempts`` hash: prompt index -> failed attempts of its group since it last ran to a submission
+  (and ``reason:<index>`` -> the last failure its worker reported); at ``async.max_group_attempts`` the
+  group is rejected and ``quarantined:<index>`` -> the reason keeps the prompt from being dispatched again
+  (``quarantined`` counts them)
 """
 
 from __future__ import annotations
@@ -101,6 +107,18 @@ class RunKeys:
     @property
     def rollout_retention(self) -> str:
         return self.prefix + "rollout_retention"
+
+    @property
+    def proxy_lease(self) -> str:
+        return self.prefix + "proxy_lease"
+
+    @property
+    def proxy_epoch(self) -> str:
+        return self.prefix + "proxy_epoch"
+
+    @property
+    def prompt_attempts(self) -> str:
+        return self.prefix + "prompt_attempts"
 
     def _item(self, kind: str, item_id: str | int) -> str:
         return f"{self.prefix}{kind}:{item_id}"

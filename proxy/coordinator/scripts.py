@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from proxy.coordinator.errors import (
     BadRollout,
+    BadStepFailure,
     BadVersionNumber,
     BufferFull,
     CasLost,
@@ -38,6 +39,7 @@ from proxy.coordinator.errors import (
     StepNotClaimed,
     StepNotReady,
     TaskCancelled,
+    TaskEnded,
     UnknownTask,
 )
 from proxy.coordinator.lua_script import NO_STATE, BoundScript, LuaScript, Refusal
@@ -51,7 +53,7 @@ _CURRENT = ("current",)
 
 DISPATCH_GENERATE = LuaScript(
     name="dispatch_generate",
-    keys=("state", "counters", "requeue", "tasks_inflight"),
+    keys=("state", "counters", "requeue", "tasks_inflight", "prompt_attempts"),
     argv=(
         "now_ms",
         "deadline_ms",
@@ -73,15 +75,51 @@ DISPATCH_GENERATE = LuaScript(
 
 CANCEL_TASKS = LuaScript(
     name="cancel_tasks",
-    keys=("state", "counters", "requeue", "tasks_inflight", "rollout_retention"),
-    argv=("now_ms", "record_ttl_s", "force", "track", "*task_ids"),
-    ok={"OK": ("tasks_cancelled", "groups_requeued")},
+    keys=(
+        "state",
+        "counters",
+        "requeue",
+        "tasks_inflight",
+        "rollout_retention",
+        "rejected_reasons",
+        "prompt_attempts",
+        "workers",
+    ),
+    argv=(
+        "now_ms",
+        "record_ttl_s",
+        "mode",
+        "track",
+        "max_attempts",
+        "reason",
+        "alive_since_ms",
+        "worker_id",
+        "*task_ids",
+    ),
+    ok={"OK": ("tasks_cancelled", "groups_requeued", "groups_rejected")},
+    errors=_NO_STATE,
+)
+
+UNDO_DISPATCH = LuaScript(
+    name="undo_dispatch",
+    keys=("state", "counters", "requeue", "tasks_inflight"),
+    argv=("*task_ids",),
+    ok={"OK": ("tasks_undone", "groups_undone")},
     errors=_NO_STATE,
 )
 
 SUBMIT_ROLLOUT = LuaScript(
     name="submit_rollout",
-    keys=("state", "counters", "rejected_reasons", "requeue", "tasks_inflight", "buffer", "rollout_retention"),
+    keys=(
+        "state",
+        "counters",
+        "rejected_reasons",
+        "requeue",
+        "tasks_inflight",
+        "buffer",
+        "rollout_retention",
+        "prompt_attempts",
+    ),
     argv=(
         "now_ms",
         "max_staleness",
@@ -125,7 +163,7 @@ CLAIM_STEP = LuaScript(
 MARK_STEP_SENT = LuaScript(
     name="mark_step_sent",
     keys=("state", "counters"),
-    argv=("now_ms", "step", "resend"),
+    argv=("now_ms", "step", "resend", "target"),
     ok={"OK": ()},
     errors={"NOT_CLAIMED": Refusal(StepNoLongerClaimed, "step {step} is no longer claimed"), **_NO_STATE},
 )
@@ -145,15 +183,56 @@ PUBLISH_VERSION = LuaScript(
     },
 )
 
+START_STEP = LuaScript(
+    name="start_step",
+    keys=("state",),
+    argv=("now_ms", "step", "worker_id", "base_version", "task_ids_json"),
+    ok={"OK": ()},
+    errors={
+        "NOT_CLAIMED": Refusal(
+            StepNoLongerClaimed,
+            "step {step} from v{base_version} is no longer claimed with this batch (published, or un-claimed and "
+            "claimed again); drop this copy of the task",
+        ),
+        **_NO_STATE,
+    },
+)
+
+FAIL_STEP = LuaScript(
+    name="fail_step",
+    keys=("state", "counters", "rejected_reasons", "buffer", "rollout_retention"),
+    argv=("now_ms", "step", "worker_id", "kind", "reason", "task_id", "max_attempts", "record_ttl_s", "track"),
+    # NOT_CLAIMED: published or un-claimed meanwhile; the report changes nothing and is answered as such
+    ok={
+        "OK": ("groups_rejected", "groups_requeued"),  # un-claimed
+        "RETRY": ("attempts", "base_failed"),
+        "NOT_CLAIMED": (),
+    },
+    errors={
+        "NOT_IN_STEP": Refusal(BadStepFailure, "rollout {task_id} is not in the batch of step {step}"),
+        **_NO_STATE,
+    },
+)
+
+SET_HALT = LuaScript(name="set_halt", keys=("state",), argv=("reason", "by"), ok={"OK": ()}, errors=_NO_STATE)
+
+CLEAR_HALT = LuaScript(name="clear_halt", keys=("state",), argv=("by",), ok={"OK": ("cleared",)})
+
 _LEASE_FIELDS = ("version", "manifest_sha256", "expires_ms")
 
 GRANT_LEASE = LuaScript(
     name="grant_lease",
     keys=("state", "counters", "leases", "versions"),
-    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id"),
+    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id", "task_prefix"),
     ok={"OK": _LEASE_FIELDS},
+    fields={"TASK_ENDED": ("task_state",)},
     errors={
         "NO_VERSION": Refusal(NoVersionYet, "run {run!r} has no published version yet; the init step is still running"),
+        "TASK_ENDED": Refusal(
+            TaskEnded,
+            "task {task_id} is {task_state} (cancelled after a timeout, a lost worker or a reported failure, or "
+            "already done): no lease; skip it, its prompts are handled",
+        ),
         **_NO_STATE,
     },
 )
@@ -215,6 +294,7 @@ SNAPSHOT_JSON = LuaScript(
         "tasks_inflight",
         "leases",
         "rollout_retention",
+        "prompt_attempts",
     ),
     argv=("header_json",),
     ok={"OK": ("document",)},
@@ -241,9 +321,14 @@ FORGET_ROLLOUTS = LuaScript(
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     DISPATCH_GENERATE,
     CANCEL_TASKS,
+    UNDO_DISPATCH,
     SUBMIT_ROLLOUT,
     CLAIM_STEP,
     MARK_STEP_SENT,
+    START_STEP,
+    FAIL_STEP,
+    SET_HALT,
+    CLEAR_HALT,
     PUBLISH_VERSION,
     GRANT_LEASE,
     RENEW_LEASE,
@@ -264,9 +349,14 @@ class Scripts:
     def __init__(self, bind: Callable[[LuaScript], BoundScript]) -> None:
         self.dispatch_generate = bind(DISPATCH_GENERATE)
         self.cancel_tasks = bind(CANCEL_TASKS)
+        self.undo_dispatch = bind(UNDO_DISPATCH)
         self.submit_rollout = bind(SUBMIT_ROLLOUT)
         self.claim_step = bind(CLAIM_STEP)
         self.mark_step_sent = bind(MARK_STEP_SENT)
+        self.start_step = bind(START_STEP)
+        self.fail_step = bind(FAIL_STEP)
+        self.set_halt = bind(SET_HALT)
+        self.clear_halt = bind(CLEAR_HALT)
         self.publish_version = bind(PUBLISH_VERSION)
         self.grant_lease = bind(GRANT_LEASE)
         self.renew_lease = bind(RENEW_LEASE)

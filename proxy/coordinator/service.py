@@ -10,7 +10,9 @@ The rules it enforces are the invariants 1-4 and 6 of README.md: versions move b
 nothing staler than ``async.max_staleness`` is admitted or claimed; versions under a live lease or in the
 staleness window are kept; every dispatched group ends exactly once (trained, stale, rejected or
 cancelled) and the prompt of a stale or cancelled one goes back in line; an empty Redis is rebuilt from the
-bucket (``proxy.coordinator.rebuild``).
+bucket (``proxy.coordinator.rebuild``). Invariants 8 and 9 on the generate side: ``tick()`` cancels the tasks
+of lease holders whose heartbeats stopped, dispatches only while a generate worker is alive, and during a
+bucket outage takes back the round's unsent tasks and creates none until a snapshot write succeeds.
 
 This module only wires the parts together around one ``RunStore`` and runs ``tick()``; each concern lives in
 its own module (see the package docstring).
@@ -19,29 +21,34 @@ its own module (see the package docstring).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from redis import Redis
 
 from proxy.coordinator.accounting import WaitingAccount
-from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.errors import SnapshotFailed
+from proxy.coordinator.dispatch import Dispatcher
 from proxy.coordinator.generate_tasks import GenerateTasks
+from proxy.coordinator.housekeeping import Housekeeping
 from proxy.coordinator.leases import Leases, live_leased_versions
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.pacing import InflightPacer
+from proxy.coordinator.proxy_lease import ProxyFence
 from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.retention import Retention
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.snapshot import SnapshotWriter
 from proxy.coordinator.status import gauges, group_record, run_info, status
+from proxy.coordinator.step_failures import StepFailures
+from proxy.coordinator.step_sending import StepSending
 from proxy.coordinator.steps import Steps
-from proxy.coordinator.store import RECORD_TTL_S, RunStore, wall_clock_ms
+from proxy.coordinator.store import RECORD_TTL_S, RunStore
+from proxy.coordinator.versions import Versions
 from proxy.coordinator.workers import Workers
 from proxy.protocol.schemas import (
+    CorruptReport,
+    CorruptResult,
     GenerateTaskMessage,
     HeartbeatRequest,
     LeaseGrant,
@@ -52,49 +59,23 @@ from proxy.protocol.schemas import (
     RunInfo,
     StatusResponse,
     StepBatch,
+    StepFailureReport,
+    StepFailureResult,
+    StepStartRequest,
+    StepStartResult,
     SubmitResult,
+    TaskFailureReport,
+    TaskFailureResult,
+    VersionInfo,
     WorkerRecord,
 )
 from proxy.run.config import RunConfig
 from proxy.run.store import load_run
-from proxy.storage.bucket import Bucket, BucketError
+from proxy.storage.bucket import Bucket
 
 log = structlog.get_logger()
 
-MAX_TASKS_PER_TICK = 256
-
-
-@dataclass
-class TickReport:
-    """What one ``tick()`` did; returned for tests and logged when anything happened."""
-
-    leases_expired: int = 0
-    tasks_cancelled: int = 0
-    stale_dropped: int = 0
-    step_claimed: int | None = None
-    step_sent: int | None = None
-    tasks_sent: list[str] = field(default_factory=list)
-    versions_deleted: list[int] = field(default_factory=list)
-    rollouts_deleted: list[str] = field(default_factory=list)
-    rebuilt: str | None = None
-
-    def busy(self) -> bool:
-        return any(
-            (
-                self.leases_expired,
-                self.tasks_cancelled,
-                self.stale_dropped,
-                self.step_claimed is not None,
-                self.step_sent is not None,
-                self.tasks_sent,
-                self.versions_deleted,
-                self.rollouts_deleted,
-                self.rebuilt,
-            )
-        )
-
-
-class Coordinator:
+class Coordinator(Housekeeping):
     """The state operations of one run. ``redis`` must be created with ``decode_responses=True``."""
 
     def __init__(
@@ -108,11 +89,17 @@ class Coordinator:
         *,
         config_sha256: str = "",
         prompts_sha256: str = "",
-        clock_ms: Callable[[], int] = wall_clock_ms,
+        clock_ms: Callable[[], int] | None = None,
         metrics: ProxyMetrics | None = None,
-        worker_alive_s: float = 30.0,
+        worker_alive_s: float = 15.0,
         record_ttl_s: int = RECORD_TTL_S,
+        fence: ProxyFence | None = None,
+        require_generate_worker: bool = True,
     ) -> None:
+        """``fence``: the run's proxy lease (``proxy.coordinator.proxy_lease``), None unfenced (tests).
+        ``require_generate_worker``: dispatch generate tasks only while a generate worker is alive by its
+        heartbeats (tests that never send heartbeats turn it off)."""
+        self.fence = fence
         self.store = RunStore(redis, run, rebuild=self.ensure_state, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
         if num_prompts < 1:
             raise ValueError(f"the run has {num_prompts} prompts; it needs at least one")
@@ -124,16 +111,22 @@ class Coordinator:
         self.config_sha256 = config_sha256
         self.prompts_sha256 = prompts_sha256
         self.metrics = metrics or ProxyMetrics()
-        self.snapshots = SnapshotWriter(self.store, bucket, self.metrics.snapshot_writes.inc)
+        self.snapshots = SnapshotWriter(self.store, bucket, self.metrics.snapshot_writes.inc, fence)
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.pacer = InflightPacer(config.async_, self.store.clock_ms)
         self.metrics.inflight_limit.set_function(self.pacer.limit)
         self.tasks = GenerateTasks(self.store, config, num_prompts, inflight_limit=self.pacer.limit)
         self.rollouts = RolloutIntake(self.store, config.async_, self.snapshots)
-        self.steps = Steps(self.store, config.async_, bucket, self.snapshots, self.metrics)
         self.heartbeats = Workers(self.store, worker_alive_s)
+        self.sending = StepSending(self.store, config.async_, worker_alive_s)
+        self.versions = Versions(self.store, bucket, self.sending)
+        self.steps = Steps(self.store, config.async_, bucket, self.snapshots, self.metrics, self.versions)
+        self.step_failures = StepFailures(self.store, config.async_, self.sending, self.versions)
         self.retention = Retention(self.store, config.async_, bucket, self.snapshots)
         self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
+        self.require_generate_worker = require_generate_worker
+        self.bucket_outage = False
+        """The last snapshot write failed: no new task is created until one succeeds."""
 
     @classmethod
     def from_bucket(cls, redis: Redis, bucket: Bucket, run: str, dispatcher: Dispatcher, **kwargs: Any) -> Coordinator:
@@ -184,6 +177,8 @@ class Coordinator:
         """Make sure Redis holds the run's state: 'present', or else 'fresh'/'rebuilt' from the bucket."""
         if self.store.has_state():
             return "present"
+        if self.fence is not None:
+            self.fence.confirm()  # only the lease holder rebuilds (after a FLUSHALL: a new, higher epoch)
         outcome = restore_state(self.store, self.bucket, self.config)
         self.store.mark_changed()
         self.retention.forget_last_gc()
@@ -219,14 +214,43 @@ class Coordinator:
     def get_step(self, step: int) -> StepBatch:
         return self.steps.get(step)
 
+    def start_step(self, step: int, request: StepStartRequest) -> StepStartResult:
+        """The worker starts the step and becomes its holder; raises StepNoLongerClaimed for an old copy."""
+        return self.step_failures.start(step, request)
+
+    def report_step_failure(self, step: int, report: StepFailureReport) -> StepFailureResult:
+        """Reject a named rollout, count an attempt, or note an unloadable base (``step_failures``)."""
+        return self.step_failures.report(step, report)
+
     def publish(self, request: PublishRequest) -> PublishResult:
         """CAS ``current == base_version -> version`` after checking the manifest in the bucket."""
         result = self.steps.publish(request)
         self.pacer.published(request.version)
         return result
 
+    def report_task_failure(self, task_id: str, report: TaskFailureReport) -> TaskFailureResult:
+        """A worker's generate task failed for good: cancel it now and count the attempt (invariant 9)."""
+        cancelled = self.tasks.fail(task_id, report.worker_id, report.reason, prompt_at_fault=report.prompt_at_fault)
+        log.warning(
+            "proxy.task_failure_reported",
+            task_id=task_id,
+            worker_id=report.worker_id,
+            reason=report.reason,
+            detail=report.detail[:500],
+            cancelled=cancelled,
+        )
+        return TaskFailureResult(cancelled=cancelled)
+
     def heartbeat(self, report: HeartbeatRequest) -> None:
         self.heartbeats.heartbeat(report)
+
+    def version_info(self, version: int) -> VersionInfo:
+        """The manifest sha256 recorded when ``version`` was published; raises VersionNotFound."""
+        return self.versions.info(version)
+
+    def report_corrupt(self, version: int, report: CorruptReport) -> CorruptResult:
+        """Read the reported object again; repair it from its holder's memory, or halt the run."""
+        return self.versions.report_corrupt(version, report, self.dispatcher)
 
     def workers(self) -> list[WorkerRecord]:
         return self.heartbeats.list()
@@ -273,7 +297,9 @@ class Coordinator:
         return self.steps.claim()[0]
 
     def send_due_step(self) -> int | None:
-        return self.steps.send_due(self.dispatcher)
+        """Send or re-send the in-flight step if due (``step_sending``): claimed, dead holder, timeout."""
+        self.step_failures.review_halt()
+        return self.sending.send_due(self.dispatcher)
 
     def write_snapshot(self, *, force: bool = False) -> bool:
         """Write ``runs/<run>/proxy/snapshot.json`` if anything changed since the last one; True if written."""
@@ -286,56 +312,3 @@ class Coordinator:
     def collect_rollouts(self) -> list[str]:
         """Delete rollout objects whose retention is over; returns their task ids (``Retention``)."""
         return self.retention.collect_rollouts()
-
-    # ---- the loop body ----
-
-    def tick(self) -> TickReport:
-        """One round of housekeeping; the server runs it every ``tick_s`` and after submits and publishes."""
-        report = TickReport()
-        outcome = self.ensure_state()
-        if outcome != "present":
-            report.rebuilt = outcome
-        report.leases_expired = self.expire_leases()
-        report.tasks_cancelled, _ = self.expire_tasks()
-        # The run ends at its final version (optimizer.total_steps): nothing more is claimed or dispatched.
-        finished = self.current_version() >= self.config.final_version
-        if not finished:
-            claimed, report.stale_dropped = self.steps.claim()
-            if claimed is not None:
-                report.step_claimed = claimed.step
-        new_tasks: list[GenerateTaskMessage] = []
-        # Generate tasks wait for version 0: a worker could not lease anything before it exists.
-        while not finished and self.current_version() >= 0 and len(new_tasks) < MAX_TASKS_PER_TICK:
-            message = self.dispatch_one()
-            if message is None:
-                break
-            new_tasks.append(message)
-        try:
-            self.write_snapshot()
-        except SnapshotFailed as error:
-            # Never hand out work the bucket does not know about: a rebuild would hand it out again.
-            log.error("proxy.snapshot_failed", error=str(error))
-            self.cancel_tasks([m.task_id for m in new_tasks], force=True)
-            self.accounting.account()
-            return report
-        unsent = []
-        for message in new_tasks:
-            try:
-                self.dispatcher.send_generate(message)
-                report.tasks_sent.append(message.task_id)
-            except DispatchError as error:
-                log.warning("proxy.generate_send_failed", task_id=message.task_id, error=str(error))
-                unsent.append(message.task_id)
-        self.cancel_tasks(unsent, force=True)
-        report.step_sent = self.send_due_step()
-        if report.step_sent is not None:
-            self.pacer.step_sent(report.step_sent)
-        try:
-            report.versions_deleted = self.gc()
-        except (BucketError, OSError) as error:
-            log.warning("proxy.gc_failed", error=str(error))
-        report.rollouts_deleted = self.collect_rollouts()
-        self.accounting.account()
-        if report.busy():
-            log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})
-        return report

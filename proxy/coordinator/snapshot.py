@@ -9,21 +9,36 @@ never hands out work twice under one name). ``proxy.coordinator.rebuild`` reads 
 
 Writes are group commits (``SnapshotWriter``): every change that arrives while a put is running is made
 durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.
+
+Fencing (``proxy.coordinator.proxy_lease``): the document records the writing proxy's epoch
+(``proxy_epoch``). A put happens only right after the proxy confirmed its lease in Redis, and never over a
+snapshot of a higher epoch (read back at a new epoch and every ``READ_BACK_S``). The document ends with
+``"sha256"``, the sha256 of every byte before that field; the reader verifies it and refuses a mismatch with
+an error naming the key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from proxy.coordinator.errors import SnapshotFailed, StateMissing
+from proxy.coordinator.proxy_lease import FenceLost, LeaseHolder, ProxyFence
 from proxy.coordinator.store import RunStore
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, BucketError, ObjectNotFound
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+LEGACY_FORMATS = (1,)
+READ_BACK_S = 5.0
+"""Seconds between two checks that no proxy of a higher epoch wrote the snapshot (``_fenced_epoch``)."""
+"""Formats still read (written before the checksum and the epoch); the next write upgrades them."""
+_CHECKSUM_FIELD = b',"sha256":"'
+_HEADER = re.compile(rb'\{"format": ?(\d+), ?"run": ?"[^"\\]*", ?"proxy_epoch": ?(\d+)')
 
 
 class SnapshotCorrupt(Exception):
@@ -36,13 +51,55 @@ def read_state_json(store: RunStore) -> bytes | None:
     Redis makes the JSON (``lua/snapshot_json.lua``): the proxy neither parses the whole state nor encodes it
     again at every write, which is most of a write's cost once the buffer holds hundreds of tasks.
     """
-    header = json.dumps({"format": SNAPSHOT_FORMAT, "run": store.run, "written_at_ms": store.clock_ms()})
+    return _read_state_json(store, 0)
+
+
+def _read_state_json(store: RunStore, epoch: int) -> bytes | None:
+    header = json.dumps(
+        {"format": SNAPSHOT_FORMAT, "run": store.run, "proxy_epoch": epoch, "written_at_ms": store.clock_ms()}
+    )
     try:
         reply = store.scripts.snapshot_json(header_json=header)
     except StateMissing:
         return None
     document: str = reply["document"]
-    return document.encode()
+    return seal(document.encode())
+
+
+def seal(document: bytes) -> bytes:
+    """The document with its checksum field appended (the sha256 of every byte before the field)."""
+    if not document.endswith(b"}"):
+        raise ValueError("a snapshot document is a JSON object")
+    body = document[:-1]
+    return body + _CHECKSUM_FIELD + hashlib.sha256(body).hexdigest().encode() + b'"}'
+
+
+def _verify(key: str, data: bytes) -> None:
+    at = data.rfind(_CHECKSUM_FIELD)
+    start = at + len(_CHECKSUM_FIELD)
+    if at < 0 or data[start + 64 :].rstrip() != b'"}':
+        raise SnapshotCorrupt(
+            f"{key} has no sha256 checksum at its end (truncated or edited); restore it from a backup, or delete "
+            "it to restart the run's prompt order from the latest complete version"
+        )
+    expected, actual = data[start : start + 64].decode(errors="replace"), hashlib.sha256(data[:at]).hexdigest()
+    if expected != actual:
+        raise SnapshotCorrupt(
+            f"{key} fails its checksum (its sha256 field says {expected}, its bytes hash to {actual}): it was "
+            "corrupted or edited; restore it from a backup, or delete it to restart the run's prompt order from "
+            "the latest complete version"
+        )
+
+
+def snapshot_epoch(data: bytes) -> int:
+    """The fencing epoch recorded in a snapshot's bytes (0 for a legacy one), read from its header only."""
+    match = _HEADER.match(data)
+    if match is not None:
+        return int(match.group(2))
+    try:
+        return int(json.loads(data).get("proxy_epoch", 0))
+    except (ValueError, AttributeError):
+        return 0
 
 
 def read_state_document(store: RunStore) -> dict[str, Any] | None:
@@ -65,11 +122,13 @@ def load_snapshot(bucket: Bucket, run: str) -> dict[str, Any] | None:
             f"{key} is not valid JSON ({error}); restore it from a backup, or delete it to restart the run's "
             "prompt order from the latest complete version"
         ) from error
-    if document.get("format") != SNAPSHOT_FORMAT or document.get("run") != run:
+    if document.get("format") not in (SNAPSHOT_FORMAT, *LEGACY_FORMATS) or document.get("run") != run:
         raise SnapshotCorrupt(
             f"{key} has format {document.get('format')!r} for run {document.get('run')!r}; this proxy reads "
             f"format {SNAPSHOT_FORMAT} of run {run!r}"
         )
+    if document["format"] not in LEGACY_FORMATS:  # a legacy document has no checksum; every later one has
+        _verify(key, data)
     return document
 
 
@@ -96,15 +155,23 @@ class SnapshotWriter:
     rate therefore no longer bounds the submit rate: all submits arriving during one put share the next.
     """
 
-    def __init__(self, store: RunStore, bucket: Bucket, on_put: Callable[[], object] = lambda: None) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        bucket: Bucket,
+        on_put: Callable[[], object] = lambda: None,
+        fence: ProxyFence | None = None,
+    ) -> None:
         self.store = store
         self.bucket = bucket
+        self.fence = fence  # None: unfenced (tests of one coordinator); the server always passes one
         self.on_put = on_put  # counts the puts (the proxy's asyncgrpo_snapshot_writes_total)
         self._cond = threading.Condition()
         self._durable = -1  # highest change number a finished write covers
         self._running: _Write | None = None
         self.writes = 0
         """Snapshot puts attempted by this writer (benchmarks and tests compare it with submits)."""
+        self._read_back: tuple[int, int] | None = None  # (epoch, clock ms) of the last bucket read-back
 
     def write(self, *, force: bool = False) -> bool:
         """Make every change marked so far durable in ``runs/<run>/proxy/snapshot.json``; True if this call
@@ -157,11 +224,41 @@ class SnapshotWriter:
 
     def _put(self) -> bool:
         """Read the document from Redis and put it; False if Redis holds no state (nothing to write)."""
-        data = read_state_json(self.store)
-        if data is None:
-            return False
+        key = bucket_keys.proxy_snapshot_key(self.store.run)
         try:
-            self.bucket.put(bucket_keys.proxy_snapshot_key(self.store.run), data)
+            epoch = 0 if self.fence is None else self._fenced_epoch(key)
+            data = _read_state_json(self.store, epoch)
+            if data is None:
+                return False
+            if self.fence is not None:
+                self.fence.confirm()  # atomically in Redis, as close to the put as it gets
+            self.bucket.put(key, data)
         except (BucketError, OSError) as error:
             raise SnapshotFailed(f"could not write the proxy snapshot of run {self.store.run!r}: {error}") from error
         return True
+
+    def _fenced_epoch(self, key: str) -> int:
+        """This proxy's epoch, once sure that no proxy of a higher epoch wrote the snapshot in the bucket."""
+        assert self.fence is not None
+        epoch = self.fence.confirm()
+        # The Redis lease fences proxies sharing one Redis; the read-back catches one writing through another
+        # Redis (a misconfiguration). That is detection, not prevention, so it runs once per epoch and then
+        # every READ_BACK_S, not before every put of a group commit (it was one more GET per admission).
+        last = self._read_back
+        now = self.store.clock_ms()
+        if last is not None and last[0] == epoch and now - last[1] < READ_BACK_S * 1000:
+            return epoch
+        self._read_back = (epoch, now)
+        try:
+            theirs = snapshot_epoch(self.bucket.get(key))
+        except ObjectNotFound:
+            return epoch
+        self.fence.raise_floor(theirs)
+        if theirs > epoch:
+            self.fence.lost = self.fence.lost or LeaseHolder("?", theirs, "unknown (seen in the bucket)", 0, 0)
+            raise FenceLost(
+                f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
+                f"coordinates run {self.store.run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); "
+                "this one stops coordinating"
+            )
+        return epoch

@@ -69,6 +69,7 @@ def _common_fields(config: RunConfig, replies: list[Any]) -> tuple[dict[str, str
         "tasks_inflight": tasks,
         "counters": {k: int(v) for k, v in counters.items()},
         "rejected_by_reason": {k: int(v) for k, v in reasons.items()},
+        "halted": state.get("halted") or None,
     }
 
 

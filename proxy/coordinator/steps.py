@@ -1,26 +1,25 @@
-"""Optimizer steps: claim the next one, send (and re-send) its optimize task, serve its batch, publish its version.
+"""Optimizer steps: claim the next one, serve its batch, publish its version.
 
 A step ``S`` starts from version ``S - 1`` and is claimed once enough fresh groups are buffered
 (``groups_per_step * publish_every``); the init step 0 (base -1) is claimed at once in a fresh run. Groups
-too stale for the base version are dropped at claim (invariant 2). One step is in flight at a time; its
-optimize task is re-sent, with the same batch, when ``async.optimize_task_timeout_s`` passes without a
-publish. Publishing is a CAS ``current == base_version -> version`` in Redis, done only after the version's
-manifest in the bucket was checked against the request (invariant 1).
+too stale for the base version are dropped at claim (invariant 2). One step is in flight at a time; sending
+and re-sending its optimize task is ``proxy.coordinator.step_sending``, its failure reports
+``proxy.coordinator.step_failures``. Publishing is a CAS ``current == base_version -> version`` in Redis,
+done only after the version's manifest in the bucket was checked against the request (invariant 1). The
+publish also makes the step's record durable: before it answers OK, the manifest's ``step_record.json`` is
+copied (sha-checked) to ``metrics/step-S.json`` (``proxy.coordinator.versions``).
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import suppress
 
 import structlog
 
-from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import (
     ManifestMismatch,
     ManifestMissing,
     SnapshotFailed,
-    StepNoLongerClaimed,
     StepNotFound,
     StepNotReady,
 )
@@ -28,10 +27,11 @@ from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.snapshot import SnapshotWriter
 from proxy.coordinator.store import RunStore
+from proxy.coordinator.versions import Versions
 from proxy.protocol.schemas import OptimizeTaskMessage, PublishRequest, PublishResult, RolloutRef, StepBatch
 from proxy.run.config import AsyncConfig
 from proxy.storage.bucket import Bucket, ObjectNotFound
-from proxy.storage.manifest import IntegrityError, read_manifest
+from proxy.storage.manifest import IntegrityError, Manifest, read_manifest
 
 log = structlog.get_logger()
 
@@ -50,7 +50,9 @@ class Steps:
         bucket: Bucket,
         snapshots: SnapshotWriter,
         metrics: ProxyMetrics,
+        versions: Versions,
     ) -> None:
+        self.versions = versions
         self.store = store
         self.config = async_config
         self.bucket = bucket
@@ -97,53 +99,10 @@ class Steps:
             step=int(record["step"]), base_version=int(record["base_version"]), rollouts=_refs(record["rollouts"])
         )
 
-    # ---- sending ----
-
-    def _due(self) -> tuple[OptimizeTaskMessage, bool] | None:
-        """The in-flight step if it was never sent or its send timed out: (message, is_resend)."""
-        store = self.store
-        inflight = store.redis.hget(store.keys.state, "step_inflight")
-        if inflight is None or int(inflight) < 0:
-            return None
-        record = store.redis.hgetall(store.keys.step(int(inflight)))
-        if record.get("state") != "claimed":
-            return None
-        sent_ms = int(record.get("sent_ms", 0))
-        timeout_ms = int(self.config.optimize_task_timeout_s * 1000)
-        if sent_ms and store.clock_ms() - sent_ms <= timeout_ms:
-            return None
-        message = OptimizeTaskMessage(
-            run=store.run,
-            step=int(record["step"]),
-            base_version=int(record["base_version"]),
-            rollouts=_refs(record["rollouts"]),
-        )
-        return message, int(record.get("sends", 0)) > 0
-
-    def send_due(self, dispatcher: Dispatcher) -> int | None:
-        """Send the in-flight step's optimize task through ``dispatcher`` if it is due; returns the step sent."""
-        due = self._due()
-        if due is None:
-            return None
-        message, resend = due
-        try:
-            dispatcher.send_optimize(message)
-        except DispatchError as error:
-            log.warning("proxy.optimize_send_failed", step=message.step, error=str(error))
-            return None
-        # Published meanwhile: the send was harmless (the trainer's publish answers ALREADY or a conflict).
-        with suppress(StepNoLongerClaimed):
-            self.store.scripts.mark_step_sent(
-                now_ms=self.store.clock_ms(), step=message.step, resend="1" if resend else "0"
-            )
-        if resend:
-            log.warning("proxy.optimize_resent", step=message.step)
-        return message.step
-
     # ---- publish ----
 
-    def _check_manifest(self, request: PublishRequest, current: int) -> None:
-        """Raise ManifestMissing/ManifestMismatch unless the bucket holds the manifest the request names."""
+    def _check_manifest(self, request: PublishRequest, current: int) -> Manifest:
+        """The manifest the request names; raises ManifestMissing/ManifestMismatch unless the bucket holds it."""
         store = self.store
         try:
             manifest, sha = read_manifest(self.bucket, store.run, request.version)
@@ -173,11 +132,25 @@ class Steps:
                     f"{name}={getattr(request, name)}",
                     current,
                 )
+        # An upload made from the step's batch before it was un-claimed (a rollout rejected, the attempts
+        # used up) and claimed again with another batch must not publish: its groups are back in the buffer
+        # or rejected, and would count as trained.
+        claimed = store.redis.hget(store.keys.step(request.step), "rollouts")
+        if "rollouts" in meta and claimed is not None:
+            batch = sorted(ref.task_id for ref in _refs(claimed))
+            if sorted(meta["rollouts"]) != batch:
+                store.count("conflicts")
+                raise ManifestMismatch(
+                    f"manifest of version {request.version} was made from rollouts {sorted(meta['rollouts'])}, "
+                    f"but step {request.step} is now claimed with {batch}; it was claimed again meanwhile",
+                    current,
+                )
+        return manifest
 
     def publish(self, request: PublishRequest) -> PublishResult:
         """CAS ``current == base_version -> version`` after checking the manifest in the bucket."""
         store = self.store
-        self._check_manifest(request, store.current_version())
+        manifest = self._check_manifest(request, store.current_version())
         reply = store.scripts.publish_version(
             now_ms=store.clock_ms(),
             version=request.version,
@@ -192,6 +165,9 @@ class Steps:
         if reply.code == "OK":
             change = store.mark_changed()
             log.info("proxy.version_published", version=request.version, worker=request.worker_id)
+        # Before answering: the record is part of what the publish makes durable. A failure here is an error
+        # answer; the worker's retry (ALREADY) or the next tick copies it again.
+        self.versions.copy_step_record(request.version, manifest)
         try:
             self.snapshots.write_through(change)
         except SnapshotFailed as error:

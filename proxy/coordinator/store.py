@@ -1,8 +1,9 @@
 """The store of one run's coordinator state: the Redis client, the key names, the clock and the scripts.
 
 Every module of the coordinator reaches Redis through a ``RunStore``. It owns what they share: the client
-(made with ``decode_responses=True``), ``RunKeys``, the injectable clock in milliseconds (tests pass their own,
-so no test sleeps), how long finished records stay (``record_ttl_s``), the scripts bound to this client, and
+(made with ``decode_responses=True``), ``RunKeys``, the injectable clock in milliseconds (by default Redis
+``TIME``, so every proxy and host agrees on deadlines; tests pass their own, so no test sleeps), how long
+finished records stay (``record_ttl_s``), the scripts bound to this client, and
 a change counter that tells the snapshot writer whether anything changed since the last snapshot.
 
 A script that finds no state for the run (Redis was flushed or restarted empty) makes the store call its
@@ -13,7 +14,6 @@ A script that finds no state for the run (Redis was flushed or restarted empty) 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from redis import Redis
@@ -26,8 +26,11 @@ RECORD_TTL_S = 7 * 24 * 3600
 """Finished group/task/rollout/step records stay this long in Redis (for inspection), then expire."""
 
 
-def wall_clock_ms() -> int:
-    return int(time.time() * 1000)
+def wall_clock_ms(redis: Redis) -> int:
+    """Now in milliseconds by Redis ``TIME``: deadlines written by one proxy mean the same to the next one,
+    whatever the skew between their hosts' clocks."""
+    seconds, micros = redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 class RunStore:
@@ -39,7 +42,7 @@ class RunStore:
         run: str,
         *,
         rebuild: Callable[[], object],
-        clock_ms: Callable[[], int] = wall_clock_ms,
+        clock_ms: Callable[[], int] | None = None,
         record_ttl_s: int = RECORD_TTL_S,
     ) -> None:
         if not redis.connection_pool.connection_kwargs.get("decode_responses"):
@@ -47,7 +50,7 @@ class RunStore:
         self.redis = redis
         self.run = run
         self.keys = RunKeys(run)
-        self.clock_ms = clock_ms
+        self.clock_ms = clock_ms if clock_ms is not None else lambda: wall_clock_ms(redis)
         self.record_ttl_s = record_ttl_s
         self._rebuild = rebuild
         self.scripts = Scripts(self._bind)

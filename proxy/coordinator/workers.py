@@ -32,6 +32,12 @@ class Workers:
             role=report.role,
         )
 
+    def alive_count(self, role: str) -> int:
+        """Workers of ``role`` heard from within ``alive_s`` (one ZCOUNT)."""
+        store = self.store
+        key = store.keys.workers_optimize if role == "optimize" else store.keys.workers_generate
+        return int(store.redis.zcount(key, store.clock_ms() - int(self.alive_s * 1000), "+inf"))
+
     def list(self) -> list[WorkerRecord]:
         """Every worker heard from within ``WORKER_FORGET_S``, with its last report."""
         store = self.store

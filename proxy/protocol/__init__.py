@@ -5,6 +5,7 @@ Imports no redis, celery, fastapi, boto3 or torch (an import-linter contract che
 Modules:
     schemas    every JSON message: Celery task kwargs, HTTP request and response bodies
     records    the records stored in the bucket for other processes: rollout header, step record
+    queues     Celery task names and queues, each optimize worker's own queue
     errors     the error-code table (code, HTTP status, client exception) shared by server and client
     client     the workers' HTTP client of the proxy: bounded retries, one exception per error code
     staleness  the staleness rule, used at admit, at claim and by the trainer

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from proxy.protocol.errors import ProxyError, ProxyUnavailable, exception_for
 from proxy.protocol.schemas import (
+    CorruptReport,
+    CorruptResult,
     ErrorBody,
     HeartbeatRequest,
     HeartbeatResult,
@@ -33,7 +35,14 @@ from proxy.protocol.schemas import (
     RunInfo,
     StatusResponse,
     StepBatch,
+    StepFailureReport,
+    StepFailureResult,
+    StepStartRequest,
+    StepStartResult,
     SubmitResult,
+    TaskFailureReport,
+    TaskFailureResult,
+    VersionInfo,
     WorkerRecord,
     WorkersResponse,
 )
@@ -150,8 +159,19 @@ class ProxyClient:
     def submit_rollout(self, submission: RolloutSubmission) -> SubmitResult:
         return SubmitResult.model_validate(self._request("POST", "/v1/rollouts", submission))
 
+    def report_task_failure(self, task_id: str, report: TaskFailureReport) -> TaskFailureResult:
+        """Tell the proxy a generate task failed for good: it cancels the task and counts the attempt."""
+        return TaskFailureResult.model_validate(self._request("POST", f"/v1/tasks/{task_id}/failure", report))
+
     def get_step(self, step: int) -> StepBatch:
         return StepBatch.model_validate(self._request("GET", f"/v1/steps/{step}"))
+
+    def start_step(self, step: int, request: StepStartRequest) -> StepStartResult:
+        """Become the step's holder; raises StepGone for a copy whose batch is no longer the step's."""
+        return StepStartResult.model_validate(self._request("POST", f"/v1/steps/{step}/start", request))
+
+    def report_step_failure(self, step: int, report: StepFailureReport) -> StepFailureResult:
+        return StepFailureResult.model_validate(self._request("POST", f"/v1/steps/{step}/failure", report))
 
     def publish(self, request: PublishRequest) -> PublishResult:
         return PublishResult.model_validate(self._request("POST", "/v1/versions", request))
@@ -162,9 +182,7 @@ class ProxyClient:
         timeout_s = self._http.timeout.read
         stretched = None if timeout_s is None else timeout_s + wait_s
         return LatestVersion.model_validate(
-            self._request(
-                "GET", "/v1/versions/latest", params={"after": after, "wait_s": wait_s}, timeout_s=stretched
-            )
+            self._request("GET", "/v1/versions/latest", params={"after": after, "wait_s": wait_s}, timeout_s=stretched)
         )
 
     def heartbeat(self, report: HeartbeatRequest) -> HeartbeatResult:
@@ -175,3 +193,15 @@ class ProxyClient:
 
     def workers(self) -> list[WorkerRecord]:
         return WorkersResponse.model_validate(self._request("GET", "/v1/workers")).workers
+
+    # ---- published versions (the recorded manifest sha, corruption reports) ----
+
+    def version_info(self, version: int) -> VersionInfo:
+        """The manifest sha256 the proxy recorded for published ``version``; NotFound if it never published it."""
+        return VersionInfo.model_validate(self._request("GET", f"/v1/versions/{version}"))
+
+    def report_corrupt(self, version: int, worker_id: str, key: str) -> CorruptResult:
+        """Tell the proxy that object ``key`` of published ``version`` failed its sha256 check."""
+        return CorruptResult.model_validate(
+            self._request("POST", f"/v1/versions/{version}/corrupt", CorruptReport(worker_id=worker_id, key=key))
+        )

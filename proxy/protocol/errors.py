@@ -45,6 +45,11 @@ class Cancelled(ProxyError):
     """410 cancelled: the generate task was cancelled (timed out, superseded, unknown); drop the work."""
 
 
+class StepGone(ProxyError):
+    """409 not_claimed: the step is no longer claimed with this batch (published, or claimed again with
+    another batch); drop this copy of the task."""
+
+
 class Unauthorized(ProxyError):
     """401 unauthorized: missing or wrong ASYNCGRPO_TOKEN."""
 
@@ -84,6 +89,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
         ErrorCode("stale", (409,), StaleRollout, "the rollout is too old; its groups were counted and requeued"),
         ErrorCode("not_ready", (409,), NotReady, "no version published yet (leases)"),
         ErrorCode("conflict", (409,), Conflict, "a publish refused (CAS lost, manifest missing or mismatching)"),
+        ErrorCode("not_claimed", (409,), StepGone, "the step is no longer claimed with this batch; drop the task"),
         ErrorCode("lease_lost", (410,), LeaseLost, "the lease expired or is unknown"),
         ErrorCode("cancelled", (410,), Cancelled, "the generate task was cancelled or is unknown; groups requeued"),
         ErrorCode("bad_request", (400, 422), BadRequest, "a submission that does not match its task, or the schema"),

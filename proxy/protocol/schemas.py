@@ -46,6 +46,9 @@ class GenerateTaskMessage(_Request):
     run: str
     task_id: str = _ID
     groups: list[GroupRef] = Field(min_length=1)
+    expires_at: float | None = None
+    """Unix seconds of the task's deadline: the broker drops the message after it (the proxy no longer wants
+    the task then; its prompts were requeued)."""
 
 
 class RolloutRef(_Request):
@@ -136,7 +139,26 @@ class HeartbeatRequest(_Request):
     info: dict[str, Any] = Field(default_factory=dict)
 
 
+class TaskFailureReport(_Request):
+    """``POST /v1/tasks/{task_id}/failure``: a generate worker whose task failed for good (not a preemption,
+    not a transient proxy or bucket error); the proxy cancels the task at once and counts the attempt."""
+
+    worker_id: str = _ID
+    reason: str = Field(min_length=1, max_length=200)
+    """A short label, e.g. ``task_error_ValueError``; normalised into a rejection reason at the last attempt."""
+    detail: str = Field("", max_length=2000)
+    """The error message, for the proxy's log."""
+    prompt_at_fault: bool = True
+    """False for a failure that says nothing about the task's prompts (an adapter version that fails its
+    integrity check): the task is cancelled, its prompts requeued, and no attempt is counted against them."""
+
+
 # ---- HTTP responses ----
+
+
+class TaskFailureResult(_Response):
+    cancelled: bool
+    """False if the task was no longer in flight (already cancelled, submitted, or held by another worker)."""
 
 
 class RunInfo(_Response):
@@ -245,6 +267,55 @@ class StatusResponse(_Response):
     rejected_by_reason: dict[str, int]
     leases: list[LeaseRecord]
     workers_alive_by_role: dict[str, int]
+    halted: str | None = None
+    """Why the run's steps are halted (an operator must act), or None."""
+
+
+# ---- a step's holder and its failures (dead trainers re-sent at once, poison steps end) ----
+
+StepFailureKind = Literal["rollout", "step", "base", "upload"]
+
+
+class StepStartRequest(_Request):
+    """``POST /v1/steps/{step}/start``: the optimize worker starts the step and becomes its holder; the proxy
+    re-sends the step at once when the holder's heartbeats stop. Refused (``not_claimed``) for a copy whose
+    batch is no longer the step's: the worker drops it."""
+
+    worker_id: str = _ID
+    base_version: int = Field(ge=-1)
+    task_ids: list[str] = Field(default_factory=list)
+    """The rollouts of the worker's message, in order."""
+
+
+class StepStartResult(_Response):
+    step: int
+
+
+class StepFailureReport(_Request):
+    """``POST /v1/steps/{step}/failure``: the optimize worker could not train the step.
+
+    ``kind``: ``rollout`` (``task_id`` names the rollout the trainer cannot use: missing, failing its sha256,
+    malformed, non-finite; it is rejected and the step claimed again without it), ``step`` (nothing named,
+    e.g. a non-finite gradient norm: counts an attempt, up to ``async.max_step_attempts``), ``base`` (the
+    worker could not load the step's base version), ``upload`` (the version's create-only manifest already
+    exists, made from another batch by an attempt from before the step was claimed again: the proxy removes
+    that unpublished manifest, which can never publish, and re-sends the step; no attempt is counted)."""
+
+    worker_id: str = _ID
+    kind: StepFailureKind
+    reason: str = Field(min_length=1, max_length=200)
+    """A short label, counted per reason like a generate worker's rejections."""
+    detail: str = Field("", max_length=4000)
+    task_id: str | None = Field(None, pattern=ID_PATTERN)
+
+
+class StepFailureResult(_Response):
+    outcome: Literal["unclaimed", "retry", "halted", "not_claimed"]
+    """``unclaimed``: groups rejected, the rest buffered again; ``retry``: re-sent; ``halted``: no live worker
+    can load the base version; ``not_claimed``: the step was published or un-claimed already."""
+    groups_rejected: int = 0
+    groups_requeued: int = 0
+    attempts: int = 0
 
 
 class ErrorBody(_Response):
@@ -252,3 +323,39 @@ class ErrorBody(_Response):
 
     error: str
     detail: str
+
+
+# ---- Published versions: the recorded manifest sha, corruption reports, repair tasks ----
+
+
+class VersionInfo(_Response):
+    """``GET /v1/versions/{version}``: the manifest sha256 the proxy recorded when it published ``version``;
+    readers compare the bucket's manifest against it (a manifest changed after publish is refused)."""
+
+    version: int
+    manifest_sha256: str
+
+
+class CorruptReport(_Request):
+    """``POST /v1/versions/{version}/corrupt``: a worker found object ``key`` of published ``version``
+    failing its sha256 check. The proxy re-reads it before acting."""
+
+    worker_id: str = _ID
+    key: str = Field(min_length=1, max_length=1024)
+
+
+class CorruptResult(_Response):
+    """What the proxy did about a report: ``intact`` (it reads back fine), ``repair_sent`` (to ``holder``),
+    ``halted`` (no alive worker holds the version's bytes), ``not_in_manifest`` (no such object)."""
+
+    action: Literal["intact", "repair_sent", "halted", "not_in_manifest"]
+    holder: str | None = None
+
+
+class RepairTaskMessage(_Request):
+    """Kwargs of ``asyncgrpo.repair_version``: put ``key`` of ``version`` back from the holder's memory."""
+
+    run: str
+    version: int = Field(ge=0)
+    key: str = Field(min_length=1, max_length=1024)
+    manifest_sha256: str = _SHA

@@ -124,9 +124,7 @@ class LossConfig(_Section):
         "dr_grpo: token sum / (B * max_completion_length); bnpo: token mean per micro-batch.",
     )
     epsilon_low: float = Field(0.2, ge=0.0, le=10.0, description="Lower PPO clip: ratio >= 1 - epsilon_low.")
-    epsilon_high: float = Field(
-        0.28, ge=0.0, le=10.0, description="Upper PPO clip: ratio <= 1 + epsilon_high."
-    )
+    epsilon_high: float = Field(0.28, ge=0.0, le=10.0, description="Upper PPO clip: ratio <= 1 + epsilon_high.")
     beta: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the base model (0: off).")
     scale_rewards: bool = Field(True, description="Divide group advantages by the group std.")
     ratio_flag_tolerance: float = Field(
@@ -173,9 +171,7 @@ class AsyncConfig(_Section):
     publish_every: int = Field(
         1, ge=1, le=1000, description="Optimizer steps per published version (1: publish every step)."
     )
-    lease_ttl_s: float = Field(
-        60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed."
-    )
+    lease_ttl_s: float = Field(60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed.")
     generate_task_timeout_s: float = Field(
         600.0,
         gt=0.0,
@@ -183,8 +179,22 @@ class AsyncConfig(_Section):
         description="A generate task not submitted after this long is presumed lost; its prompts go back "
         "in line and a late submission is refused.",
     )
+    max_group_attempts: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="A prompt group whose generate task failed this many times in a row (timed out, its worker "
+        "died, or its worker reported a failure) ends as rejected with the reason instead of going back in line.",
+    )
     optimize_task_timeout_s: float = Field(
         1800.0, gt=0.0, le=86400.0, description="An optimize step not published after this long is re-sent."
+    )
+    max_step_attempts: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="A step whose optimize task fails this many times without naming a bad rollout (e.g. a "
+        "non-finite gradient norm) has its whole batch rejected and is claimed again with a new batch.",
     )
     keep_every: int = Field(
         0, ge=0, le=1_000_000, description="Also keep every keep_every-th version forever (0: none)."

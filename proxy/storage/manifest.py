@@ -1,15 +1,17 @@
 """Manifests: how a reader knows that an adapter version (or a run) is complete and unaltered.
 
-An adapter version ``runs/<run>/adapters/v00000042/`` is complete once its ``MANIFEST.json`` exists. The
-writer uploads every file first and the manifest last, create-only, so a reader that sees the manifest
-sees every file it names. The manifest holds the sha256 and size of each file; readers check each object
-against it before use and refuse a mismatch with an ``IntegrityError`` naming the key (invariant 5).
+An adapter version ``runs/<run>/adapters/v00000042/`` is complete once its ``MANIFEST.json`` exists. Each
+attempt at a version (a task, a redelivery of it, a zombie woken from a pause) uploads its files under an
+attempt folder of its own, then writes the manifest last and create-only, naming its attempt: a reader that
+sees the manifest reads only the files it names, which no other attempt ever writes (invariant 1). The
+manifest holds the sha256 and size of each file; readers check each object against it before use and
+refuse a mismatch with an ``IntegrityError`` naming the key (invariant 5).
 
-A version is immutable: once its manifest exists, ``write_version`` never touches its files again. A
-redelivered optimize task that writes the same files again gets the stored manifest back (idempotent); one
-whose files differ gets ``ObjectExists`` and must treat the version as lost (the CAS at the proxy decides).
-A residual race remains between two *concurrent* writers of one version that both pass the first manifest
-check; the proxy prevents it by sending each step's optimize task once, under a deterministic task id.
+A version is immutable: once its manifest exists, nothing but retention's collection of old versions
+deletes or rewrites it. An attempt that loses the manifest write gets the stored manifest back if its files
+are the same bytes (a redelivered task), ``ObjectExists`` otherwise; either way it removes its own attempt
+folder, and the CAS at the proxy decides which manifest is published. A loser that dies first leaves its
+folder to retention, which deletes a collected version's whole prefix.
 
 The run manifest (``RUN_MANIFEST.json``) plays the same role for the run's config and prompts.
 """
@@ -51,6 +53,7 @@ def _each_in_parallel(action: Callable[[_Item], None], items: Iterable[_Item]) -
     with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(items))) as pool:
         for future in [pool.submit(action, item) for item in items]:
             future.result()
+
 
 log = structlog.get_logger()
 
@@ -113,6 +116,17 @@ class Manifest(BaseModel):
     metadata: dict[str, Any] = Field(
         default_factory=dict, description="Written by the trainer: step, base_version, rollout task ids, worker."
     )
+    attempt: str = Field(
+        default="", description="The attempt whose files this manifest covers ('' for files in the version folder)."
+    )
+
+    def file_key(self, run: str, name: str) -> str:
+        """The bucket key of file ``name`` of this version: the one object this manifest vouches for."""
+        return bucket_keys.adapter_file_key(run, self.version, name, self.attempt)
+
+    def name_of_key(self, run: str, key: str) -> str | None:
+        """The file name whose object is ``key``, or None if this manifest covers no such object."""
+        return next((name for name in self.files if self.file_key(run, name) == key), None)
 
     @field_validator("files")
     @classmethod
@@ -154,36 +168,59 @@ def _parse_manifest(key: str, data: bytes) -> Manifest:
         raise IntegrityError(f"manifest {key!r} is not a valid manifest: {error}", key=key) from error
 
 
+def new_attempt_id() -> str:
+    """A fresh attempt folder name: unique per upload, so no two attempts ever write the same object."""
+    return uuid.uuid4().hex[:16]
+
+
 def write_version(
-    bucket: Bucket, run: str, version: int, files: dict[str, bytes], metadata: dict[str, Any]
+    bucket: Bucket,
+    run: str,
+    version: int,
+    files: dict[str, bytes],
+    metadata: dict[str, Any],
+    attempt: str | None = None,
+    between_files: Callable[[], None] | None = None,
 ) -> tuple[Manifest, str]:
-    """Upload every file of ``version``, then its ``MANIFEST.json`` last and create-only.
+    """Upload every file of ``version`` under a new attempt folder, then ``MANIFEST.json`` last, create-only.
 
     Returns ``(manifest, sha256 of the manifest's bytes)``. If the version already has a manifest with the
-    same files, that stored manifest is returned (a redelivered task); with other files, ``ObjectExists``.
+    same file contents, that stored manifest is returned (a redelivered task); with other files,
+    ``ObjectExists``. ``between_files`` runs after each file's put (uploads then go one at a time): a test hook.
     """
     if not files:
         raise ValueError(f"version {version} of run {run!r} has no files; a version needs at least one")
+    attempt = new_attempt_id() if attempt is None else bucket_keys.check_attempt(attempt)
     manifest_key = bucket_keys.manifest_key(run, version)
     entries = {name: ManifestEntry(sha256=sha256_hex(data), size=len(data)) for name, data in files.items()}
-    manifest = Manifest(version=version, files=entries, created_at=time.time(), metadata=metadata)
+    manifest = Manifest(version=version, files=entries, created_at=time.time(), metadata=metadata, attempt=attempt)
 
     stored = _existing_manifest_matching(bucket, manifest_key, entries)
     if stored is not None:
         return stored
 
     # Every file before the manifest (written last, create-only): a reader never sees a manifest without them.
-    _each_in_parallel(lambda item: bucket.put(bucket_keys.adapter_file_key(run, version, item[0]), item[1]),
-                      files.items())
+    def put(item: tuple[str, bytes]) -> None:
+        bucket.put(manifest.file_key(run, item[0]), item[1])
+        if between_files is not None:
+            between_files()
+
+    if between_files is None:
+        _each_in_parallel(put, files.items())
+    else:
+        for item in files.items():
+            put(item)
     payload = manifest.to_bytes()
     try:
         bucket.put(manifest_key, payload, if_absent=True)
     except ObjectExists:
+        # Another attempt won: our folder is covered by no manifest, so nobody reads it; remove it.
+        bucket.delete_prefix(bucket_keys.attempt_prefix(run, version, attempt))
         stored = _existing_manifest_matching(bucket, manifest_key, entries)
         if stored is None:
             raise
         return stored
-    log.info("manifest.version_written", run=run, version=version, files=sorted(files))
+    log.info("manifest.version_written", run=run, version=version, attempt=attempt, files=sorted(files))
     return manifest, sha256_hex(payload)
 
 
@@ -223,6 +260,28 @@ def read_verified(bucket: Bucket, key: str, expected_sha256: str) -> bytes:
     return data
 
 
+def read_version_files(
+    bucket: Bucket,
+    run: str,
+    version: int,
+    expected_manifest_sha256: str | None = None,
+    skip: Collection[str] = (),
+) -> tuple[Manifest, str, dict[str, bytes]]:
+    """``(manifest, its sha256, {name: bytes})`` of ``version``, every file verified; ``skip`` names files
+    not to read. With ``expected_manifest_sha256`` (what the proxy recorded at publish) a manifest whose
+    bytes differ is an IntegrityError naming its key."""
+    manifest, manifest_sha = read_manifest(bucket, run, version)
+    if expected_manifest_sha256 is not None and manifest_sha != expected_manifest_sha256:
+        raise _mismatch(bucket_keys.manifest_key(run, version), expected_manifest_sha256, manifest_sha)
+    files: dict[str, bytes] = {}
+
+    def read(item: tuple[str, ManifestEntry]) -> None:
+        files[item[0]] = read_verified(bucket, manifest.file_key(run, item[0]), item[1].sha256)
+
+    _each_in_parallel(read, [item for item in manifest.files.items() if item[0] not in skip])
+    return manifest, manifest_sha, files
+
+
 def fetch_version(
     bucket: Bucket,
     run: str,
@@ -251,8 +310,9 @@ def fetch_version(
 
     absent = sorted(set(names or ()) - set(manifest.files))
     if absent:
-        raise IntegrityError(f"manifest {manifest_key!r} lists no {absent}; the version is not a complete adapter",
-                             key=manifest_key)
+        raise IntegrityError(
+            f"manifest {manifest_key!r} lists no {absent}; the version is not a complete adapter", key=manifest_key
+        )
 
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = dest_dir.with_name(f".{dest_dir.name}.partial-{uuid.uuid4().hex}")
@@ -262,7 +322,7 @@ def fetch_version(
 
     def download(item: tuple[str, ManifestEntry]) -> None:
         name, entry = item
-        key = bucket_keys.adapter_file_key(run, version, name)
+        key = manifest.file_key(run, name)
         target = staging / name
         bucket.get_file(key, target)
         actual = sha256_file(target)

@@ -33,6 +33,17 @@ class RewardError(ValueError):
     """A reward that cannot be resolved or that returned something other than a finite number."""
 
 
+class RewardFailed(RewardError):
+    """A reward function raised, or returned NaN or inf, on one completion: its group cannot be scored.
+
+    ``reason`` is the group's rejection reason (``reward_error_<name>`` or ``reward_not_finite``); the generate
+    job rejects that group only, and submits the rest of its task (invariant 9)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class RewardSpec(Protocol):
     """What ``score_completions`` needs of a reward config entry (``proxy.run.config.RewardConfig`` fits)."""
 
@@ -125,7 +136,8 @@ def score_completions(
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Weighted total reward of each completion, and each reward's raw values by name.
 
-    ``prompts``, ``completions`` and ``answers`` are parallel (one entry per completion).
+    ``prompts``, ``completions`` and ``answers`` are parallel (one entry per completion). A reward that raises
+    or returns something other than a finite number raises ``RewardFailed`` with the rejection reason.
     """
     if not (len(prompts) == len(completions) == len(answers)):
         raise ValueError(
@@ -144,10 +156,16 @@ def score_completions(
         function = resolve_reward(config.name)
         values: list[float] = []
         for index, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
-            value = function(prompt, completion, answer)
+            try:
+                value = function(prompt, completion, answer)
+            except Exception as error:
+                raise RewardFailed(
+                    f"reward {config.name!r} raised on completion {index}: {error!r}", f"reward_error_{config.name}"
+                ) from error
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise RewardError(
-                    f"reward {config.name!r} returned {value!r} for completion {index}; it must return a finite float"
+                raise RewardFailed(
+                    f"reward {config.name!r} returned {value!r} for completion {index}; it must return a finite float",
+                    "reward_not_finite" if isinstance(value, int | float) else f"reward_error_{config.name}",
                 )
             values.append(float(value))
             totals[index] += config.weight * float(value)

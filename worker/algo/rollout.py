@@ -106,9 +106,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
     }
     header = rollout.header()
     for name in header.reward_names:
-        tensors[f"reward/{name}"] = np.array(
-            [s.rewards_by_name.get(name, 0.0) for s in samples], dtype=np.float32
-        )
+        tensors[f"reward/{name}"] = np.array([s.rewards_by_name.get(name, 0.0) for s in samples], dtype=np.float32)
     metadata = json.dumps(header.model_dump(mode="json"), sort_keys=True)
     return save_tensors(tensors, metadata={_HEADER_FIELD: metadata})
 

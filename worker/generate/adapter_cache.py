@@ -68,7 +68,11 @@ class AdapterCache:
             staged.rename(path)
         else:
             fetch_version(
-                self.bucket, self.run, version, path, expected_manifest_sha256=manifest_sha256,
+                self.bucket,
+                self.run,
+                version,
+                path,
+                expected_manifest_sha256=manifest_sha256,
                 names=bucket_keys.ADAPTER_FILE_NAMES,  # the trainer state is the trainer's: never downloaded here
             )
         self.last_fetch_s = time.perf_counter() - started

@@ -22,9 +22,9 @@ from proxy.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, Rollou
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import sha256_hex
+from proxy.storage.manifest import IntegrityError, sha256_hex
 from worker.algo.grpo import group_advantages
-from worker.algo.rewards import score_completions
+from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
@@ -140,16 +140,37 @@ def run_generate_task(
         data = bucket.get(key)
         header = read_rollout_header(data)
         return _submit(
-            client, run, task_id, worker_id, header.version, key, data, header.groups, header.extra.rejected_groups,
-            GenerateTimings(), len(header.rewards), reused=True, started=started,
+            client,
+            run,
+            task_id,
+            worker_id,
+            header.version,
+            key,
+            data,
+            header.groups,
+            header.extra.rejected_groups,
+            GenerateTimings(),
+            len(header.rewards),
+            reused=True,
+            started=started,
         )
 
-    lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id))
+    try:
+        lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id))
+    except Cancelled as error:
+        # The proxy gave the task up (timed out, its worker lost, or a late redelivery): skip it; the message is
+        # acked and its prompts are already handled.
+        log.info("generate.task_skipped", task_id=task_id, reason=str(error))
+        return GenerateResult(task_id, "cancelled", -1, 0, 0, 0, reused_rollout=False)
     timings = GenerateTimings()
     # Includes waiting for the lock; a cache hit and a no-op load when the prefetcher got there first.
     fetch_started = time.perf_counter()
     with LeaseKeeper(client, lease.lease_id, lease.ttl_s) as keeper, backend_lock or nullcontext():
-        adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
+        try:
+            adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
+        except IntegrityError as error:
+            report_corrupt_object(client, lease.version, worker_id, error)  # before the task fails
+            raise
         adapter = bucket_keys.adapter_name(lease.version)
         backend.load_adapter(adapter, lease.version, adapter_dir)
         timings.adapter_fetch_s = time.perf_counter() - fetch_started
@@ -172,7 +193,8 @@ def run_generate_task(
             )
             timings.generate_s = time.perf_counter() - gen_started
             score_started = time.perf_counter()
-            samples, tokens = _score(result, texts, answers, config)
+            accepted, samples, tokens, unscored = _score(result, accepted, texts, answers, config)
+            rejected.extend(unscored)
             timings.score_s = time.perf_counter() - score_started
         if keeper.lost:
             log.warning("generate.submit_after_lease_lost", task_id=task_id)
@@ -195,8 +217,21 @@ def run_generate_task(
         raise
     reward_mean = sum(s.reward for s in samples) / len(samples) if samples else None
     return _submit(
-        client, run, task_id, worker_id, lease.version, key, data, accepted, rejected, timings,
-        len(samples), reused=False, started=started, tokens=tokens, reward_mean=reward_mean,
+        client,
+        run,
+        task_id,
+        worker_id,
+        lease.version,
+        key,
+        data,
+        accepted,
+        rejected,
+        timings,
+        len(samples),
+        reused=False,
+        started=started,
+        tokens=tokens,
+        reward_mean=reward_mean,
         lease_id=lease.lease_id,
     )
 
@@ -221,6 +256,10 @@ def _split_bad_prompts(
     lengths = backend.tokenize([prompts[group.prompt_index]["prompt"] for group in in_range]) if in_range else []
     for group, token_ids in zip(in_range, lengths, strict=True):
         length = len(token_ids)
+        if length == 0:
+            # Nothing to condition on: the backend could not sample from it (invariant 9, per group).
+            rejected.append(RejectedGroup(group_id=group.group_id, reason="empty_prompt"))
+            continue
         if length > limit:
             reason = f"prompt {group.prompt_index} has {length} tokens > model.max_prompt_length={limit}"
             rejected.append(RejectedGroup(group_id=group.group_id, reason=reason))
@@ -229,34 +268,46 @@ def _split_bad_prompts(
     return accepted, rejected
 
 
-def _score(result: Any, texts: list[str], answers: list[str | None], config: RunConfig) -> tuple[list, int]:
+def _score(
+    result: Any, groups: list[GroupRef], texts: list[str], answers: list[str | None], config: RunConfig
+) -> tuple[list[GroupRef], list[RolloutSample], int, list[RejectedGroup]]:
+    """Score each group on its own: a group whose reward raises or is not finite is rejected with its reason
+    and the others are kept. Returns (groups kept, their samples, their tokens, groups rejected)."""
     group_size = config.sampling.samples_per_prompt
-    flat_prompts, flat_completions, flat_answers, flat_meta = [], [], [], []
-    for group_index, prompt_result in enumerate(result.results):
-        for completion in prompt_result.completions:
-            flat_prompts.append(texts[group_index])
-            flat_completions.append(completion.text)
-            flat_answers.append(answers[group_index])
-            flat_meta.append((group_index, prompt_result.prompt_token_ids, completion))
-    totals, per_reward = score_completions(list(config.rewards), flat_prompts, flat_completions, flat_answers)
-    advantages = group_advantages(totals, group_size, scale=config.loss.scale_rewards)
-    samples = []
+    kept: list[GroupRef] = []
+    rejected: list[RejectedGroup] = []
+    samples: list[RolloutSample] = []
     tokens = 0
-    for i, (group_index, prompt_ids, completion) in enumerate(flat_meta):
-        tokens += len(completion.token_ids)
-        samples.append(
-            RolloutSample(
-                group_index=group_index,
-                prompt_token_ids=list(prompt_ids),
-                completion_token_ids=list(completion.token_ids),
-                behavior_logprobs=list(completion.logprobs),
-                reward=float(totals[i]),
-                advantage=float(advantages[i]),
-                finish_reason=completion.finish_reason,
-                rewards_by_name={name: float(values[i]) for name, values in per_reward.items()},
+    for group_index, prompt_result in enumerate(result.results):
+        completions = prompt_result.completions
+        try:
+            totals, per_reward = score_completions(
+                list(config.rewards),
+                [texts[group_index]] * len(completions),
+                [completion.text for completion in completions],
+                [answers[group_index]] * len(completions),
             )
-        )
-    return samples, tokens
+        except RewardFailed as error:
+            log.warning("generate.group_unscored", group_id=groups[group_index].group_id, error=str(error))
+            rejected.append(RejectedGroup(group_id=groups[group_index].group_id, reason=error.reason))
+            continue
+        advantages = group_advantages(totals, group_size, scale=config.loss.scale_rewards)
+        for i, completion in enumerate(completions):
+            tokens += len(completion.token_ids)
+            samples.append(
+                RolloutSample(
+                    group_index=len(kept),  # the index among the groups the rollout keeps
+                    prompt_token_ids=list(prompt_result.prompt_token_ids),
+                    completion_token_ids=list(completion.token_ids),
+                    behavior_logprobs=list(completion.logprobs),
+                    reward=float(totals[i]),
+                    advantage=float(advantages[i]),
+                    finish_reason=completion.finish_reason,
+                    rewards_by_name={name: float(values[i]) for name, values in per_reward.items()},
+                )
+            )
+        kept.append(groups[group_index])
+    return kept, samples, tokens, rejected
 
 
 def _submit(
@@ -314,3 +365,16 @@ def _submit(
         timings=timings,
         reward_mean=reward_mean,
     )
+
+
+# ---- corrupted objects of a published version ----
+
+
+def report_corrupt_object(client: ProxyClient, version: int, worker_id: str, error: IntegrityError) -> None:
+    """Tell the proxy that an object of published ``version`` failed its check: it repairs it from the
+    holder's memory or halts the run. A failed report is only logged: the task fails either way."""
+    try:
+        answer = client.report_corrupt(version, worker_id, error.key)
+        log.warning("generate.corrupt_reported", version=version, key=error.key, action=answer.action)
+    except ProxyError as report_error:
+        log.warning("generate.corrupt_report_failed", version=version, key=error.key, error=str(report_error))

@@ -139,7 +139,11 @@ class AdapterPrefetcher:
         staged = self.staging_root / f"{bucket_keys.adapter_name(version)}-{uuid.uuid4().hex}"
         try:
             fetch_version(
-                self.bucket, latest.run, version, staged, expected_manifest_sha256=latest.manifest_sha256,
+                self.bucket,
+                latest.run,
+                version,
+                staged,
+                expected_manifest_sha256=latest.manifest_sha256,
                 names=bucket_keys.ADAPTER_FILE_NAMES,
             )
             fetched = time.perf_counter()

@@ -104,7 +104,10 @@ class TransformersBackend:
         self._versions[name] = version
         log.info(
             "generation.adapter_loaded",
-            adapter=name, version=version, s=time.perf_counter() - started, reused_slot=slot != name,
+            adapter=name,
+            version=version,
+            s=time.perf_counter() - started,
+            reused_slot=slot != name,
         )
 
     def drop_adapter(self, name: str) -> None:
@@ -306,7 +309,11 @@ def sample_completions(
     cache = {_cache_argument(model): DynamicCache()}  # filled in place by every forward
     # logits_to_keep=1: only the last position is sampled from; the prompt's (B, P, V) logits are never built.
     out = model(
-        input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
         **cache,
     )
     finished = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -4,34 +4,50 @@ Steps: make sure the trainer holds version ``base_version`` (memory when it matc
 fetch the claimed rollouts (sha256 checked), check staleness again, check each rollout's ratio under the
 version it claims (the check that flags a generator serving the wrong weights: fresh samples reuse the first
 update's training forward, a seeded sample of the others is rescored, see ``worker.optimize.rescore``), take
-``publish_every`` optimizer updates, upload version ``step`` (files first, manifest last), publish it by
-compare-and-set, and write the step record (``worker.optimize.step_record``) to ``metrics/step-S.json`` from
-memory, with its upload and publish times.
+``publish_every`` optimizer updates, upload version ``step`` (files under this attempt's own folder, then
+the create-only manifest naming them, with the step record ``worker.optimize.step_record`` among the files)
+and publish it by compare-and-set; the proxy copies the record to ``metrics/step-S.json`` as it publishes.
 
 Idempotent: a redelivered step that is already published is a no-op; one whose upload finished but whose
-publish did not (the worker died in between) publishes the uploaded version instead of training again.
+publish did not (the worker died in between) publishes the uploaded version instead of training again. An
+attempt whose manifest write or CAS another attempt won ends with status ``conflict`` (an info line, not an
+error); which manifest won is judged by the sha the proxy recorded, never by the bucket alone. The bytes of
+the last version uploaded or loaded stay in memory (``worker.optimize.held_version``) to repair the bucket.
+
+Before any work the task tells the proxy it holds the step (``POST /v1/steps/{S}/start``), so the step is
+re-sent at once if this worker dies; a copy whose batch is no longer the step's ends there. A step it cannot
+train raises a ``worker.optimize.failures.StepFailure`` naming why (an unusable rollout, an unloadable base)
+for the task to report.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Conflict
+from proxy.protocol.errors import Conflict, NotFound, StepGone
 from proxy.protocol.records import StepRecord, StepTimings
-from proxy.protocol.schemas import PublishRequest, RolloutRef
+from proxy.protocol.schemas import PublishRequest, RolloutRef, StepStartRequest
 from proxy.protocol.staleness import check_fresh
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectNotFound
-from proxy.storage.manifest import IntegrityError, delete_version, read_manifest, read_verified, write_version
+from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
+from proxy.storage.manifest import (
+    IntegrityError,
+    read_manifest,
+    read_verified,
+    write_version,
+)
 from worker.algo.rollout import Rollout, decode_rollout
+from worker.optimize import held_version
 from worker.optimize.batch import build_train_samples, split_indices_by_group
+from worker.optimize.failures import BaseUnloadable, ForeignUpload, RolloutUnusable, validate_rollout
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
     forget_adapter_weights,
@@ -42,10 +58,18 @@ from worker.optimize.rescore import (
 )
 from worker.optimize.step_record import build_step_record
 from worker.optimize.trainer import Trainer
+from worker.optimize.version_io import (
+    UploadConflict,
+    load_trainer_version,
+    published_is_ours,
+    same_bytes,
+    stored_step_record,
+    uploaded_attempt,
+)
 
 log = structlog.get_logger()
 
-STEP_RECORD_NAME = "step_record.json"
+STEP_RECORD_NAME = bucket_keys.STEP_RECORD_NAME
 
 
 @dataclass
@@ -53,7 +77,7 @@ class OptimizeResult:
     """What one optimize task did; the task logs and returns its ``summary()`` and feeds it to the metrics."""
 
     step: int
-    status: str  # published | already_published | republished | conflict
+    status: str  # published | already_published | republished | conflict | not_claimed
     version: int
     record: StepRecord | None = None  # when this task (or an earlier attempt of it) trained the step
 
@@ -72,66 +96,33 @@ class OptimizeResult:
         return {"step": self.step, "status": self.status, "version": self.version, **brief}
 
 
-def load_trainer_version(trainer: Trainer, bucket: Bucket, run: str, version: int) -> None:
-    """Load version ``version`` (weights, optimizer moments, step, RNG) from the bucket, verified."""
-    manifest, _ = read_manifest(bucket, run, version)
-    files = {
-        name: read_verified(bucket, bucket_keys.adapter_file_key(run, version, name), entry.sha256)
-        for name, entry in manifest.files.items()
-        if name != STEP_RECORD_NAME
-    }
-    loaded = trainer.load_version_files(files)
-    if loaded != version:
-        raise IntegrityError(f"trainer state under {bucket_keys.adapter_prefix(run, version)} says version {loaded}")
-
-
-def _uploaded_attempt(bucket: Bucket, run: str, step: int, base_version: int) -> str | None:
-    """sha256 of a complete earlier upload of this step from the same base, if one exists."""
-    try:
-        manifest, manifest_sha = read_manifest(bucket, run, step)
-    except ObjectNotFound:
-        return None
-    if manifest.metadata.get("base_version") != base_version:
-        return None
-    try:
-        for name, entry in manifest.files.items():
-            read_verified(bucket, bucket_keys.adapter_file_key(run, step, name), entry.sha256)
-    except (IntegrityError, ObjectNotFound) as error:
-        # A torn earlier attempt (never published): remove it so this attempt can write a clean one.
-        log.warning("optimize.broken_upload_discarded", step=step, error=str(error))
-        delete_version(bucket, run, step)
-        return None
-    return manifest_sha
-
-
-def _copy_step_record(bucket: Bucket, run: str, step: int) -> StepRecord | None:
-    manifest, _ = read_manifest(bucket, run, step)
-    entry = manifest.files.get(STEP_RECORD_NAME)
-    if entry is None:
-        return None
-    data = read_verified(bucket, bucket_keys.adapter_file_key(run, step, STEP_RECORD_NAME), entry.sha256)
-    bucket.put(bucket_keys.metrics_key(run, step), data)
-    return StepRecord.model_validate_json(data)
-
-
 def run_initialize(
     *, run: str, trainer: Trainer, bucket: Bucket, client: ProxyClient, worker_id: str
 ) -> OptimizeResult:
     """Version 0: the seeded LoRA init, published by CAS from -1."""
     if client.run_info().current_version >= 0:
         return OptimizeResult(step=0, status="already_published", version=0)
-    manifest_sha = _uploaded_attempt(bucket, run, 0, -1)
-    if manifest_sha is None:
-        _, manifest_sha = write_version(
-            bucket, run, 0, trainer.version_files(0), {"step": 0, "base_version": -1, "worker_id": worker_id}
+    if not _start(client, 0, -1, [], worker_id):
+        return OptimizeResult(step=0, status="not_claimed", version=-1)
+    files = trainer.version_files(0)
+    try:
+        manifest, manifest_sha = write_version(
+            bucket, run, 0, files, {"step": 0, "base_version": -1, "worker_id": worker_id}
         )
+    except ObjectExists as error:
+        # An earlier attempt's init won the manifest (and may have died before publishing): publish it.
+        log.info("optimize.upload_lost", step=0, error=str(error))
+        manifest, manifest_sha = read_manifest(bucket, run, 0)
     try:
         client.publish(
             PublishRequest(version=0, base_version=-1, step=0, worker_id=worker_id, manifest_sha256=manifest_sha)
         )
     except Conflict as error:
-        log.warning("optimize.init_publish_lost", error=str(error))
-        return OptimizeResult(step=0, status="conflict", version=0)
+        if not published_is_ours(0, manifest_sha, client):
+            log.info("optimize.publish_lost", step=0, error=str(error))
+            return OptimizeResult(step=0, status="conflict", version=0)
+    if same_bytes(manifest, files):
+        held_version.hold(run, manifest, manifest_sha, files)
     trainer.version = 0
     return OptimizeResult(step=0, status="published", version=0)
 
@@ -147,6 +138,7 @@ def run_optimize_step(
     bucket: Bucket,
     client: ProxyClient,
     worker_id: str,
+    between_files: Callable[[], None] | None = None,
 ) -> OptimizeResult:
     started = time.perf_counter()
     if step != base_version + 1:
@@ -154,22 +146,40 @@ def run_optimize_step(
     current = client.run_info().current_version
     if current >= step:
         log.info("optimize.step_already_published", step=step, current=current)
-        _ensure_step_record(bucket, run, step)
         return OptimizeResult(step=step, status="already_published", version=current)
+    if not _start(client, step, base_version, [ref.task_id for ref in rollout_refs], worker_id):
+        return OptimizeResult(step=step, status="not_claimed", version=current)
 
-    manifest_sha = _uploaded_attempt(bucket, run, step, base_version)
     record: StepRecord | None = None  # set when this attempt trained the step
     status = "republished"
-    if manifest_sha is None:
-        status = "published"
-        try:
-            record, manifest_sha = _train_and_upload(
-                run, step, base_version, rollout_refs, config, trainer, bucket, worker_id, started
-            )
-        except BaseException:
-            # Updates may have been applied in memory; the bucket's base_version is the truth again.
-            trainer.version = None
-            raise
+    batch = [ref.task_id for ref in rollout_refs]
+    try:
+        manifest_sha = uploaded_attempt(bucket, run, step, batch, client, worker_id)
+        if manifest_sha is None:
+            status = "published"
+            try:
+                record, manifest_sha = _train_and_upload(
+                    run, step, base_version, rollout_refs, config, trainer, bucket, client, worker_id, started,
+                    between_files,
+                )
+            except ObjectExists as error:
+                # Another attempt of this step won the create-only manifest while we trained. Publish its
+                # upload (it may have died before publishing) unless it was made from another batch.
+                log.info("optimize.upload_lost", step=step, error=str(error))
+                trainer.version = None
+                forget_adapter_weights(run, step)
+                status, manifest_sha = "republished", uploaded_attempt(bucket, run, step, batch, client, worker_id)
+            except BaseException:
+                # Updates may have been applied in memory; the bucket's base_version is the truth again.
+                trainer.version = None
+                raise
+    except UploadConflict as error:
+        forget_adapter_weights(run, step)
+        if client.run_info().current_version >= step:
+            log.info("optimize.upload_lost", step=step, error=str(error))
+            return OptimizeResult(step=step, status="conflict", version=step)
+        # Unpublished and from another batch: it can never publish and blocks this one; the proxy removes it.
+        raise ForeignUpload("foreign_upload", str(error)) from error
     publish_started = time.perf_counter()
     try:
         client.publish(
@@ -178,63 +188,70 @@ def run_optimize_step(
             )
         )
     except Conflict as error:
-        if not _published_is_ours(bucket, run, step, manifest_sha, client):
+        if not published_is_ours(step, manifest_sha, client):
             # Someone else published this version (we were a zombie or a redelivery): drop our work.
-            log.warning("optimize.publish_lost", step=step, error=str(error))
+            log.info("optimize.publish_lost", step=step, error=str(error))
             trainer.version = None  # force a reload from the bucket next time
             forget_adapter_weights(run, step)
-            _ensure_step_record(bucket, run, step)
             return OptimizeResult(step=step, status="conflict", version=step)
         # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
         # publish went through and only its answer was lost.
         log.info("optimize.upload_already_published", step=step)
     if record is None:
         # Republished an earlier attempt's upload: its record is only in the bucket.
-        return OptimizeResult(step=step, status=status, version=step, record=_copy_step_record(bucket, run, step))
-    # The published manifest is ours, so its record is the one in memory: write metrics/ from it (no
-    # re-read), with the upload and publish times the stored copy could not hold.
+        return OptimizeResult(step=step, status=status, version=step, record=stored_step_record(bucket, run, step))
+    # The proxy copied the version's record to metrics/ before answering; the in-memory one adds the upload
+    # and publish times for this worker's metrics.
     record.timings.publish_s = time.perf_counter() - publish_started
-    bucket.put(bucket_keys.metrics_key(run, step), _record_bytes(record))
     return OptimizeResult(step=step, status=status, version=step, record=record)
+
+
+def _start(client: ProxyClient, step: int, base_version: int, task_ids: list[str], worker_id: str) -> bool:
+    """Become the step's holder; False for a copy the proxy no longer wants (published, or claimed again)."""
+    try:
+        client.start_step(step, StepStartRequest(worker_id=worker_id, base_version=base_version, task_ids=task_ids))
+    except StepGone as error:
+        log.info("optimize.step_not_claimed", step=step, error=str(error))
+        return False
+    return True
+
+
+def _load_base(
+    trainer: Trainer, bucket: Bucket, run: str, version: int, client: ProxyClient, worker_id: str
+) -> None:
+    """``load_trainer_version``, a failure of which is this step's ``BaseUnloadable`` (reported, not retried)."""
+    try:
+        load_trainer_version(trainer, bucket, run, version, client, worker_id)
+    except (IntegrityError, ObjectNotFound, NotFound) as error:
+        raise BaseUnloadable("base_unloadable", f"version {version}: {error}") from error
 
 
 def _record_bytes(record: StepRecord) -> bytes:
     return json.dumps(record.model_dump(mode="json"), sort_keys=True).encode()
 
 
-def _published_is_ours(bucket: Bucket, run: str, step: int, manifest_sha: str, client: ProxyClient) -> bool:
-    if client.run_info().current_version < step:
-        return False
-    try:
-        _, published_sha = read_manifest(bucket, run, step)
-    except ObjectNotFound:
-        return False
-    return published_sha == manifest_sha
-
-
-def _ensure_step_record(bucket: Bucket, run: str, step: int) -> None:
-    """Copy a published version's step record to metrics/ if an earlier attempt died before doing so.
-
-    Manifests are create-only, so the version folder's record is the published version's, whoever made it.
-    """
-    if bucket.head(bucket_keys.metrics_key(run, step)) is not None:
-        return
-    try:
-        _copy_step_record(bucket, run, step)
-    except ObjectNotFound:
-        log.warning("optimize.step_record_lost", step=step)
-
-
 def _fetch_rollouts(bucket: Bucket, refs: list[RolloutRef]) -> list[Rollout]:
+    """The claimed rollouts, each verified and validated; RolloutUnusable names the first that is not."""
     rollouts = []
     for ref in refs:
-        data = read_verified(bucket, ref.key, ref.sha256)
-        rollout = decode_rollout(data)
+        try:
+            data = read_verified(bucket, ref.key, ref.sha256)
+        except ObjectNotFound as error:
+            raise RolloutUnusable(ref.task_id, "rollout_missing", str(error)) from error
+        except IntegrityError as error:
+            raise RolloutUnusable(ref.task_id, "rollout_integrity", str(error)) from error
+        try:
+            rollout = decode_rollout(data)
+        except Exception as error:  # any decoding failure of verified bytes is the rollout's, not ours
+            raise RolloutUnusable(ref.task_id, "rollout_malformed", f"{type(error).__name__}: {error}") from error
         if rollout.version != ref.version or rollout.task_id != ref.task_id:
-            raise IntegrityError(
-                f"rollout {ref.key} says version {rollout.version}/task {rollout.task_id}, but the claim names "
-                f"version {ref.version}/task {ref.task_id}"
+            raise RolloutUnusable(
+                ref.task_id,
+                "rollout_mismatch",
+                f"{ref.key} says version {rollout.version}/task {rollout.task_id}, but the claim names "
+                f"version {ref.version}/task {ref.task_id}",
             )
+        validate_rollout(rollout)
         rollouts.append(rollout)
     return rollouts
 
@@ -247,12 +264,14 @@ def _train_and_upload(
     config: RunConfig,
     trainer: Trainer,
     bucket: Bucket,
+    client: ProxyClient,
     worker_id: str,
     started: float,
+    between_files: Callable[[], None] | None,
 ) -> tuple[StepRecord, str]:
     if trainer.version != base_version:
         load_started = time.perf_counter()
-        load_trainer_version(trainer, bucket, run, base_version)
+        _load_base(trainer, bucket, run, base_version, client, worker_id)
         load_s = time.perf_counter() - load_started
         log.info("optimize.trainer_state_loaded", version=base_version, seconds=load_s)
 
@@ -268,12 +287,20 @@ def _train_and_upload(
     sample_rollout = [owner for owner, _ in sample_keys]
     chunks = split_indices_by_group(sample_keys, config.async_.publish_every)
     plan = plan_rescoring(
-        trainer, rollouts, sample_rollout, base_version=base_version, first_update=chunks[0],
-        fraction=config.loss.rescore_stale_fraction, seed=config.seed * 2**32 + step,
+        trainer,
+        rollouts,
+        sample_rollout,
+        base_version=base_version,
+        first_update=chunks[0],
+        fraction=config.loss.rescore_stale_fraction,
+        seed=config.seed * 2**32 + step,
     )
     rescore_started = time.perf_counter()
     # Before any update: the separately rescored samples need the weights of the versions they claim.
-    ratio_sums = rescore_planned(trainer, bucket, run, base_version, rollouts, samples, plan)
+    ratio_sums = rescore_planned(
+        trainer, bucket, run, base_version, rollouts, samples, plan,
+        recorded_sha=lambda version: client.version_info(version).manifest_sha256,
+    )
     rescore_s = time.perf_counter() - rescore_started
 
     updates = []
@@ -305,7 +332,7 @@ def _train_and_upload(
     )
     record.rescored_sequences = plan.rescored
     record.reused_sequences = len(plan.reused)
-    files[STEP_RECORD_NAME] = _record_bytes(record)
+    files[bucket_keys.STEP_RECORD_NAME] = _record_bytes(record)
     publish_started = time.perf_counter()
     metadata = {
         "step": step,
@@ -313,7 +340,9 @@ def _train_and_upload(
         "worker_id": worker_id,
         "rollouts": [r.task_id for r in rollouts],
     }
-    _, manifest_sha = write_version(bucket, run, step, files, metadata)
+    manifest, manifest_sha = write_version(bucket, run, step, files, metadata, between_files=between_files)
+    if same_bytes(manifest, files):  # a redelivery may get an earlier attempt's manifest back
+        held_version.hold(run, manifest, manifest_sha, files)
     # The in-memory LoRA is exactly the uploaded version: keep a copy for rescoring its rollouts next step.
     remember_adapter_weights(run, step, [parameter.detach().clone() for parameter in trainer.lora_parameters])
     record.timings.upload_s = time.perf_counter() - publish_started

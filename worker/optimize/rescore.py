@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,7 +25,7 @@ import torch
 from proxy.protocol.records import FlaggedRollout
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import read_manifest, read_verified
+from proxy.storage.manifest import IntegrityError, read_manifest, read_verified
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER
 from worker.optimize.batch import TrainSample
@@ -126,6 +126,7 @@ def rescore_planned(
     rollouts: list[Rollout],
     samples: list[TrainSample],
     plan: RescorePlan,
+    recorded_sha: Callable[[int], str] | None = None,
 ) -> dict[int, RatioSums]:
     """Run the plan's separate rescoring: per rescored sample index, the sums over its tokens of
     exp(logprob under its claimed version - behaviour logprob) and of its log. Call before the step changes
@@ -133,7 +134,7 @@ def rescore_planned(
 
     With the right weights served each term is 1 whatever the staleness. Versions inside the staleness window
     are never collected (invariant 3), so their adapters are still in the bucket; each is checked against
-    its manifest.
+    its manifest, and the manifest against ``recorded_sha(version)``, the sha the proxy recorded at publish.
     """
     # Only versions inside the window can be claimed again: forget older weights.
     oldest = min(r.version for r in rollouts)
@@ -147,8 +148,13 @@ def rescore_planned(
         else:
             weights = _recent_adapter_weights.get((run, version))
             if weights is None or (isinstance(weights, list) and not _fits(trainer, weights)):
-                manifest, _ = read_manifest(bucket, run, version)
-                key = bucket_keys.adapter_file_key(run, version, bucket_keys.ADAPTER_WEIGHTS_NAME)
+                manifest, manifest_sha = read_manifest(bucket, run, version)
+                if recorded_sha is not None and manifest_sha != recorded_sha(version):
+                    manifest_key = bucket_keys.manifest_key(run, version)
+                    raise IntegrityError(
+                        f"{manifest_key} has sha256 {manifest_sha}, not the one the proxy published", key=manifest_key
+                    )
+                key = manifest.file_key(run, bucket_keys.ADAPTER_WEIGHTS_NAME)  # the attempt it names
                 weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
                 _recent_adapter_weights[(run, version)] = weights
             with _weights_of_version(trainer, (run, version), weights):
@@ -215,7 +221,10 @@ def flag_drifting_rollouts(
             log.warning(
                 "optimize.rollout_ratio_drift",
                 hint="its worker may serve the wrong weights",
-                task_id=rollout.task_id, worker=rollout.worker_id, version=rollout.version, ratio=ratio,
+                task_id=rollout.task_id,
+                worker=rollout.worker_id,
+                version=rollout.version,
+                ratio=ratio,
                 geometric_ratio=geometric,
             )
     return flagged

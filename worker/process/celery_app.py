@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from celery import Celery
 
+from proxy.protocol.queues import GENERATE_QUEUE, GENERATE_TASK_NAME, OPTIMIZE_QUEUE, OPTIMIZE_TASK_NAME
 from worker.process.settings import load_worker_settings
-
-GENERATE_QUEUE = "generate"
-OPTIMIZE_QUEUE = "optimize"
 
 
 def build_celery_app() -> Celery:
@@ -50,8 +48,8 @@ def build_celery_app() -> Celery:
             "unacked_restore_throttle": 1,
         },
         task_routes={
-            "asyncgrpo.generate": {"queue": GENERATE_QUEUE},
-            "asyncgrpo.optimize": {"queue": OPTIMIZE_QUEUE},
+            GENERATE_TASK_NAME: {"queue": GENERATE_QUEUE},
+            OPTIMIZE_TASK_NAME: {"queue": OPTIMIZE_QUEUE},
         },
         task_default_queue=GENERATE_QUEUE,
     )

@@ -7,6 +7,7 @@ import socket
 import sys
 from typing import get_args
 
+from proxy.protocol.queues import worker_queues
 from worker.process.settings import WorkerRole, load_worker_settings
 
 ROLES: tuple[str, ...] = get_args(WorkerRole)
@@ -14,7 +15,9 @@ ROLES: tuple[str, ...] = get_args(WorkerRole)
 ROLE_ENV = "ASYNCGRPO_WORKER_ROLE"
 
 
-def celery_worker_argv(role: str, extra_args: list[str], celery_loglevel: str = "INFO") -> list[str]:
+def celery_worker_argv(
+    role: str, extra_args: list[str], celery_loglevel: str = "INFO", worker_id: str | None = None
+) -> list[str]:
     if role not in ROLES:
         raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
     # A unique node name per process so several workers on one machine can be told apart by `celery inspect`.
@@ -27,7 +30,8 @@ def celery_worker_argv(role: str, extra_args: list[str], celery_loglevel: str = 
         "worker.process.celery_app",
         "worker",
         "--queues",
-        role,
+        # An optimize worker also consumes its own queue: steps routed to the trainer holding their base.
+        ",".join(worker_queues(role, worker_id)) if worker_id else role,
         "--pool",
         "solo",
         "--concurrency",
@@ -46,7 +50,7 @@ def run_worker(role: str, extra_args: list[str]) -> int:
     """Replace this process with the celery worker (so systemd's signals reach it directly)."""
     # Read (and checked) here, so a bad variable fails before Celery starts, with a message naming it.
     settings = load_worker_settings()
-    argv = celery_worker_argv(role, extra_args, settings.celery_loglevel)
+    argv = celery_worker_argv(role, extra_args, settings.celery_loglevel, settings.worker_id)
     env = dict(os.environ)
     # SIGTERM (spot preemption, systemctl stop) is handled by worker.process.preemption: a short grace period, then
     # the running task goes back to the queue.

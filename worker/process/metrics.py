@@ -46,7 +46,16 @@ GCCollector(registry=REGISTRY)
 ROLES = ("generate", "optimize")
 ERROR_KINDS = ("integrity", "stale", "conflict", "proxy", "other")
 GENERATE_STATUSES = ("admitted", "duplicate", "stale", "cancelled", "rejected")
-OPTIMIZE_STATUSES = ("published", "already_published", "republished", "conflict")
+OPTIMIZE_STATUSES = (
+    "published",
+    "already_published",
+    "republished",
+    "conflict",
+    "not_claimed",
+    "failed_rollout",
+    "failed_step",
+    "failed_base",
+)
 CLIP_BOUNDS = ("low", "high", "region")
 
 # Seconds: from a fast adapter fetch (tens of ms) to a long generate or optimize task (half an hour).
@@ -68,8 +77,9 @@ def _counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Cou
 
 
 # ---- worker-wide ---------------------------------------------------------------------------------------
-WORKER_INFO = Info("asyncgrpo_worker", "This worker process: role, worker id, device, generation backend.",
-                   registry=REGISTRY)
+WORKER_INFO = Info(
+    "asyncgrpo_worker", "This worker process: role, worker id, device, generation backend.", registry=REGISTRY
+)
 WORKER_ERRORS = _counter(
     "asyncgrpo_worker_errors", "Errors in tasks, by kind (integrity, stale, conflict, proxy, other).", ("kind",)
 )
@@ -152,7 +162,8 @@ POLICY_RESCORE_RATIO = _gauge(
 POLICY_KL = _gauge("asyncgrpo_policy_kl", "k3 KL estimate of the policy to the behaviour policy, last step.")
 POLICY_ENTROPY_NATS = _gauge("asyncgrpo_policy_entropy_nats", "Mean token entropy of the policy, last step.")
 POLICY_CLIP_FRACTION = _gauge(
-    "asyncgrpo_policy_clip_fraction", "Share of tokens whose ratio was clipped, last step (low, high, region).",
+    "asyncgrpo_policy_clip_fraction",
+    "Share of tokens whose ratio was clipped, last step (low, high, region).",
     ("bound",),
 )
 POLICY_LOSS = _gauge("asyncgrpo_policy_loss", "GRPO loss of the last step.")

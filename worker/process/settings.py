@@ -64,6 +64,10 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     """Prometheus port of this worker process (unset: no endpoint)."""
 
+    upload_pause_s: float = Field(0.0, ge=0.0, le=600.0)
+    """Test hook: seconds an optimize worker sleeps after each file of a version it uploads (files then go
+    one at a time), so a test can pause it mid-upload. Leave it at 0."""
+
     celery_loglevel: str = Field("INFO", pattern=r"(?i)^(debug|info|warning|error|critical)$")
     """Log level of Celery's own worker lines."""
 

@@ -15,17 +15,21 @@ from celery.exceptions import Reject
 
 from proxy.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
 from proxy.protocol.log_setup import configure_logging
-from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage
+from proxy.protocol.queues import REPAIR_TASK_NAME
+from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.bucket import BucketError, ObjectNotFound
 from proxy.storage.manifest import IntegrityError
 from worker.generate.job import run_generate_task
-from worker.optimize.job import run_initialize, run_optimize_step
+from worker.optimize import held_version
+from worker.optimize.failures import step_failure_of
+from worker.optimize.job import OptimizeResult, run_initialize, run_optimize_step
 from worker.process import metrics as worker_metrics
 from worker.process import preemption, result_metrics
 from worker.process.celery_app import app
 from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
 from worker.process.settings import load_worker_settings
+from worker.process.task_failure import report_task_failure
 
 log = structlog.get_logger()
 
@@ -158,7 +162,37 @@ def generate(**payload: Any) -> dict[str, Any]:
         result_metrics.observe_generate_task(result)
         return result.summary()
 
-    return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
+    try:
+        return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
+    except (Reject, *TRANSIENT_ERRORS):
+        raise  # back to the queue (preemption) or retried (proxy restarting, bucket briefly away)
+    except Exception as error:
+        # Failed for good (already logged and counted by _task_scope): the proxy cancels it and counts the
+        # attempt now; the message is acked, with no retry loop (invariant 9).
+        runtime = get_runtime("generate")
+        return report_task_failure(runtime.client, message.task_id, runtime.settings.worker_id, error)
+
+
+def _report_step_failure(runtime: WorkerRuntime, message: OptimizeTaskMessage, error: Exception) -> dict | None:
+    """Report a step this worker cannot train to the proxy, which decides what comes next (reject, re-send,
+    halt); the task then ends acknowledged. None for any other error (a bug, a transient failure)."""
+    failure = step_failure_of(error)
+    if failure is None:
+        return None
+    worker_metrics.observe_error("other" if failure.kind == "step" else "integrity")
+    answer = runtime.client.report_step_failure(message.step, failure.report(runtime.settings.worker_id))
+    log.warning(
+        "optimize.step_failed",
+        step=message.step,
+        kind=failure.kind,
+        reason=failure.reason,
+        task_id=failure.task_id,
+        detail=failure.detail,
+        outcome=answer.outcome,
+    )
+    result = OptimizeResult(step=message.step, status=f"failed_{failure.kind}", version=message.base_version)
+    result_metrics.observe_optimize_step(None, result.status)
+    return {**result.summary(), "reason": failure.reason, "outcome": answer.outcome}
 
 
 @app.task(name="asyncgrpo.optimize", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
@@ -170,27 +204,55 @@ def optimize(**payload: Any) -> dict[str, Any]:
         trainer = runtime.run_trainer(context)
         device = str(trainer.policy.device)
         worker_metrics.set_worker_info("optimize", runtime.settings.worker_id, device, "trainer")
-        if message.step == 0:
-            result = run_initialize(
-                run=message.run,
-                trainer=trainer,
-                bucket=runtime.bucket,
-                client=runtime.client,
-                worker_id=runtime.settings.worker_id,
-            )
-        else:
-            result = run_optimize_step(
-                run=message.run,
-                step=message.step,
-                base_version=message.base_version,
-                rollout_refs=message.rollouts,
-                config=context.config,
-                trainer=trainer,
-                bucket=runtime.bucket,
-                client=runtime.client,
-                worker_id=runtime.settings.worker_id,
-            )
+        try:
+            if message.step == 0:
+                result = run_initialize(
+                    run=message.run,
+                    trainer=trainer,
+                    bucket=runtime.bucket,
+                    client=runtime.client,
+                    worker_id=runtime.settings.worker_id,
+                )
+            else:
+                result = run_optimize_step(
+                    run=message.run,
+                    step=message.step,
+                    base_version=message.base_version,
+                    rollout_refs=message.rollouts,
+                    config=context.config,
+                    trainer=trainer,
+                    bucket=runtime.bucket,
+                    client=runtime.client,
+                    worker_id=runtime.settings.worker_id,
+                    between_files=_upload_pause(runtime.settings.upload_pause_s),
+                )
+        except Exception as error:
+            failure = _report_step_failure(runtime, message, error)
+            if failure is None:
+                raise
+            return failure
         result_metrics.observe_optimize_step(result.record, result.status)
         return result.summary()
 
     return _run("optimize", f"step-{message.step}", body, run=message.run, step=message.step)
+
+
+# ---- repair of a corrupted version object from this trainer's memory ----
+
+
+def _upload_pause(seconds: float) -> Callable[[], None] | None:
+    """The test hook ``ASYNCGRPO_UPLOAD_PAUSE_S``: sleep between a version's files (None: no pause)."""
+    return None if seconds <= 0 else lambda: time.sleep(seconds)
+
+
+@app.task(name=REPAIR_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
+def repair_version(**payload: Any) -> dict[str, Any]:
+    message = RepairTaskMessage.model_validate(payload)
+
+    def body(runtime: WorkerRuntime) -> dict[str, Any]:
+        outcome = held_version.repair_object(runtime.bucket, message)
+        log_line = log.warning if outcome == "repaired" else log.error
+        log_line("optimize.repair_done", version=message.version, key=message.key, outcome=outcome)
+        return {"version": message.version, "key": message.key, "outcome": outcome}
+
+    return _run("optimize", f"repair-{message.version}", body, run=message.run, version=message.version)

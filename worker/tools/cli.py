@@ -112,13 +112,19 @@ def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_worker
     sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
 
 
-
 @main.command()
-@click.option("--proxy", "proxy_url", default=from_settings("proxy_url", WorkerSettings),
-              help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].")
+@click.option(
+    "--proxy",
+    "proxy_url",
+    default=from_settings("proxy_url", WorkerSettings),
+    help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].",
+)
 @click.option("--token", default=from_settings("token"), help="Bearer token [default: ASYNCGRPO_TOKEN].")
-@click.option("--bucket", default=from_settings("bucket"),
-              help="The run's bucket, for its config and step records [default: ASYNCGRPO_BUCKET].")
+@click.option(
+    "--bucket",
+    default=from_settings("bucket"),
+    help="The run's bucket, for its config and step records [default: ASYNCGRPO_BUCKET].",
+)
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
 def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, interval: float) -> None:
@@ -135,8 +141,9 @@ def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, i
 
 
 @main.command()
-@click.option("--run", "run_name", default=from_settings("run", required_as="--run"),
-              help="Run to plot [default: ASYNCGRPO_RUN].")
+@click.option(
+    "--run", "run_name", default=from_settings("run", required_as="--run"), help="Run to plot [default: ASYNCGRPO_RUN]."
+)
 @click.option("--bucket", default=from_settings("bucket", required_as="--bucket"), help=BUCKET_HELP)
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file.")
 def plot(run_name: str, bucket: str, out_path: Path) -> None:
@@ -152,12 +159,21 @@ def plot(run_name: str, bucket: str, out_path: Path) -> None:
 
 
 @main.command()
-@click.option("--run", "run_name", default=from_settings("run", required_as="--run"),
-              help="Run to export from [default: ASYNCGRPO_RUN].")
+@click.option(
+    "--run",
+    "run_name",
+    default=from_settings("run", required_as="--run"),
+    help="Run to export from [default: ASYNCGRPO_RUN].",
+)
 @click.option("--bucket", default=from_settings("bucket", required_as="--bucket"), help=BUCKET_HELP)
 @click.option("--version", "version", required=True, help="Version number, or 'latest'.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="New or empty folder for the adapter (and merged/ with --merge).")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="New or empty folder for the adapter (and merged/ with --merge).",
+)
 @click.option("--merge", is_flag=True, help="Also write the base model with the adapter merged, to OUT/merged.")
 @click.option("--device", default="cpu", show_default=True, help="Device for merging: cpu, cuda, auto.")
 def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool, device: str) -> None:

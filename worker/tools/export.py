@@ -90,7 +90,7 @@ def read_adapter_files(bucket: Bucket, run: str, version: int) -> dict[str, byte
         entry = manifest.files.get(name)
         if entry is None:
             raise ExportError(f"version {version} of run {run!r} has no {name} in its manifest")
-        files[name] = read_verified(bucket, bucket_keys.adapter_file_key(run, version, name), entry.sha256)
+        files[name] = read_verified(bucket, manifest.file_key(run, name), entry.sha256)  # the attempt it names
     return files
 
 

@@ -145,7 +145,7 @@ class LocalCluster:
         child = self._spawn(
             "proxy",
             [sys.executable, "-m", "worker.tools.cli", "proxy", "--run", self.run, "--host", "127.0.0.1", "--port",
-             str(port)],
+             str(port), "--standby"],  # a restarted proxy waits for the lease of the one it replaces
             env=self.env(),
         )
         self._wait_until(self._proxy_healthy, 30.0, "proxy", child)

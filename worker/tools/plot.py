@@ -80,15 +80,15 @@ def plot_records(records: list[StepRecord], out: Path, title: str = "") -> Path:
     reward_ax.legend(loc="best", fontsize="small")
 
     ratio_ax.plot(steps, [_value(r.ratio) for r in records], label="ratio (train)", color="tab:green")
-    ratio_ax.plot(steps, [_value(r.rescore_ratio) for r in records], label="ratio (rescore)",
-                  color="tab:olive", linestyle="--")
+    ratio_ax.plot(
+        steps, [_value(r.rescore_ratio) for r in records], label="ratio (rescore)", color="tab:olive", linestyle="--"
+    )
     ratio_ax.axhline(1.0, color="grey", linewidth=0.8)
     ratio_ax.set_title("importance ratio π/π_behaviour")
     ratio_ax.legend(loc="best", fontsize="small")
 
     staleness_ax.plot(steps, [_mean(r.staleness) for r in records], label="mean", color="tab:orange")
-    staleness_ax.plot(steps, [r.max_staleness for r in records], label="max", color="tab:red",
-                      drawstyle="steps-mid")
+    staleness_ax.plot(steps, [r.max_staleness for r in records], label="max", color="tab:red", drawstyle="steps-mid")
     staleness_ax.set_ylabel("versions")
     staleness_ax.set_xlabel("step")
     staleness_ax.set_title("staleness of trained samples")

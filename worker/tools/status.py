@@ -98,6 +98,8 @@ def _run_table(snapshot: StatusSnapshot) -> Table:
     table.add_column("value")
     version = "none yet" if status.current_version < 0 else f"v{status.current_version}"
     table.add_row("version", version)
+    if status.halted:
+        table.add_row("HALTED", Text(status.halted, style="bold red"))
     table.add_row("step in flight", "-" if status.step_inflight is None else str(status.step_inflight))
     if config is not None:
         table.add_row("lr schedule", f"{config.optimizer.total_steps} steps ({config.optimizer.lr_schedule})")
@@ -121,7 +123,8 @@ def _run_table(snapshot: StatusSnapshot) -> Table:
     table.add_row(
         "events",
         f"leases expired {counters.get('leases_expired', 0)}, tasks lost {counters.get('tasks_cancelled', 0)}, "
-        f"publish conflicts {counters.get('conflicts', 0)}",
+        f"publish conflicts {counters.get('conflicts', 0)}, steps re-sent {counters.get('optimize_resent', 0)}, "
+        f"un-claimed {counters.get('steps_unclaimed', 0)}",
     )
     for reason, count in sorted(status.rejected_by_reason.items()):
         table.add_row("  rejected", f"{count} × {reason}")
@@ -170,8 +173,13 @@ def _workers_table(snapshot: StatusSnapshot) -> Table:
             heartbeat.append(" (dead)")
         versions = ",".join(f"v{v}" for v in worker.versions_cached[-4:]) or "-"
         table.add_row(
-            worker.worker_id, worker.role, worker.state, f"{worker.hostname}:{worker.pid}", versions,
-            worker.current_task or "-", heartbeat,
+            worker.worker_id,
+            worker.role,
+            worker.state,
+            f"{worker.hostname}:{worker.pid}",
+            versions,
+            worker.current_task or "-",
+            heartbeat,
         )
     if not snapshot.workers:
         table.add_row("(none)", "", "", "", "", "", "")

@@ -3,6 +3,8 @@
 -- ARGV[1] prefix  ARGV[2] ops_json: [[command, key, args...], ...] with command in HSET, RPUSH, ZADD,
 --   PEXPIRE, EXPIRE and every key under the prefix; the ops must write the state key
 -- returns {"OK", applied} (ops) | {"EXISTS"} (a state is already there; nothing written)
+--   Idempotent on a partly evicted Redis (the state key gone, a list left): a list is emptied before its first
+--   RPUSH, so restoring never duplicates buffer or requeue entries (hashes and sorted sets merge by key).
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'EXISTS'} end
 local allowed = {HSET = true, RPUSH = true, ZADD = true, PEXPIRE = true, EXPIRE = true}
 local ops = cjson.decode(ARGV[2])
@@ -12,6 +14,13 @@ for i, op in ipairs(ops) do
     return redis.error_reply('restore_state: op ' .. i .. ' writes ' .. op[2] .. ' outside the run')
   end
 end
-for _, op in ipairs(ops) do redis.call(unpack(op)) end
+local emptied = {}
+for _, op in ipairs(ops) do
+  if op[1] == 'RPUSH' and not emptied[op[2]] then
+    redis.call('DEL', op[2])
+    emptied[op[2]] = true
+  end
+  redis.call(unpack(op))
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('restore_state: the ops wrote no state') end
 return {'OK', #ops}

@@ -1,12 +1,13 @@
 -- snapshot_json: read, atomically, everything a rebuild needs (no writes) as the snapshot document's JSON.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] versions  KEYS[5] requeue  KEYS[6] buffer
--- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention
+-- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention  KEYS[10] prompt_attempts
 -- ARGV[1] prefix  ARGV[2] header_json (the document's other fields, an object)
 -- returns {"OK", document} | {"NO_STATE"}
 --   The JSON is made here (cjson) so that the proxy neither parses nor re-encodes the whole state per write.
 --   Hashes become objects of strings; buffer = [{task_id, rollout, groups: {group_id: group}}], inflight_tasks
 --   likewise with task; step = {record, groups} or null; leases = [{lease_id, lease}]; rollout_retention =
---   {task_id: version}. Arrays are joined by hand: cjson writes an empty table as {}.
+--   {task_id: version}; prompt_attempts = {prompt_index: failed attempts, "reason:<index>": last reason}.
+--   Arrays are joined by hand: cjson writes an empty table as {}.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local function hash(k)
   local flat, out = redis.call('HGETALL', k), {}
@@ -68,5 +69,6 @@ local document = string.sub(header, 1, -2) .. (#header > 2 and ',' or '')
   .. ',"inflight_tasks":' .. array(tasks)
   .. ',"step":' .. step
   .. ',"leases":' .. array(leases)
-  .. ',"rollout_retention":' .. cjson.encode(retention) .. '}'
+  .. ',"rollout_retention":' .. cjson.encode(retention)
+  .. ',"prompt_attempts":' .. cjson.encode(hash(KEYS[10])) .. '}'
 return {'OK', document}

@@ -1,13 +1,14 @@
 -- submit_rollout: admit a generate task's rollout iff current - version <= max_staleness.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] requeue  KEYS[5] tasks_inflight
--- KEYS[6] buffer  KEYS[7] rollout_retention
+-- KEYS[6] buffer  KEYS[7] rollout_retention  KEYS[8] prompt_attempts
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] max_staleness  ARGV[4] record_ttl_s  ARGV[5] task_id
 -- ARGV[6] worker_id  ARGV[7] version  ARGV[8] ref_json: the rollout ref (as the optimize task will carry it)
 -- ARGV[9] admitted_json: group ids  ARGV[10] rejected_json: [[group_id, reason], ...]
 -- ARGV[11] omitted_reason: recorded for groups of the task the submission does not mention
 -- ARGV[12] track: rollouts for retention ("1") or keep them all ("0")
 -- a refused late or repeated submission (STALE, CANCELLED, DUPLICATE of a finished rollout) puts its
--- rollout object, possibly written again just now, back under retention
+-- rollout object, possibly written again just now, back under retention; a task that ran to its submission
+-- clears the failed-attempt counts of its prompts
 -- returns {"OK", current} | {"DUPLICATE", current} | {"STALE", current} (groups requeued)
 --   | {"CANCELLED"} | {"UNKNOWN_TASK"} | {"BAD_ROLLOUT", message} (nothing changed) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
@@ -53,6 +54,8 @@ local stale = current - version > max_staleness
 local admitted, rejected, dropped = {}, 0, 0
 for _, gid in ipairs(task_groups) do
   local f = fate[gid] or ARGV[11]
+  local idx = redis.call('HGET', key(GROUP, gid), 'prompt_index')
+  if idx then redis.call('HDEL', KEYS[8], idx, 'reason:' .. idx) end
   if f == true then
     if stale then
       end_group(gid, 'stale', now, ttl, KEYS[4])

@@ -1,0 +1,165 @@
+"""The coordinator's loop body: ``tick()``, one round of housekeeping, and what it reports.
+
+A round rebuilds an empty Redis, expires leases and lost tasks, takes back the tasks of dead generate workers,
+repairs a missing step record and re-checks a halt, claims a step, keeps the generate queue fed (only while a
+generate worker is alive and the bucket takes snapshots), writes the snapshot before sending anything, sends or
+re-sends the step in flight, and collects old versions and rollouts. ``Coordinator`` (``service``) inherits it;
+the attributes below are the parts it builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import structlog
+
+from proxy.coordinator.accounting import WaitingAccount
+from proxy.coordinator.dispatch import Dispatcher, DispatchError
+from proxy.coordinator.errors import SnapshotFailed
+from proxy.coordinator.generate_tasks import GenerateTasks
+from proxy.coordinator.halt import halted_reason
+from proxy.coordinator.pacing import InflightPacer
+from proxy.coordinator.steps import Steps
+from proxy.coordinator.store import RunStore
+from proxy.coordinator.versions import Versions
+from proxy.coordinator.workers import Workers
+from proxy.protocol.schemas import GenerateTaskMessage
+from proxy.run.config import RunConfig
+from proxy.storage.bucket import BucketError
+
+log = structlog.get_logger()
+
+MAX_TASKS_PER_TICK = 256
+
+
+@dataclass
+class TickReport:
+    """What one ``tick()`` did; returned for tests and logged when anything happened."""
+
+    leases_expired: int = 0
+    tasks_cancelled: int = 0
+    tasks_worker_lost: int = 0
+    tasks_undone: int = 0
+    stale_dropped: int = 0
+    step_claimed: int | None = None
+    step_sent: int | None = None
+    tasks_sent: list[str] = field(default_factory=list)
+    versions_deleted: list[int] = field(default_factory=list)
+    rollouts_deleted: list[str] = field(default_factory=list)
+    rebuilt: str | None = None
+
+    def busy(self) -> bool:
+        return any(
+            (
+                self.leases_expired,
+                self.tasks_cancelled,
+                self.tasks_worker_lost,
+                self.tasks_undone,
+                self.stale_dropped,
+                self.step_claimed is not None,
+                self.step_sent is not None,
+                self.tasks_sent,
+                self.versions_deleted,
+                self.rollouts_deleted,
+                self.rebuilt,
+            )
+        )
+
+
+
+class Housekeeping:
+    """``tick()`` over the parts a ``Coordinator`` builds. The other methods it calls (``ensure_state``,
+    ``expire_leases``, ``expire_tasks``, ``cancel_tasks``, ``write_snapshot``, ``send_due_step``, ``gc``,
+    ``collect_rollouts``) are the coordinator's own, which tests also call one by one."""
+
+    store: RunStore
+    config: RunConfig
+    dispatcher: Dispatcher
+    tasks: GenerateTasks
+    steps: Steps
+    versions: Versions
+    heartbeats: Workers
+    pacer: InflightPacer
+    accounting: WaitingAccount
+    require_generate_worker: bool
+    bucket_outage: bool
+
+    def tick(self) -> TickReport:
+        """One round of housekeeping; the server runs it every ``tick_s`` and after submits and publishes."""
+        report = TickReport()
+        outcome = self.ensure_state()
+        if outcome != "present":
+            report.rebuilt = outcome
+        report.leases_expired = self.expire_leases()
+        report.tasks_cancelled, _ = self.expire_tasks()
+        # Invariant 8: a task whose worker stopped sending heartbeats goes back in line now, not at its deadline.
+        report.tasks_worker_lost = self.tasks.reap_dead(self.heartbeats.alive_s)
+        self.versions.repair_missing_record()
+        self.versions.recheck_halt()  # a corrupted object restored by an operator lifts its halt
+        # The run ends at its final version (optimizer.total_steps): nothing more is claimed or dispatched.
+        finished = self.store.current_version() >= self.config.final_version
+        # A halted run claims no step (proxy.coordinator.halt); generation goes on until the buffer is full.
+        if not finished and halted_reason(self.store) is None:
+            claimed, report.stale_dropped = self.steps.claim()
+            if claimed is not None:
+                report.step_claimed = claimed.step
+        new_tasks: list[GenerateTaskMessage] = []
+        # Generate tasks wait for version 0 (nothing can be leased before), for the bucket to take snapshots
+        # again after an outage, and for a generate worker to be alive (no queue grows that nobody consumes).
+        if not finished and self.store.current_version() >= 0 and not self.bucket_outage and self._generate_consumed():
+            while len(new_tasks) < MAX_TASKS_PER_TICK:
+                message = self.tasks.dispatch_one()
+                if message is None:
+                    break
+                new_tasks.append(message)
+        if not self._write_tick_snapshot(new_tasks, report):
+            self.accounting.account()
+            return report
+        unsent = []
+        for message in new_tasks:
+            try:
+                self.dispatcher.send_generate(message)
+                report.tasks_sent.append(message.task_id)
+            except DispatchError as error:
+                log.warning("proxy.generate_send_failed", task_id=message.task_id, error=str(error))
+                unsent.append(message.task_id)
+        self.cancel_tasks(unsent, force=True)
+        report.step_sent = self.send_due_step()
+        if report.step_sent is not None:
+            self.pacer.step_sent(report.step_sent)
+        try:
+            report.versions_deleted = self.gc()
+        except (BucketError, OSError) as error:
+            log.warning("proxy.gc_failed", error=str(error))
+        report.rollouts_deleted = self.collect_rollouts()
+        self.accounting.account()
+        if report.busy():
+            log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})
+        return report
+
+    # ---- invariant 8: no dispatch nobody consumes, no churn in a bucket outage ----
+
+    def _generate_consumed(self) -> bool:
+        """True if generate tasks may be sent: a generate worker is alive, or the check is off."""
+        return not self.require_generate_worker or self.heartbeats.alive_count("generate") > 0
+
+    def _write_tick_snapshot(self, new_tasks: list[GenerateTaskMessage], report: TickReport) -> bool:
+        """Write the round's snapshot; False (and the round's new tasks taken back) if the bucket refused it.
+
+        During an outage every round tries again (``force``: nothing may have changed) but creates no task;
+        the outage is logged once when it starts and once when it ends.
+        """
+        try:
+            self.write_snapshot(force=self.bucket_outage)
+        except SnapshotFailed as error:
+            # Never hand out work the bucket does not know about: a rebuild would hand it out again. Those
+            # tasks were never sent, so they are taken back, not cancelled.
+            report.tasks_undone = self.tasks.undo([m.task_id for m in new_tasks])
+            if not self.bucket_outage:
+                log.warning("proxy.snapshot_failed", error=str(error), hint="no new generate task until it succeeds")
+            self.bucket_outage = True
+            return False
+        if self.bucket_outage:
+            log.info("proxy.snapshot_recovered")
+            self.bucket_outage = False
+        return True
