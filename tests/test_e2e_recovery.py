@@ -79,7 +79,8 @@ def test_kill_9_of_the_busy_trainer_is_recovered_by_the_stand_by_within_a_minute
     # upload it finds (same base, same batch) instead of training again, and the record stays opt-1's.
     outcome = "republished" if record.worker_id == "opt-1" else "published"
     assert record.worker_id in ("opt-1", "opt-2"), record.worker_id
-    assert _steps_finished(scrape(standby_port), outcome) >= 1, outcome
+    # The worker counts the step once the proxy has answered its publish: give that a moment.
+    wait_for(lambda: _steps_finished(scrape(standby_port), outcome) >= 1, 10, f"the stand-by's {outcome} step", cluster)
     assert_run_invariants(records_of(cluster))
 
 
