@@ -33,7 +33,8 @@ FINAL = 6  # the poison-rollout run's final version: two steps past any version 
 
 
 def _alive(cluster: LocalCluster, worker_id: str) -> bool:
-    workers = httpx.get(f"{cluster.proxy_url}/v1/workers", timeout=5).json()["workers"]
+    auth = {"Authorization": f"Bearer {cluster.token}"}
+    workers = httpx.get(f"{cluster.proxy_url}/v1/workers", headers=auth, timeout=5).json()["workers"]
     return any(w["worker_id"] == worker_id and w["alive"] for w in workers)
 
 

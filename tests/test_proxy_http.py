@@ -8,7 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from proxy.api.app import ProxyStartupError, check_can_serve, create_app, is_loopback, serve
+from proxy.api.app import ProxyStartupError, create_app, serve
+from proxy.api.token_policy import check_can_serve, is_loopback
 from proxy.coordinator.service import Coordinator
 from tests.fixtures_coordinator import API_TOKEN
 from tests.proxy_harness import (
@@ -50,7 +51,7 @@ def publish_body(version: int, sha: str) -> dict:
 
 
 def test_happy_path_over_http(http: TestClient, coord: Coordinator) -> None:
-    run = http.get("/v1/run").json()
+    run = http.get("/v1/run", headers=AUTH).json()
     assert run["current_version"] == 0 and run["num_prompts"] == 20 and run["config_key"] == "runs/r1/config.json"
     grant = http.post("/v1/leases", json={"worker_id": "w1", "task_id": "t1"}, headers=AUTH)
     assert grant.status_code == 200 and grant.json()["version"] == 0
@@ -63,15 +64,15 @@ def test_happy_path_over_http(http: TestClient, coord: Coordinator) -> None:
     assert http.post("/v1/rollouts", json=submit_body(coord, 0), headers=AUTH).json() == {"status": "duplicate"}
     assert http.delete(f"/v1/leases/{lease_id}", headers=AUTH).json() == {"released": True}
     coord.tick()
-    step = http.get("/v1/steps/1").json()
+    step = http.get("/v1/steps/1", headers=AUTH).json()
     assert step["base_version"] == 0 and len(step["rollouts"]) == 2
     sha = write_fake_version(coord.bucket, coord.run, 1)
     assert http.post("/v1/versions", json=publish_body(1, sha), headers=AUTH).json() == {"current_version": 1}
     beat = {"worker_id": "w1", "role": "generate", "hostname": "h", "pid": 3, "state": "busy"}
     assert http.post("/v1/workers/heartbeat", json=beat, headers=AUTH).status_code == 200
-    workers = http.get("/v1/workers").json()["workers"]
+    workers = http.get("/v1/workers", headers=AUTH).json()["workers"]
     assert [w["worker_id"] for w in workers] == ["w1"] and workers[0]["alive"]
-    status = http.get("/v1/status").json()
+    status = http.get("/v1/status", headers=AUTH).json()
     assert status["current_version"] == 1 and status["counters"]["rollouts_admitted"] == 2
 
 
@@ -94,13 +95,20 @@ def test_missing_or_wrong_token_is_401_and_changes_nothing(http: TestClient, coo
             {"worker_id": "w", "role": "generate", "hostname": "h", "pid": 1, "state": "x"},
         ),
         ("POST", "/v1/rollouts", None),  # even a malformed body is refused for its token first
+        ("GET", "/v1/status", None),  # reads name tasks, leases, workers, hosts: token holders only
+        ("GET", "/v1/workers", None),
+        ("GET", "/v1/run", None),
+        ("GET", "/v1/steps/0", None),
+        ("GET", "/v1/versions/latest", None),
+        ("GET", "/no/such/path", None),  # a scanner learns nothing, not even which paths exist
     ]
     for method, path, body in calls:
         answer = http.request(method, path, json=body, headers=headers)
         assert answer.status_code == 401, (method, path, answer.text)
         assert answer.json()["error"] == "unauthorized"
     assert state_of(coord) == before
-    assert http.get("/v1/status").status_code == 200, "reads need no token"
+    assert http.get("/v1/status", headers=AUTH).status_code == 200
+    assert http.get("/healthz").status_code == 200 and http.get("/metrics").status_code == 200, "probes stay open"
 
 
 def test_malformed_body_is_422_and_changes_nothing(http: TestClient, coord: Coordinator) -> None:
@@ -151,7 +159,7 @@ def test_refusals_have_their_codes(http: TestClient, coord: Coordinator) -> None
     answer = http.post("/v1/versions", json=publish_body(2, "c" * 64), headers=AUTH)
     assert answer.status_code == 409 and answer.json()["reason"] == "manifest_missing"
     # 404 step
-    assert http.get("/v1/steps/42").status_code == 404
+    assert http.get("/v1/steps/42", headers=AUTH).status_code == 404
     assert coord.current_version() == 0
 
 
@@ -214,7 +222,7 @@ def test_housekeeping_loop_runs_in_the_app_lifespan(redis_client: Redis, tmp_pat
 
 
 def test_serving_without_token_needs_loopback() -> None:
-    check_can_serve("0.0.0.0", "tok", insecure_loopback=False)
+    check_can_serve("0.0.0.0", "0123456789abcdef" * 4, insecure_loopback=False)
     check_can_serve("127.0.0.1", None, insecure_loopback=True)
     check_can_serve("::1", None, insecure_loopback=True)
     with pytest.raises(ProxyStartupError, match="ASYNCGRPO_TOKEN is not set"):
@@ -235,7 +243,7 @@ def test_every_request_gets_one_log_line_with_its_duration(http: TestClient) -> 
 
     with capture_logs() as lines:
         http.post("/v1/leases", json={"worker_id": "gen-1", "task_id": "t-1"}, headers=AUTH)
-        http.get("/v1/status")
+        http.get("/v1/status", headers=AUTH)
     requests = [line for line in lines if line["event"] == "proxy.request"]
     assert [(r["method"], r["route"], r["status"]) for r in requests] == [
         ("POST", "/v1/leases", 200),

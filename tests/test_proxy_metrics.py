@@ -220,7 +220,7 @@ def test_http_errors_are_counted_by_code(coord: Coordinator, http: TestClient) -
     assert answer.status_code == 409 and answer.json()["error"] == "conflict"
     assert http.post("/v1/versions", json={}, headers=AUTH).status_code == 422
     assert http.post("/v1/versions", json={}).status_code == 401
-    assert http.get("/v1/steps/42").status_code == 404
+    assert http.get("/v1/steps/42", headers=AUTH).status_code == 404
     counted = errors()
     assert counted == {code: 0.0 for code in HTTP_ERROR_CODES} | {
         "not_ready": 1.0,
@@ -242,7 +242,7 @@ def test_promtool_accepts_the_served_metrics(coord: Coordinator, clock: ManualCl
     clock.advance(1)
     coord.lease("gen-1", "t1")
     coord.tick()
-    http.get("/v1/steps/42")
+    http.get("/v1/steps/42", headers=AUTH)
     text = http.get("/metrics").text
     for name in (
         "asyncgrpo_max_staleness_versions",

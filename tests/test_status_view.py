@@ -21,7 +21,7 @@ from proxy.protocol.schemas import HeartbeatRequest
 from proxy.run.store import create_run
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
-from tests.fixtures_coordinator import served
+from tests.fixtures_coordinator import API_TOKEN, served
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, advance_version, make_coordinator, small_config
 from worker.tools.cli import main
@@ -89,7 +89,7 @@ def _beat(worker_id: str, role: str, versions: list[int] | None = None, task: st
 @pytest.fixture
 def proxy_url(coordinator: Coordinator) -> Iterator[str]:
     """The proxy's real app on a real port (no housekeeping loop: the test drives the coordinator)."""
-    with served(create_app(coordinator, "tok", run_loop=False)) as url:
+    with served(create_app(coordinator, API_TOKEN, run_loop=False)) as url:
         yield url
 
 
@@ -100,7 +100,7 @@ def _text(renderable) -> str:
 
 
 def test_status_shows_version_buffer_trend_and_workers(proxy_url: str, run_bucket: Bucket) -> None:
-    with ProxyClient(proxy_url, None) as client:
+    with ProxyClient(proxy_url, API_TOKEN) as client:
         snapshot = collect_status(client, run_bucket)
     assert snapshot.status.current_version == 2
     assert snapshot.config is not None and snapshot.config.async_.queue_maxsize == 8
@@ -123,14 +123,14 @@ def test_status_shows_version_buffer_trend_and_workers(proxy_url: str, run_bucke
 def test_status_without_bucket_and_in_watch_mode(proxy_url: str) -> None:
     output = io.StringIO()
     console = Console(file=output, width=160, color_system=None, force_terminal=False)
-    with ProxyClient(proxy_url, None) as client:
+    with ProxyClient(proxy_url, API_TOKEN) as client:
         show_status(client, None, watch=True, interval_s=0.01, console=console, max_refreshes=2)
     text = output.getvalue()
     assert "run r1" in text and "no step records yet" in text
 
 
 def test_status_command(proxy_url: str, run_bucket: Bucket) -> None:
-    answer = CliRunner().invoke(main, ["status", "--proxy", proxy_url, "--bucket", run_bucket.url])
+    answer = CliRunner().invoke(main, ["status", "--proxy", proxy_url, "--token", API_TOKEN, "--bucket", run_bucket.url])
     assert answer.exit_code == 0, answer.output
     assert "run r1" in answer.output and "trainer-1" in answer.output
 

@@ -33,6 +33,7 @@ from tests.proxy_harness import (
 )
 
 URL = "/v1/versions/latest"
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def live(coord: Coordinator) -> Iterator[tuple[ProxyClient, VersionWatch]]:
 
 def test_answers_at_once_when_a_newer_version_exists(http: TestClient, coord: Coordinator) -> None:
     started = time.monotonic()
-    body = http.get(URL, params={"after": -1, "wait_s": 30}).json()  # GET: no token needed
+    body = http.get(URL, params={"after": -1, "wait_s": 30}, headers=AUTH).json()
     assert time.monotonic() - started < 10
     sha = coord.redis.hget(coord.keys.versions, "0")
     assert body == {
@@ -99,15 +100,15 @@ def test_answers_at_once_when_a_newer_version_exists(http: TestClient, coord: Co
 
 def test_times_out_with_the_current_version(http: TestClient) -> None:
     started = time.monotonic()
-    body = http.get(URL, params={"after": 0, "wait_s": 0.3}).json()
+    body = http.get(URL, params={"after": 0, "wait_s": 0.3}, headers=AUTH).json()
     assert time.monotonic() - started >= 0.3
     assert body["version"] == 0 and body["manifest_sha256"]
-    assert http.get(URL, params={"after": 5}).json()["version"] == 0  # wait_s defaults to 0: answers now
+    assert http.get(URL, params={"after": 5}, headers=AUTH).json()["version"] == 0  # wait_s defaults to 0: answers now
 
 
 @pytest.mark.parametrize("params", [{"after": -2}, {"wait_s": 31}, {"wait_s": -1}, {"after": "x"}, {"wait_s": "soon"}])
 def test_bad_arguments_get_the_error_body(http: TestClient, params: dict) -> None:
-    answer = http.get(URL, params=params)
+    answer = http.get(URL, params=params, headers=AUTH)
     assert answer.status_code == 422
     body = answer.json()
     assert body["error"] == "bad_request" and body["detail"] and body["errors"]
@@ -117,7 +118,7 @@ def test_before_version_0_it_answers_minus_one(redis_client: Redis, tmp_path: Pa
     fresh = make_coordinator(redis_client, file_bucket(tmp_path), clock=ManualClock())
     fresh.ensure_state()
     with TestClient(create_app(fresh, API_TOKEN, run_loop=False)) as http:
-        body = http.get(URL, params={"after": -1, "wait_s": 0.05}).json()
+        body = http.get(URL, params={"after": -1, "wait_s": 0.05}, headers=AUTH).json()
     assert body["version"] == -1 and body["manifest_sha256"] is None and body["manifest_key"] is None
 
 

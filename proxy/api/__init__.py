@@ -4,7 +4,9 @@ Modules:
     app            routes, the tick loop, `serve()`
     refusals       which coordinator refusal is which error code; the error body and its handlers
     fencing        start-up checks (Redis eviction policy, create-only writes, the run's lease) and the lease keeper
-    middleware     bearer-token auth and request timing/logging, as plain ASGI
+    middleware     bearer-token auth, the body limit and request timing/logging, as plain ASGI
+    openapi        `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
+    token_policy   which tokens the proxy serves with: blank, placeholder and short ones refused at start-up
     settings       the proxy's environment variables
     version_watch  `GET /v1/versions/latest`: the long poll that tells generate workers of a new version
 """

@@ -16,7 +16,6 @@ The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app'
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
@@ -29,9 +28,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
-from proxy.api.middleware import AuthAndTiming
-from proxy.api.refusals import AUTH_REFUSAL, UNAVAILABLE, error_body, install_error_handlers
-from proxy.api.settings import ProxySettings
+from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
+from proxy.api.openapi import install_openapi
+from proxy.api.refusals import AUTH_REFUSAL, TOO_LARGE, UNAVAILABLE, error_body, install_error_handlers
+from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
+from proxy.api.token_policy import check_can_serve
 from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.schemas import (
@@ -76,10 +77,13 @@ def create_app(
     tick_s: float = 0.25,
     run_loop: bool = True,
     stop_on_lost_lease: Callable[[], object] = stop_this_process,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics_need_token: bool = False,
 ) -> FastAPI:
     """The API of one run. ``token=None`` disables auth (only ``serve`` on loopback may do that).
     ``run_loop=False`` leaves ``tick()`` to the caller (tests). With a ``coordinator.fence``, the lease is
-    renewed in the background and ``stop_on_lost_lease`` is called once it is lost."""
+    renewed in the background and ``stop_on_lost_lease`` is called once it is lost. ``max_body_bytes`` and
+    ``metrics_need_token``: ``ProxySettings``."""
     wake = asyncio.Event()
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
@@ -131,13 +135,23 @@ def create_app(
         metrics.count_http_error(UNAVAILABLE)
         return error_body(UNAVAILABLE, detail)
 
-    def unauthorized() -> Response:
-        metrics.count_http_error(AUTH_REFUSAL)
+    def refuse(code: str) -> Response:
+        metrics.count_http_error(code)
+        if code == TOO_LARGE:
+            return error_body(code, f"the request body is over {max_body_bytes} bytes (ASYNCGRPO_MAX_BODY_BYTES)")
         response = error_body(AUTH_REFUSAL, "missing or wrong bearer token (ASYNCGRPO_TOKEN)")
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
-    app.add_middleware(AuthAndTiming, token=expected, metrics=metrics, refuse=unauthorized)
+    open_paths = OPEN_PATHS - {"/metrics"} if metrics_need_token else OPEN_PATHS
+    app.add_middleware(
+        AuthAndTiming,
+        token=expected,
+        metrics=metrics,
+        refuse=refuse,
+        max_body_bytes=max_body_bytes,
+        open_paths=open_paths,
+    )
     app.middleware("http")(lease_guard(coordinator.fence, unavailable))
 
     install_error_handlers(app, metrics)
@@ -233,32 +247,8 @@ def create_app(
         coordinator.heartbeat(report)
         return HeartbeatResult()
 
+    install_openapi(app, token_required=expected is not None, open_paths=open_paths)
     return app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_can_serve(host: str, token: str | None, insecure_loopback: bool) -> None:
-    """Refuse to serve without a token, except on a loopback address with --insecure-loopback."""
-    if token:
-        return
-    if not insecure_loopback:
-        raise ProxyStartupError(
-            "ASYNCGRPO_TOKEN is not set: set it to a long random secret (e.g. `openssl rand -hex 32`) shared "
-            "with the workers, or pass --insecure-loopback with --host 127.0.0.1 for a local test"
-        )
-    if not is_loopback(host):
-        raise ProxyStartupError(
-            f"--insecure-loopback is only allowed with a loopback --host (127.0.0.1, ::1, localhost), not "
-            f"{host!r}; set ASYNCGRPO_TOKEN to serve on other addresses"
-        )
 
 
 def serve(
@@ -316,7 +306,13 @@ def serve(
         auth="off (loopback)" if not token else "bearer",
         proxy_epoch=fence.epoch,
     )
-    app = create_app(coordinator, token, tick_s=settings.tick_s)
+    app = create_app(
+        coordinator,
+        token,
+        tick_s=settings.tick_s,
+        max_body_bytes=settings.max_body_bytes,
+        metrics_need_token=settings.metrics_need_token,
+    )
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)
     releasing_server(config, app.state.version_watch).run()

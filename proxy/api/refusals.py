@@ -14,6 +14,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
 
 from proxy.coordinator.errors import (
     BadRollout,
@@ -29,7 +30,8 @@ from proxy.coordinator.errors import (
 )
 from proxy.coordinator.metrics import ProxyMetrics
 from proxy.protocol.errors import error_code
-from proxy.protocol.schemas import ErrorBody
+from proxy.protocol.errors import ErrorBody
+from proxy.protocol.input_bounds import printable
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.bucket import BucketError
 
@@ -54,12 +56,35 @@ REFUSAL_CODES: dict[type[Exception], str] = {
     BucketError: "unavailable",
 }
 SCHEMA_REFUSAL = "bad_request"
-"""Sent with 422 for a body that does not match its schema."""
+"""Sent with 422 for a request that does not match the schema, and with 400 for a body that is not JSON."""
 AUTH_REFUSAL = "unauthorized"
 UNAVAILABLE = "unavailable"
 """Also what ``/healthz`` answers when Redis is unreachable."""
-SENT_CODES = frozenset(REFUSAL_CODES.values()) | {SCHEMA_REFUSAL, AUTH_REFUSAL, UNAVAILABLE}
+INTERNAL = "internal"
+"""A fault of the proxy itself: answered as such, never as the client's mistake."""
+STARLETTE_REFUSALS = {
+    400: (SCHEMA_REFUSAL, "the body could not be parsed: send JSON in UTF-8, nested at most a few hundred levels"),
+    404: ("not_found", "no such path; the API is described at /openapi.json"),
+    405: ("method_not_allowed", "this path does not take this method; see the Allow header"),
+}
+"""The refusals Starlette and FastAPI make themselves (unparsable body, unknown path, wrong method)."""
+TOO_LARGE = "too_large"
+SENT_CODES = frozenset(REFUSAL_CODES.values()) | {code for code, _ in STARLETTE_REFUSALS.values()} | {
+    AUTH_REFUSAL,
+    TOO_LARGE,
+    UNAVAILABLE,
+    INTERNAL,
+}
 """Every error code this server can send (checked against the table by a test)."""
+MAX_DETAIL_CHARS = 1000
+MAX_FIELD_ERRORS = 20
+"""A 422 lists at most this many field errors: enough to fix a request, never a copy of a huge one."""
+UNAVAILABLE_DETAIL = {
+    RedisError: "Redis is unreachable or failed",
+    BucketError: "the bucket is unreachable or failed",
+    SnapshotFailed: "the run's snapshot could not be written to the bucket",
+    StateMissing: "the run's state is being rebuilt",
+}
 
 
 def error_body(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
@@ -67,8 +92,18 @@ def error_body(code: str, detail: str, *, status: int | None = None, **extra: An
     status = entry.status if status is None else status
     if status not in entry.statuses:
         raise ValueError(f"error code {code!r} is never sent with status {status}; see proxy.protocol.errors")
-    body = ErrorBody(error=code, detail=detail, **extra)
+    body = ErrorBody(error=code, detail=printable(detail, MAX_DETAIL_CHARS), **extra)
     return JSONResponse(status_code=status, content=jsonable_encoder(body))
+
+
+def field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+    """What a client needs to fix its request: where and what, bounded, and never the rejected value (which may
+    be 50 MB, NaN, or text no JSON encoder can write)."""
+    out = []
+    for item in exc.errors()[:MAX_FIELD_ERRORS]:
+        loc = [part if isinstance(part, int) else printable(str(part), 64) for part in item.get("loc", ())][:16]
+        out.append({"loc": loc, "msg": printable(str(item.get("msg", "")), 300), "type": str(item.get("type", ""))})
+    return out
 
 
 def _snake(name: str) -> str:
@@ -77,6 +112,11 @@ def _snake(name: str) -> str:
 
 def _refusal_code(exc: Exception) -> str:
     return next(REFUSAL_CODES[kind] for kind in type(exc).__mro__ if kind in REFUSAL_CODES)
+
+
+def _unavailable_detail(exc: Exception) -> str:
+    what = next((text for kind, text in UNAVAILABLE_DETAIL.items() if isinstance(exc, kind)), "a store failed")
+    return f"{what}; retry shortly (the proxy's log has the error)"
 
 
 def _refusal_fields(exc: Exception) -> dict[str, Any]:
@@ -89,7 +129,8 @@ def _refusal_fields(exc: Exception) -> dict[str, Any]:
 
 
 def install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
-    """Answer every coordinator refusal and schema failure with its code's body; count each by code."""
+    """Answer every refusal, schema failure, parse error, unknown path and fault with an ``ErrorBody``; count
+    each by code."""
 
     def _error(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
         metrics.count_http_error(code)
@@ -97,18 +138,30 @@ def install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(
-            SCHEMA_REFUSAL,
-            "the request body does not match the schema",
-            status=422,
-            errors=jsonable_encoder(exc.errors()),
-        )
+        errors = field_errors(exc)
+        where = ", ".join(".".join(str(part) for part in error["loc"]) for error in errors[:3])
+        return _error(SCHEMA_REFUSAL, f"the request does not match the schema ({where})", status=422, errors=errors)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code not in STARLETTE_REFUSALS:  # not one Starlette sends on its own: a fault of ours
+            log.error("proxy.unexpected_http_exception", status=exc.status_code, detail=str(exc.detail))
+            return _error(INTERNAL, "the proxy failed to answer this request", status=500)
+        code, detail = STARLETTE_REFUSALS[exc.status_code]
+        response = _error(code, detail, status=exc.status_code)
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def _fault(_: Request, exc: Exception) -> JSONResponse:
+        log.error("proxy.request_failed", error=repr(exc)[:MAX_DETAIL_CHARS], kind=type(exc).__name__, exc_info=exc)
+        return _error(INTERNAL, "the proxy failed to answer this request; its log has the error", status=500)
 
     async def _refused(_: Request, exc: Exception) -> JSONResponse:
         code = _refusal_code(exc)
         if code == UNAVAILABLE:
             log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)
-            return _error(code, f"{type(exc).__name__}: {exc}; retry shortly")
+            return _error(code, _unavailable_detail(exc))
         return _error(code, str(exc), **_refusal_fields(exc))
 
     for kind in REFUSAL_CODES:

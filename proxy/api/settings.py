@@ -10,6 +10,8 @@ from pydantic import Field
 
 from proxy.protocol.settings import CommonSettings
 
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
 
 class ProxySettings(CommonSettings):
     """The proxy process: the common settings plus where the API listens and how often it does housekeeping."""
@@ -19,6 +21,14 @@ class ProxySettings(CommonSettings):
 
     proxy_port: int = Field(8700, ge=1, le=65535)
     """Port the HTTP API listens on."""
+
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=64 * 1024, le=1024**3)
+    """Largest request body the API reads; a larger one is refused (413 `too_large`) before it is parsed.
+    The workers' requests are a few KiB."""
+
+    metrics_need_token: bool = False
+    """Ask for the bearer token on `/metrics` too (it carries counts, no ids; Prometheus then needs
+    `authorization: {credentials: ...}` in its scrape config)."""
 
     tick_s: float = Field(0.25, gt=0.0, le=60.0)
     """Seconds between housekeeping rounds (expire, dispatch, claim, GC, snapshot); a round also runs right

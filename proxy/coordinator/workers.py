@@ -1,7 +1,7 @@
 """Worker heartbeats: each worker's last report, and the list ``/v1/workers`` shows.
 
 A worker is alive while its last heartbeat is at most ``worker_alive_s`` old; one silent for
-``WORKER_FORGET_S`` disappears from the list (its record expires after ``record_ttl_s``).
+``WORKER_FORGET_S`` disappears from the list, and its record expires then too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class Workers:
             worker_id=report.worker_id,
             report_json=report.model_dump_json(),
             forget_after_ms=int(WORKER_FORGET_S * 1000),
-            record_ttl_s=self.store.record_ttl_s,
+            # Not the run's record TTL (days): a worker id heard from once, or made up, is gone in an hour.
+            record_ttl_s=int(WORKER_FORGET_S),
             role=report.role,
         )
 

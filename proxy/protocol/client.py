@@ -17,11 +17,10 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from proxy.protocol.errors import ProxyError, ProxyUnavailable, exception_for
+from proxy.protocol.errors import ErrorBody, ProxyError, ProxyUnavailable, exception_for
 from proxy.protocol.schemas import (
     CorruptReport,
     CorruptResult,
-    ErrorBody,
     HeartbeatRequest,
     HeartbeatResult,
     LatestVersion,

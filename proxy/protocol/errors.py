@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 
 class ProxyError(Exception):
     """Base of every failure talking to the proxy; ``status``/``error``/``body`` describe the answer."""
@@ -59,12 +61,50 @@ class BadRequest(ProxyError):
 
 
 class NotFound(ProxyError):
-    """404 not_found: e.g. a step that was never claimed."""
+    """404 not_found: e.g. a step that was never claimed, or a path this proxy does not serve."""
+
+
+class MethodNotAllowed(BadRequest):
+    """405 method_not_allowed: the path takes other methods (a client built for another version)."""
+
+
+class TooLarge(BadRequest):
+    """413 too_large: the body is over the proxy's ASYNCGRPO_MAX_BODY_BYTES."""
 
 
 class ProxyUnavailable(ProxyError):
     """503 unavailable, or no answer at all: the proxy could not be reached, or kept answering 502/503/504,
     after every retry."""
+
+
+class ProxyFault(ProxyUnavailable):
+    """500 internal: the proxy failed on this request (a bug; its log has it). Treated as unavailable."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # a newer proxy may add fields
+
+
+class ErrorBody(_Body):
+    """Body of every 4xx/5xx answer: ``error`` is a stable code, ``detail`` a sentence for humans. Some codes
+    add fields (a stale refusal its versions, a 422 its ``errors``); the body never echoes the request."""
+
+    error: str
+    detail: str
+
+
+class FieldError(_Body):
+    """One reason a request was refused (422): where (``loc``), what is wrong (``msg``), pydantic's ``type``."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(ErrorBody):
+    """422 ``bad_request``: the body, path or query does not match the schema; at most 20 ``errors``."""
+
+    errors: list[FieldError]
 
 
 @dataclass(frozen=True)
@@ -73,7 +113,7 @@ class ErrorCode:
 
     code: str
     statuses: tuple[int, ...]
-    """The first is the status of a refusal; ``bad_request`` is also sent as 422 for a body that fails the
+    """The first is the status of a refusal; ``bad_request`` is also sent as 422 for a request that fails the
     schema (FastAPI's convention), which the client treats the same."""
     exception: type[ProxyError]
     meaning: str
@@ -93,9 +133,12 @@ ERROR_CODES: dict[str, ErrorCode] = {
         ErrorCode("lease_lost", (410,), LeaseLost, "the lease expired or is unknown"),
         ErrorCode("cancelled", (410,), Cancelled, "the generate task was cancelled or is unknown; groups requeued"),
         ErrorCode("bad_request", (400, 422), BadRequest, "a submission that does not match its task, or the schema"),
-        ErrorCode("not_found", (404,), NotFound, "no such step"),
+        ErrorCode("not_found", (404,), NotFound, "no such step, version or path"),
+        ErrorCode("method_not_allowed", (405,), MethodNotAllowed, "the path exists, the method does not (see Allow)"),
+        ErrorCode("too_large", (413,), TooLarge, "the request body is over the proxy's limit"),
         ErrorCode("unavailable", (503,), ProxyUnavailable, "Redis or the bucket is unreachable right now; retry"),
         ErrorCode("unauthorized", (401,), Unauthorized, "missing or wrong bearer token"),
+        ErrorCode("internal", (500,), ProxyFault, "a fault of the proxy itself (its log has it); retried"),
     )
 }
 

@@ -7,18 +7,42 @@ default); responses allow extra fields so that a newer proxy can add some withou
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from proxy.protocol.input_bounds import (
+    MAX_INT,
+    MAX_LIST,
+    MAX_MAP_ENTRIES,
+    MAX_NAME_CHARS,
+    bounded_json,
+    valid_unicode,
+)
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+"""Every identifier (worker, task, lease, group): ASCII, at most 128 characters."""
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+LABEL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+"""Short human-readable text (host names, states, reasons): any printable character, no control characters."""
 _ID = Field(pattern=ID_PATTERN)
 _SHA = Field(pattern=SHA256_PATTERN)
+Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+"""Versions, steps, pids, sample counts: bounded so Lua's doubles and every JSON reader hold them exactly."""
+Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+Figure = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)] | float | None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Requests come from the network: unknown fields, NaN/Infinity and text that is not valid UTF-8 (lone
+    # surrogates from "\ud800" escapes) are refused with a 422, so nothing downstream has to cope with them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return valid_unicode(value)
 
 
 class _Response(BaseModel):
@@ -36,7 +60,7 @@ class GroupRef(_Request):
     """
 
     group_id: str = _ID
-    prompt_index: int = Field(ge=0)
+    prompt_index: Count
 
 
 class GenerateTaskMessage(_Request):
@@ -62,8 +86,8 @@ class RolloutRef(_Request):
     task_id: str = _ID
     key: str = Field(min_length=1)
     sha256: str = _SHA
-    version: int = Field(ge=0)
-    group_ids: list[str] = Field(min_length=1)
+    version: Count
+    group_ids: list[Id] = Field(min_length=1, max_length=MAX_LIST)
 
 
 class OptimizeTaskMessage(_Request):
@@ -71,8 +95,8 @@ class OptimizeTaskMessage(_Request):
     ``worker.process.tasks.optimize``. Step 0 (the init version) names no rollouts."""
 
     run: str
-    step: int = Field(ge=0)
-    base_version: int = Field(ge=-1)
+    step: Count
+    base_version: int = Field(ge=-1, le=MAX_INT)
     rollouts: list[RolloutRef] = Field(default_factory=list)
 
 
@@ -93,7 +117,7 @@ class RejectedGroup(_Request):
     submission, where the proxy counts it as rejected."""
 
     group_id: str = _ID
-    reason: str = Field(min_length=1, max_length=200)
+    reason: str = Field(min_length=1, max_length=200, pattern=LABEL_PATTERN)
 
 
 class RolloutSubmission(_Request):
@@ -102,13 +126,13 @@ class RolloutSubmission(_Request):
 
     task_id: str = _ID
     worker_id: str = _ID
-    version: int = Field(ge=0)
+    version: Count
     key: str = Field(min_length=1, max_length=1024)
     sha256: str = _SHA
-    group_ids: list[str] = Field(default_factory=list)
-    num_samples: int = Field(ge=0)
-    rejected_groups: list[RejectedGroup] = Field(default_factory=list)
-    stats: dict[str, float | int | None] = Field(default_factory=dict)
+    group_ids: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
+    num_samples: Count
+    rejected_groups: list[RejectedGroup] = Field(default_factory=list, max_length=MAX_LIST)
+    stats: dict[Name, Figure] = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES)
     lease_id: str | None = Field(None, pattern=ID_PATTERN)
     """The task's lease, released with the submission (one round trip less per task); whatever the answer,
     the worker no longer needs the version."""
@@ -118,9 +142,9 @@ class PublishRequest(_Request):
     """``POST /v1/versions``: the optimize worker asks the proxy to publish the version it uploaded, by
     compare-and-set from ``base_version``."""
 
-    version: int = Field(ge=0)
-    base_version: int = Field(ge=-1)
-    step: int = Field(ge=0)
+    version: Count
+    base_version: int = Field(ge=-1, le=MAX_INT)
+    step: Count
     worker_id: str = _ID
     manifest_sha256: str = _SHA
 
@@ -130,13 +154,19 @@ class HeartbeatRequest(_Request):
 
     worker_id: str = _ID
     role: Literal["generate", "optimize"]
-    hostname: str = Field(min_length=1, max_length=255)
-    pid: int = Field(ge=0)
-    state: str = Field(min_length=1, max_length=64)
-    versions_cached: list[int] = Field(default_factory=list, max_length=1024)
-    current_task: str | None = None
+    hostname: str = Field(min_length=1, max_length=255, pattern=LABEL_PATTERN)
+    pid: Count
+    state: str = Field(min_length=1, max_length=64, pattern=LABEL_PATTERN)
+    versions_cached: list[Count] = Field(default_factory=list, max_length=1024)
+    current_task: str | None = Field(None, pattern=ID_PATTERN)
     metrics_port: int | None = Field(None, ge=1, le=65535)
-    info: dict[str, Any] = Field(default_factory=dict)
+    info: dict[Name, Any] = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES)
+    """Free-form facts about the worker (backend, device), shown by ``/v1/workers``; at most 16 KiB of JSON."""
+
+    @field_validator("info")
+    @classmethod
+    def _small_info(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return bounded_json(value)
 
 
 class TaskFailureReport(_Request):
@@ -144,7 +174,7 @@ class TaskFailureReport(_Request):
     not a transient proxy or bucket error); the proxy cancels the task at once and counts the attempt."""
 
     worker_id: str = _ID
-    reason: str = Field(min_length=1, max_length=200)
+    reason: str = Field(min_length=1, max_length=200, pattern=LABEL_PATTERN)
     """A short label, e.g. ``task_error_ValueError``; normalised into a rejection reason at the last attempt."""
     detail: str = Field("", max_length=2000)
     """The error message, for the proxy's log."""
@@ -282,8 +312,8 @@ class StepStartRequest(_Request):
     batch is no longer the step's: the worker drops it."""
 
     worker_id: str = _ID
-    base_version: int = Field(ge=-1)
-    task_ids: list[str] = Field(default_factory=list)
+    base_version: int = Field(ge=-1, le=MAX_INT)
+    task_ids: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
     """The rollouts of the worker's message, in order."""
 
 
@@ -303,7 +333,7 @@ class StepFailureReport(_Request):
 
     worker_id: str = _ID
     kind: StepFailureKind
-    reason: str = Field(min_length=1, max_length=200)
+    reason: str = Field(min_length=1, max_length=200, pattern=LABEL_PATTERN)
     """A short label, counted per reason like a generate worker's rejections."""
     detail: str = Field("", max_length=4000)
     task_id: str | None = Field(None, pattern=ID_PATTERN)
@@ -316,13 +346,6 @@ class StepFailureResult(_Response):
     groups_rejected: int = 0
     groups_requeued: int = 0
     attempts: int = 0
-
-
-class ErrorBody(_Response):
-    """Body of every 4xx/5xx answer: ``error`` is a stable code, ``detail`` a sentence for humans."""
-
-    error: str
-    detail: str
 
 
 # ---- Published versions: the recorded manifest sha, corruption reports, repair tasks ----
@@ -356,6 +379,6 @@ class RepairTaskMessage(_Request):
     """Kwargs of ``asyncgrpo.repair_version``: put ``key`` of ``version`` back from the holder's memory."""
 
     run: str
-    version: int = Field(ge=0)
+    version: Count
     key: str = Field(min_length=1, max_length=1024)
     manifest_sha256: str = _SHA

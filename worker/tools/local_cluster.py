@@ -167,7 +167,9 @@ class LocalCluster:
             return False
 
     def status(self) -> dict:
-        response = httpx.get(f"{self.proxy_url}/v1/status", timeout=5.0)
+        response = httpx.get(
+            f"{self.proxy_url}/v1/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=5.0
+        )
         response.raise_for_status()
         return response.json()
 
