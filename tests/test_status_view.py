@@ -130,7 +130,8 @@ def test_status_without_bucket_and_in_watch_mode(proxy_url: str) -> None:
 
 
 def test_status_command(proxy_url: str, run_bucket: Bucket) -> None:
-    answer = CliRunner().invoke(main, ["status", "--proxy", proxy_url, "--token", API_TOKEN, "--bucket", run_bucket.url])
+    command = ["status", "--proxy", proxy_url, "--token", API_TOKEN, "--bucket", run_bucket.url]
+    answer = CliRunner().invoke(main, command)
     assert answer.exit_code == 0, answer.output
     assert "run r1" in answer.output and "trainer-1" in answer.output
 

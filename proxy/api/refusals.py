@@ -29,8 +29,7 @@ from proxy.coordinator.errors import (
     TaskCancelled,
 )
 from proxy.coordinator.metrics import ProxyMetrics
-from proxy.protocol.errors import error_code
-from proxy.protocol.errors import ErrorBody
+from proxy.protocol.errors import ErrorBody, error_code
 from proxy.protocol.input_bounds import printable
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.bucket import BucketError
