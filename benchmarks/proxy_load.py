@@ -1,7 +1,7 @@
 """The simulated workers of ``bench_proxy_scale.py``: generate workers over HTTP, and an optimizer.
 
-Each generate worker loops: take a real ``generate`` task message the proxy dispatched from the Celery broker
-list in Redis, lease, submit a rollout for exactly that task's groups, naming the lease so that the
+Each generate worker loops: take a real ``generate`` task message the proxy dispatched from its run's Celery
+broker list in Redis, lease, submit a rollout for exactly that task's groups, naming the lease so that the
 submission releases it (as a real generate worker does; ``--separate-release`` sends a DELETE instead, the
 older protocol); every ``CHECK_EVERY``-th
 admitted rollout is looked up in the bucket's snapshot right after the answer. The optimizer takes each
@@ -21,13 +21,15 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from proxy.protocol.queues import GENERATE_QUEUE, OPTIMIZE_QUEUE
+from proxy.protocol.queues import generate_queue, optimize_queue
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
 from proxy.storage.manifest import write_version
 
 TOKEN = "bench-scale-token"
 RUN = "scale"
+GENERATE_QUEUE = generate_queue(RUN)  # the broker lists the proxy of RUN sends to
+OPTIMIZE_QUEUE = optimize_queue(RUN)
 HEARTBEAT_S = 5.0
 
 CHECK_EVERY = 25

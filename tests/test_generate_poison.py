@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from proxy.coordinator.dispatch import CeleryDispatcher
 from proxy.coordinator.errors import TaskEnded
 from proxy.coordinator.service import Coordinator
+from proxy.protocol.queues import generate_queue
 from proxy.protocol.schemas import GenerateTaskMessage, GroupRef, HeartbeatRequest, TaskFailureReport
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.bucket import BucketError
@@ -263,7 +264,7 @@ def test_generate_messages_expire_at_their_deadline(redis_url: str) -> None:
         run="r1", task_id="gen-r1-0-00000001", groups=[GroupRef(group_id="g.0", prompt_index=0)], expires_at=2e9
     )
     CeleryDispatcher(redis_url).send_generate(message)
-    raw = Redis.from_url(redis_url, decode_responses=True).lrange("generate", 0, -1)
+    raw = Redis.from_url(redis_url, decode_responses=True).lrange(generate_queue("r1"), 0, -1)
     headers = json.loads(raw[0])["headers"]
     assert headers["expires"].startswith("2033-05-18T03:33:20"), headers["expires"]
 

@@ -25,6 +25,7 @@ from tests.fixtures_redis import free_port
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.transformers_backend import TransformersBackend
 from worker.process import runtime as runtime_module
+from worker.process.celery_app import control_exchange
 from worker.process.runtime import RunContext, WorkerRuntime
 from worker.process.settings import WorkerSettings
 
@@ -115,6 +116,7 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
     """`asyncgrpo worker generate` as an operator starts it: the Celery app's `include` loads the commands."""
     env = {
         **os.environ,
+        "ASYNCGRPO_RUN": RUN,  # a worker serves one run's queues and answers that run's `celery inspect`
         "ASYNCGRPO_REDIS_URL": redis_url,
         "ASYNCGRPO_BUCKET": f"file://{tmp_path / 'bucket'}",
         "ASYNCGRPO_PROXY_URL": f"http://127.0.0.1:{free_port()}",  # no proxy: heartbeats fail, and are only logged
@@ -129,6 +131,7 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
         process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     client = Celery("asyncgrpo-inspect-client", broker=redis_url)
     client.conf.update(task_serializer="json", accept_content=["json"], result_backend=None)
+    client.conf.update(control_exchange=control_exchange(RUN))  # as `celery inspect` with ASYNCGRPO_RUN=RUN
     try:
         deadline = time.monotonic() + 90
         replies: dict = {}

@@ -150,6 +150,7 @@ def test_the_launcher_passes_the_role_and_checks_settings_first(monkeypatch: pyt
     calls: list[tuple[str, list[str], dict[str, str]]] = []
     monkeypatch.setattr(launcher.os, "execvpe", lambda file, argv, env: calls.append((file, argv, env)))
     monkeypatch.setenv("ASYNCGRPO_CELERY_LOGLEVEL", "debug")
+    monkeypatch.setenv("ASYNCGRPO_RUN", "r1")
     launcher.run_worker("optimize", ["--without-gossip"])
     _, argv, env = calls[0]
     assert argv[argv.index("--loglevel") + 1] == "debug" and argv[-1] == "--without-gossip"
@@ -225,8 +226,24 @@ def test_the_command_line_takes_its_defaults_from_the_settings(tmp_path: Path, m
 
 def test_an_optimize_worker_consumes_its_own_queue_too() -> None:
     """Steps are routed to the trainer that holds their base version through that worker's own queue."""
-    argv = launcher.celery_worker_argv("optimize", [], worker_id="opt-7")
+    argv = launcher.celery_worker_argv("optimize", "r1", "opt-7", [])
     queues = argv[argv.index("--queues") + 1].split(",")
-    assert queues == ["optimize", "optimize.opt-7"]
-    argv = launcher.celery_worker_argv("generate", [], worker_id="gen-1")
-    assert argv[argv.index("--queues") + 1] == "generate"
+    assert queues == ["asyncgrpo:r1:optimize", "asyncgrpo:r1:optimize:opt-7"]
+    argv = launcher.celery_worker_argv("generate", "r1", "gen-1", [])
+    assert argv[argv.index("--queues") + 1] == "asyncgrpo:r1:generate"
+
+
+def test_a_worker_without_a_usable_run_or_id_does_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker consumes one run's queues: without ASYNCGRPO_RUN it would not know which."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(launcher.os, "execvpe", lambda file, argv, env: calls.append(argv))
+    with pytest.raises(SettingsError, match="ASYNCGRPO_RUN is not set: a worker consumes the Celery queues of one"):
+        launcher.run_worker("generate", [])
+    monkeypatch.setenv("ASYNCGRPO_RUN", "a:b")  # ':' separates a queue name's parts
+    with pytest.raises(SettingsError, match="ASYNCGRPO_RUN='a:b' is invalid: run name 'a:b' cannot name a queue"):
+        launcher.run_worker("generate", [])
+    monkeypatch.setenv("ASYNCGRPO_RUN", "r1")
+    monkeypatch.setenv("ASYNCGRPO_WORKER_ID", "gpu,1")  # a comma would split `celery worker --queues`
+    with pytest.raises(SettingsError, match="ASYNCGRPO_WORKER_ID='gpu,1' is invalid"):
+        launcher.run_worker("optimize", [])
+    assert calls == []

@@ -78,7 +78,7 @@ def test_a_dead_holder_is_re_sent_at_once_not_after_the_timeout(coord: Coordinat
     beat(coord, "opt-1")
     beat(coord, "opt-2")
     first = claimed_step(coord)
-    assert coord.dispatcher.optimize_queues[-1] == worker_queue("opt-1"), "the publisher of v0 holds it"
+    assert coord.dispatcher.optimize_queues[-1] == worker_queue(coord.run, "opt-1"), "the publisher of v0 holds it"
     assert coord.dispatcher.optimize_expires[-1] == coord.config.async_.optimize_task_timeout_s
     start(coord, "opt-1")
     clock.advance(10)
@@ -100,7 +100,7 @@ def test_a_step_sent_to_a_worker_that_dies_before_starting_it_is_re_sent(
 ) -> None:
     beat(coord, "opt-1")
     claimed_step(coord)
-    assert coord.dispatcher.optimize_queues[-1] == worker_queue("opt-1")
+    assert coord.dispatcher.optimize_queues[-1] == worker_queue(coord.run, "opt-1")
     clock.advance(16)
     assert coord.tick().step_sent == 1
     assert coord.dispatcher.optimize_queues[-1] is None
@@ -117,7 +117,7 @@ def test_step_goes_to_a_live_worker_whose_heartbeat_holds_the_base(coord: Coordi
         submit_pending(coord, submitted)
         coord.tick()
     assert coord.status().step_inflight == 1
-    assert coord.dispatcher.optimize_queues[-1] == worker_queue("opt-9")
+    assert coord.dispatcher.optimize_queues[-1] == worker_queue(coord.run, "opt-9")
 
 
 def test_an_old_copy_of_a_step_is_refused_at_start(coord: Coordinator) -> None:
@@ -178,7 +178,7 @@ def test_a_failing_step_is_retried_then_its_batch_rejected(coord: Coordinator) -
         answer = coord.report_step_failure(1, report)
         assert (answer.outcome, answer.attempts) == ("retry", attempt)
         assert coord.tick().step_sent == 1, "re-sent at once"
-        assert coord.dispatcher.optimize_queues[-1] == worker_queue("opt-2"), "not to the worker that failed"
+        assert coord.dispatcher.optimize_queues[-1] == worker_queue(coord.run, "opt-2"), "not to the worker that failed"
     start(coord, "opt-1")
     answer = coord.report_step_failure(1, report)
     groups = sum(len(r["group_ids"]) for r in message["rollouts"])
@@ -198,7 +198,7 @@ def test_an_unloadable_base_goes_to_another_worker_then_halts_the_run(coord: Coo
     start(coord, "opt-2")
     assert coord.report_step_failure(1, report).outcome == "retry"
     coord.tick()
-    assert coord.dispatcher.optimize_queues[-1] == worker_queue("opt-3")
+    assert coord.dispatcher.optimize_queues[-1] == worker_queue(coord.run, "opt-3")
     start(coord, "opt-3")
     answer = coord.report_step_failure(1, report.model_copy(update={"worker_id": "opt-3"}))
     assert answer.outcome == "halted"
@@ -214,7 +214,7 @@ def test_an_unloadable_base_goes_to_another_worker_then_halts_the_run(coord: Coo
     beat(coord, "opt-4")  # a worker that has not tried joins: the halt lifts and it gets the step
     assert coord.tick().step_sent == 1
     assert coord.status().halted is None
-    assert coord.dispatcher.optimize_queues[-1] == worker_queue("opt-4")
+    assert coord.dispatcher.optimize_queues[-1] == worker_queue(coord.run, "opt-4")
 
 
 def test_an_upload_from_before_a_reclaim_never_publishes_and_is_cleared(coord: Coordinator) -> None:

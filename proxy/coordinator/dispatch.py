@@ -1,5 +1,8 @@
 """Sending Celery tasks by name: the proxy never imports worker code, it only knows task names and queues.
 
+Every message goes to a queue of the run it names (``proxy.protocol.queues``), so only that run's workers
+take it, whatever other runs share the broker.
+
 ``CeleryDispatcher`` is the real one (``celery.Celery(broker=redis_url).send_task``, JSON only; a generate
 message expires at its task's deadline);
 ``RecordingDispatcher`` keeps the messages in memory for tests of the coordinator's logic.
@@ -16,11 +19,11 @@ from typing import Any, Protocol
 import structlog
 
 from proxy.protocol.queues import (
-    GENERATE_QUEUE,
     GENERATE_TASK_NAME,
-    OPTIMIZE_QUEUE,
     OPTIMIZE_TASK_NAME,
     REPAIR_TASK_NAME,
+    generate_queue,
+    optimize_queue,
     worker_queue,
 )
 from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
@@ -44,7 +47,7 @@ class Dispatcher(Protocol):
     def send_optimize(
         self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
     ) -> None:
-        """``queue``: one worker's own queue (``proxy.protocol.queues.worker_queue``); None: the shared one.
+        """``queue``: one worker's own queue (``proxy.protocol.queues.worker_queue``); None: the run's shared one.
         ``expires_s``: a copy not started within this many seconds (e.g. redelivered late) is dropped unrun."""
         ...
 
@@ -91,18 +94,19 @@ class CeleryDispatcher:
     def send_generate(self, message: GenerateTaskMessage) -> None:
         # Past its deadline the proxy no longer wants the task: the worker drops the message unrun.
         expires = None if message.expires_at is None else datetime.fromtimestamp(message.expires_at, tz=UTC)
-        self._send(GENERATE_TASK_NAME, GENERATE_QUEUE, message.task_id, message.model_dump(mode="json"), expires)
+        kwargs = message.model_dump(mode="json")
+        self._send(GENERATE_TASK_NAME, generate_queue(message.run), message.task_id, kwargs, expires)
 
     def send_optimize(
         self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
     ) -> None:
         task_id = optimize_task_id(message.run, message.step)
         kwargs = message.model_dump(mode="json")
-        self._send(OPTIMIZE_TASK_NAME, queue or OPTIMIZE_QUEUE, task_id, kwargs, expires_s)
+        self._send(OPTIMIZE_TASK_NAME, queue or optimize_queue(message.run), task_id, kwargs, expires_s)
 
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
         task_id = f"repair-{message.run}-{message.version}-{uuid.uuid4().hex[:8]}"
-        self._send(REPAIR_TASK_NAME, worker_queue(worker_id), task_id, message.model_dump(mode="json"))
+        self._send(REPAIR_TASK_NAME, worker_queue(message.run, worker_id), task_id, message.model_dump(mode="json"))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Where: step ``S`` goes to the own queue (``proxy.protocol.queues.worker_queue``) of a live optimize worker that
 holds version ``S - 1`` in memory -- the one that published it, else one whose heartbeat reports
-``info.trainer_version == S - 1`` -- so no trainer reloads state from the bucket; else to the shared queue.
+``info.trainer_version == S - 1`` -- so no trainer reloads state from the bucket; else to the run's shared queue.
 Workers that failed this step (a non-finite step, a base they could not load) are passed over while another
 one is alive.
 
@@ -157,7 +157,7 @@ class StepSending:
         if due.reason == "holder_dead":
             avoid.add(due.record["holder"])
         target = self.route(message.base_version, avoid)
-        queue = worker_queue(target) if target else None
+        queue = worker_queue(message.run, target) if target else None
         try:
             dispatcher.send_optimize(message, queue=queue, expires_s=self.config.optimize_task_timeout_s)
         except DispatchError as error:

@@ -11,18 +11,51 @@ Why each setting, for workers on preemptible machines:
 - SIGTERM: a preempted worker gets a short grace period (ASYNCGRPO_SOFT_SHUTDOWN_S), then hands its task
   back to the queue (``worker.process.preemption``; Celery's own cold shutdown cannot stop a solo-pool task).
 - solo pool (set by the launcher): a forked child hangs on torch once its parent has run a torch op.
+- one run per worker (``ASYNCGRPO_RUN``): its tasks are routed to that run's queues
+  (``proxy.protocol.queues``), and remote control (``celery inspect``, mingle, gossip) goes over a control
+  exchange of the run's own, so runs sharing one Redis neither take each other's tasks nor answer each other's
+  ``celery inspect``. A worker process (``ASYNCGRPO_WORKER_ROLE`` set by the launcher) without a run does not
+  start; a client without one (``celery inspect`` with ASYNCGRPO_RUN unset) reaches no asyncgrpo worker.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
-from proxy.protocol.queues import GENERATE_QUEUE, GENERATE_TASK_NAME, OPTIMIZE_QUEUE, OPTIMIZE_TASK_NAME
+from proxy.protocol.queues import (
+    GENERATE_TASK_NAME,
+    OPTIMIZE_TASK_NAME,
+    generate_queue,
+    optimize_queue,
+    run_queue_prefix,
+)
 from worker.process.settings import load_worker_settings
+
+
+def control_exchange(run: str) -> str:
+    """The remote-control exchange of ``run``'s workers and of the `celery inspect` client that asks them."""
+    return run_queue_prefix(run) + "control"
+
+
+def run_routing(run: str) -> dict[str, Any]:
+    """The Celery settings that bind an app to ``run``: its tasks' queues and its control exchange."""
+    return {
+        "task_routes": {
+            GENERATE_TASK_NAME: {"queue": generate_queue(run)},
+            OPTIMIZE_TASK_NAME: {"queue": optimize_queue(run)},
+        },
+        "task_default_queue": generate_queue(run),
+        "control_exchange": control_exchange(run),
+    }
 
 
 def build_celery_app() -> Celery:
     settings = load_worker_settings()
+    # A worker process must know its run (SettingsError naming ASYNCGRPO_RUN otherwise); a client may not.
+    needs_run = settings.worker_role is not None or settings.run is not None
+    run = settings.require_run() if needs_run else None
     # The worker imports these at start: the tasks, and the custom inspect commands it answers. The `celery
     # inspect` client side loads the commands through `-A worker.process.inspect_commands`, which imports this.
     celery = Celery(
@@ -47,12 +80,9 @@ def build_celery_app() -> Celery:
             "unacked_restore_interval": settings.restore_interval_s,
             "unacked_restore_throttle": 1,
         },
-        task_routes={
-            GENERATE_TASK_NAME: {"queue": GENERATE_QUEUE},
-            OPTIMIZE_TASK_NAME: {"queue": OPTIMIZE_QUEUE},
-        },
-        task_default_queue=GENERATE_QUEUE,
     )
+    if run is not None:
+        celery.conf.update(run_routing(run))
     return celery
 
 

@@ -1,4 +1,8 @@
-"""``asyncgrpo worker generate|optimize``: start ``celery worker`` with the queue, pool and flags a role needs."""
+"""``asyncgrpo worker generate|optimize``: start ``celery worker`` with the queues, pool and flags a role needs.
+
+The queues are those of the run named by ``ASYNCGRPO_RUN`` (``proxy.protocol.queues``); without it the worker
+does not start.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ ROLE_ENV = "ASYNCGRPO_WORKER_ROLE"
 
 
 def celery_worker_argv(
-    role: str, extra_args: list[str], celery_loglevel: str = "INFO", worker_id: str | None = None
+    role: str, run: str, worker_id: str, extra_args: list[str], celery_loglevel: str = "INFO"
 ) -> list[str]:
     if role not in ROLES:
         raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
@@ -30,8 +34,8 @@ def celery_worker_argv(
         "worker.process.celery_app",
         "worker",
         "--queues",
-        # An optimize worker also consumes its own queue: steps routed to the trainer holding their base.
-        ",".join(worker_queues(role, worker_id)) if worker_id else role,
+        # Only its run's queues; an optimize worker also its own: steps routed to the trainer holding their base.
+        ",".join(worker_queues(run, role, worker_id)),
         "--pool",
         "solo",
         "--concurrency",
@@ -50,7 +54,7 @@ def run_worker(role: str, extra_args: list[str]) -> int:
     """Replace this process with the celery worker (so systemd's signals reach it directly)."""
     # Read (and checked) here, so a bad variable fails before Celery starts, with a message naming it.
     settings = load_worker_settings()
-    argv = celery_worker_argv(role, extra_args, settings.celery_loglevel, settings.worker_id)
+    argv = celery_worker_argv(role, settings.require_run(), settings.worker_id, extra_args, settings.celery_loglevel)
     env = dict(os.environ)
     # SIGTERM (spot preemption, systemctl stop) is handled by worker.process.preemption: a short grace period, then
     # the running task goes back to the queue.

@@ -13,7 +13,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from proxy.protocol.settings import CacheSettings, CommonSettings
+from proxy.protocol.queues import check_queue_run
+from proxy.protocol.schemas import ID_PATTERN
+from proxy.protocol.settings import CacheSettings, CommonSettings, SettingsError, env_name
 from worker.generate.settings import GenerateSettings
 
 WorkerRole = Literal["generate", "optimize"]
@@ -33,9 +35,9 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
     """Base URL of the run's proxy, as the workers reach it."""
 
     worker_id: str = Field(
-        default_factory=_hostname_pid, min_length=1, json_schema_extra={"shown_default": "<hostname>-<pid>"}
+        default_factory=_hostname_pid, pattern=ID_PATTERN, json_schema_extra={"shown_default": "<hostname>-<pid>"}
     )
-    """Unique name of this worker process in heartbeats, leases, rollouts and metrics."""
+    """Unique name of this worker process in heartbeats, leases, rollouts, metrics and its own queue's name."""
 
     worker_role: WorkerRole | None = None
     """Set by `asyncgrpo worker generate|optimize` for the Celery process it starts; never set it yourself."""
@@ -70,6 +72,20 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
 
     celery_loglevel: str = Field("INFO", pattern=r"(?i)^(debug|info|warning|error|critical)$")
     """Log level of Celery's own worker lines."""
+
+    def require_run(self) -> str:
+        """The run whose queues this worker consumes; SettingsError naming ``ASYNCGRPO_RUN`` when it is unset or
+        cannot name a queue (a worker serves exactly one run, so runs can share one Redis)."""
+        name = env_name("run")
+        if self.run is None:
+            raise SettingsError(
+                f"{name} is not set: a worker consumes the Celery queues of one run. Set {name} to the run's "
+                "name (the one its proxy coordinates, `asyncgrpo proxy --run NAME`)."
+            )
+        try:
+            return check_queue_run(self.run)
+        except ValueError as error:
+            raise SettingsError(f"{name}={self.run!r} is invalid: {error}. Set {name} to the run's name.") from None
 
 
 def load_worker_settings() -> WorkerSettings:
