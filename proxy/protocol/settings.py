@@ -143,7 +143,8 @@ class CommonSettings(LogSettings, StorageSettings):
     `--insecure-loopback` is given with a loopback host."""
 
     run: str | None = Field(None, min_length=1)
-    """The run to coordinate (the proxy's `--run` overrides it)."""
+    """The run: the proxy coordinates it (its `--run` overrides it); a worker consumes only its Celery queues
+    (required by workers)."""
 
     def token_value(self) -> str | None:
         """The token as text, for the one place that sends or checks it."""

@@ -2,7 +2,7 @@
 
 Modules:
     celery_app        the Celery app, configured for preemptible machines (JSON only, acks late, prefetch 1)
-    launcher          `asyncgrpo worker`: execs `celery worker` with the role's queue, pool and flags
+    launcher          `asyncgrpo worker`: execs `celery worker` with its run's queues for the role, pool and flags
     tasks             the thin `generate` and `optimize` Celery tasks
     task_failure      a generate task that failed for good is reported to the proxy (cancel now, count the attempt)
     runtime           what a worker process builds once: bucket, client, model, caches, heartbeat

@@ -1,14 +1,16 @@
 """``asyncgrpo demo``: the whole system on one machine, on the tiny model and the toy task.
 
-Starts (or reuses, via ASYNCGRPO_REDIS_URL) Redis, keeps a ``file://`` bucket in a work folder, creates the run from
-the embedded default config, and runs the proxy, ``generate_workers`` generate workers and one optimize
-worker as separate real processes. Shows live progress, ends with a summary (``--json``: one JSON line),
-and stops every child on the way out, Ctrl-C included.
+Starts Redis (or reuses the one ASYNCGRPO_REDIS_URL names, under a run name of its own, so another demo there
+keeps its own state and queues), keeps a ``file://`` bucket in a work folder, creates the run from the
+embedded default config, and runs the proxy, ``generate_workers`` generate workers and one optimize worker as
+separate real processes. Shows live progress, ends with a summary (``--json``: one JSON line), and stops every
+child on the way out, Ctrl-C included.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import sys
 import tempfile
@@ -127,7 +129,9 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
     # A Redis named in ASYNCGRPO_REDIS_URL is reused; otherwise the cluster starts a private redis-server.
     settings = CommonSettings()
     redis_url = settings.redis_url if "redis_url" in settings.model_fields_set else None
-    cluster = LocalCluster(workdir=workdir, run=RUN_NAME, redis_url=redis_url)
+    # On a reused Redis the run gets a name of its own (its Celery queues and Redis keys are named after it).
+    run_name = RUN_NAME if redis_url is None else f"{RUN_NAME}-{secrets.token_hex(3)}"
+    cluster = LocalCluster(workdir=workdir, run=run_name, redis_url=redis_url)
     _stop_on_signals()
     started = time.monotonic()
     try:
@@ -135,8 +139,8 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
         config_path = workdir / "demo.toml"
         config_path.write_text(DEMO_CONFIG_TOML.format(steps=steps, samples_per_prompt=SAMPLES_PER_PROMPT))
         bucket = open_bucket(cluster.bucket_url)
-        create_run(config_path, RUN_NAME, bucket)
-        console.print(f"work folder: {workdir}  redis: {cluster.redis_url}")
+        create_run(config_path, run_name, bucket)
+        console.print(f"work folder: {workdir}  redis: {cluster.redis_url}  run: {run_name}")
         cluster.start_proxy()
         # Two cores here: one torch thread per process keeps the processes from fighting over them.
         threads = {"ASYNCGRPO_TORCH_THREADS": "1"}
@@ -147,7 +151,7 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
             while True:
                 cluster.check_children()
                 status = StatusResponse.model_validate(cluster.status())
-                records = load_step_records(bucket, RUN_NAME)
+                records = load_step_records(bucket, run_name)
                 live.update(_progress_table(records, status, started))
                 if status.finished and len(records) >= status.final_version:
                     break
@@ -172,5 +176,5 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
         for key, value in summary.items():
             table.add_row(key, str(value))
         console.print(table)
-        console.print(f"step records: {workdir / 'bucket' / bucket_keys.metrics_prefix(RUN_NAME)}")
+        console.print(f"step records: {workdir / 'bucket' / bucket_keys.metrics_prefix(run_name)}")
     return 0

@@ -131,7 +131,7 @@ class LocalCluster:
                 "ASYNCGRPO_BUCKET": self.bucket_url,
                 "ASYNCGRPO_TOKEN": self.token,
                 "ASYNCGRPO_PROXY_URL": self.proxy_url,
-                "ASYNCGRPO_RUN": self.run,
+                "ASYNCGRPO_RUN": self.run,  # the proxy coordinates this run; the workers consume its queues
                 "ASYNCGRPO_CACHE": str(self.workdir / "cache"),
                 "PYTHONUNBUFFERED": "1",
             }
