@@ -247,3 +247,7 @@ def test_a_worker_without_a_usable_run_or_id_does_not_start(monkeypatch: pytest.
     with pytest.raises(SettingsError, match="ASYNCGRPO_WORKER_ID='gpu,1' is invalid"):
         launcher.run_worker("optimize", [])
     assert calls == []
+    monkeypatch.delenv("ASYNCGRPO_RUN")
+    monkeypatch.delenv("ASYNCGRPO_WORKER_ID")
+    result = CliRunner().invoke(cli_main, ["worker", "generate"])
+    assert result.exit_code == 1 and "Error: ASYNCGRPO_RUN is not set" in result.output, result.output

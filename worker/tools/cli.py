@@ -94,10 +94,14 @@ def model_tiny(out_dir: Path, seed: int) -> None:
 @click.argument("role", type=click.Choice(["generate", "optimize"]))
 @click.pass_context
 def worker(ctx: click.Context, role: str) -> None:
-    """Start a Celery worker for ROLE with the right queue, pool and flags (extra args go to celery)."""
+    """Start a Celery worker for ROLE on the queues of ASYNCGRPO_RUN, with the right pool and flags (extra args
+    go to celery)."""
     from worker.process.launcher import run_worker
 
-    sys.exit(run_worker(role, list(ctx.args)))
+    try:
+        sys.exit(run_worker(role, list(ctx.args)))
+    except SettingsError as error:  # a missing run or a bad variable: say which, not a traceback
+        raise click.ClickException(str(error)) from None
 
 
 @main.command()
