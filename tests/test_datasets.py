@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.run.config import DatasetConfig
 from proxy.run.datasets import (
@@ -148,3 +150,64 @@ def test_prompts_jsonl_roundtrip() -> None:
     assert dump_prompts_jsonl(parse_prompts_jsonl(data)) == data  # canonical bytes: same sha256 again
     with pytest.raises(PromptFileError, match="line 2"):
         parse_prompts_jsonl(b'{"prompt": "a"}\n{"answer": "x"}\n')
+
+
+# Every character str.splitlines() splits at, besides "\n" itself.
+LINE_BREAKS = ["\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def test_prompts_jsonl_keeps_every_line_break_inside_prompts() -> None:
+    records: list[dict[str, str | None]] = [
+        {"prompt": f"before{brk}after", "answer": f"a{brk}b"} for brk in LINE_BREAKS
+    ]
+    records.append({"prompt": "".join(LINE_BREAKS) + "x\n", "answer": None})
+    data = dump_prompts_jsonl(records)
+    assert data.count(b"\n") == len(records)  # the writer's only separator is the one between records
+    assert parse_prompts_jsonl(data) == records
+    assert dump_prompts_jsonl(parse_prompts_jsonl(data)) == data
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1)  # any text UTF-8 can hold
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.fixed_dictionaries({"prompt": _TEXT, "answer": st.none() | _TEXT}), min_size=1))
+def test_prompts_jsonl_roundtrips_any_text(records: list[dict[str, str | None]]) -> None:
+    assert parse_prompts_jsonl(dump_prompts_jsonl(records)) == records
+
+
+def test_jsonl_file_splits_records_at_newline_only(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    rows = [json.dumps({"prompt": f"x{brk}y", "answer": "1"}, ensure_ascii=False) for brk in LINE_BREAKS]
+    # CRLF line ends; a BOM as Windows editors write it; a lone "\r" between JSON tokens is whitespace.
+    text = "\ufeff" + "\r\n".join(rows) + '\r\n{"prompt": "z",\r"answer": "2"}\r\n'
+    path.write_bytes(text.encode("utf-8"))
+    expected = [{"prompt": f"x{brk}y", "answer": "1"} for brk in LINE_BREAKS] + [{"prompt": "z", "answer": "2"}]
+    records = load_prompt_file(path, "prompt", "answer")
+    assert records == expected
+    assert parse_prompts_jsonl(dump_prompts_jsonl(records)) == expected
+
+
+def test_csv_cells_keep_line_breaks(tmp_path: Path) -> None:
+    rows = [{"question": f"x{brk}y", "solution": f"{i}\u2028"} for i, brk in enumerate(LINE_BREAKS)]
+    path = _write(tmp_path / "p.csv", rows)
+    records = load_prompt_file(path, "question", "solution")
+    assert records == [{"prompt": row["question"], "answer": row["solution"]} for row in rows]
+    assert parse_prompts_jsonl(dump_prompts_jsonl(records)) == records
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_unpaired_surrogate_names_the_row(tmp_path: Path, suffix: str) -> None:
+    # JSON can spell a lone surrogate ("\ud800"), which no UTF-8 file (nor tokenizer) can hold.
+    path = _write(tmp_path / f"p{suffix}", [ROWS[0], {"question": "ok", "solution": "\ud800"}])
+    with pytest.raises(PromptFileError, match=r"(line|row) \d+ column 'solution' holds an unpaired UTF-16 surrogate"):
+        load_prompt_file(path, "question", "solution")
+
+
+@pytest.mark.parametrize(("suffix", "where"), [(".jsonl", "line 2 is not UTF-8"), (".csv", "is not UTF-8")])
+def test_not_utf8_names_the_file(tmp_path: Path, suffix: str, where: str) -> None:
+    path = tmp_path / f"p{suffix}"
+    head = b'{"prompt": "a"}\n' if suffix == ".jsonl" else b"prompt\na\n"
+    path.write_bytes(head + (b'{"prompt": "caf\xe9"}\n' if suffix == ".jsonl" else b"caf\xe9\n"))
+    with pytest.raises(PromptFileError, match=re.escape(f"{path} {where}") + ".*save it as UTF-8"):
+        load_prompt_file(path, "prompt", None)

@@ -165,3 +165,18 @@ def test_cli_run_create(tmp_path: Path) -> None:
         env={"ASYNCGRPO_BUCKET": url},
     )
     assert bad.exit_code == 1 and "async.queue_maxsize=2" in bad.output
+
+
+def test_prompts_with_unicode_line_breaks_load_back(tmp_path: Path) -> None:
+    """A prompt holding U+2028, U+2029 or U+0085 is created and read back whole (the run is usable)."""
+    from worker.tools.cli import main
+
+    prompts = [f"one{brk}two" for brk in ("\u2028", "\u2029", "\x85", "\x0b", "\x1c", "\r")]
+    rows = [{"prompt": prompt, "answer": f"{i}\u2029"} for i, prompt in enumerate(prompts)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    config = _config(tmp_path, '[dataset]\npath = "p.jsonl"\n')
+    url = f"file://{tmp_path / 'bucket'}"
+    created = CliRunner().invoke(main, ["run", "create", str(config), "--run", "lines", "--bucket", url])
+    assert created.exit_code == 0, created.output
+    _, loaded, manifest = load_run(FileBucket(tmp_path / "bucket"), "lines")
+    assert loaded == rows and manifest.num_prompts == len(rows)

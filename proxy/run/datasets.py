@@ -55,19 +55,27 @@ PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"line {number}", json.loads(line)
-            except json.JSONDecodeError as error:
-                raise PromptFileError(f"{path} line {number} is not valid JSON: {error.msg}") from None
+    # JSON Lines separates records by "\n" only (a "\r" before it is JSON whitespace, so CRLF files load);
+    # text-mode line iteration would also split at a lone "\r", which JSON allows between tokens.
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as Windows editors write
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise PromptFileError(
+                f"{path} line {number} is not UTF-8 text ({error.reason}); save it as UTF-8"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            yield f"line {number}", json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptFileError(f"{path} line {number} is not valid JSON: {error.msg}") from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as error:
         raise PromptFileError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(data, list):
@@ -80,7 +88,7 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8", newline="") as handle:
+    with open(path, encoding="utf-8-sig", newline="") as handle:
         # Data rows start on line 2 (line 1 is the header); multi-line cells make this approximate.
         for index, row in enumerate(csv.DictReader(handle)):
             yield f"row {index} (line {index + 2})", row
@@ -120,8 +128,19 @@ def load_prompt_file(path: str | Path, prompt_column: str, answer_column: str | 
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist; check dataset.path")
     answer_column = answer_column or None
+    try:
+        return _records(path, reader(path), prompt_column, answer_column)
+    except UnicodeDecodeError as error:
+        raise PromptFileError(
+            f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"
+        ) from None
+
+
+def _records(
+    path: Path, rows: Iterator[tuple[str, Any]], prompt_column: str, answer_column: str | None
+) -> list[PromptRecord]:
     records: list[PromptRecord] = []
-    for where, row in reader(path):
+    for where, row in rows:
         if not isinstance(row, dict):
             raise PromptFileError(f"{path} {where} is a {type(row).__name__}, not an object with named columns")
         prompt = _column(path, where, row, prompt_column, "dataset.prompt_column")
@@ -134,10 +153,24 @@ def load_prompt_file(path: str | Path, prompt_column: str, answer_column: str | 
         if answer_column is not None:
             value = _column(path, where, row, answer_column, "dataset.answer_column")
             answer = None if value is None else str(value)
+        for column, text in ((prompt_column, prompt), (answer_column, answer)):
+            if text is not None and not _is_unicode_text(text):
+                # A lone surrogate ("\ud800" escaped in JSON) cannot be stored as UTF-8 nor tokenised.
+                raise PromptFileError(
+                    f"{path} {where} column {column!r} holds an unpaired UTF-16 surrogate; fix or remove that row"
+                )
         records.append({"prompt": prompt, "answer": answer})
     if not records:
         raise PromptFileError(f"prompt file {path} has no rows")
     return records
+
+
+def _is_unicode_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _column(path: Path, where: str, row: dict[str, Any], column: str, setting: str) -> Any:
@@ -168,9 +201,12 @@ def dump_prompts_jsonl(records: list[PromptRecord]) -> bytes:
 
 
 def parse_prompts_jsonl(data: bytes, source: str = "prompts.jsonl") -> list[PromptRecord]:
-    """Records from the bytes ``dump_prompts_jsonl`` wrote (already checked at ``run create``)."""
+    """Records from the bytes ``dump_prompts_jsonl`` wrote (already checked at ``run create``).
+
+    Split at "\n" only, the one separator the writer emits: ``json.dumps`` escapes every other control
+    character but leaves U+0085, U+2028 and U+2029 raw inside strings, where ``str.splitlines`` would cut."""
     records: list[PromptRecord] = []
-    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    for number, line in enumerate(data.decode("utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:
