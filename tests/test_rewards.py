@@ -103,3 +103,16 @@ def test_score_completions_rejects_bad_rewards_and_input() -> None:
         score_completions([_Spec("format"), _Spec("format")], ["p"], ["c"], [None])
     with pytest.raises(ValueError, match="one prompt and answer per completion"):
         score_completions([_Spec("format")], ["p"], ["c", "d"], [None])
+
+
+def test_run_create_knows_the_workers_builtin_rewards() -> None:
+    """`run create` (proxy.run, which never imports worker code) checks names against the same built-ins."""
+    from proxy.run.config import BUILTIN_REWARD_NAMES, REWARDS_NEEDING_ANSWER
+
+    assert set(BUILTIN_REWARD_NAMES) == set(BUILTIN_REWARDS)
+    for name, function in BUILTIN_REWARDS.items():
+        if name in REWARDS_NEEDING_ANSWER:
+            with pytest.raises(RewardError, match="needs a reference answer"):
+                function("1=", "1", None)
+        else:
+            assert math.isfinite(function("1=", "1", None))

@@ -180,3 +180,52 @@ def test_prompts_with_unicode_line_breaks_load_back(tmp_path: Path) -> None:
     assert created.exit_code == 0, created.output
     _, loaded, manifest = load_run(FileBucket(tmp_path / "bucket"), "lines")
     assert loaded == rows and manifest.num_prompts == len(rows)
+
+
+FIXED_REWARD = '[[rewards]]\nname = "repeat_digit"\n'
+
+
+@pytest.mark.parametrize(
+    ("rewards", "dataset", "expected"),
+    [
+        ('[[rewards]]\nname = "reapeat_digit"\n', "", r"rewards\.0\.name: .*'reapeat_digit' is unknown"),
+        ('[[rewards]]\nname = "rewards.py"\n', "", r"rewards\.0\.name: .*'rewards\.py' is unknown"),
+        (
+            FIXED_REWARD + '[[rewards]]\nname = "tests.no_such_module_xyz:score"\n',
+            "",
+            r"rewards\.1\.name='tests\.no_such_module_xyz:score': cannot import module 'tests\.no_such_module_xyz' "
+            r"\(ModuleNotFoundError.*PYTHONPATH",
+        ),
+        (
+            '[[rewards]]\nname = "tests.test_rewards:no_such_function"\n',
+            "",
+            r"module 'tests\.test_rewards' has no function 'no_such_function'",
+        ),
+        (FIXED_REWARD + FIXED_REWARD, "", r"rewards: .*\['repeat_digit'\] are listed more than once"),
+        (
+            '[[rewards]]\nname = "math_verify"\n',
+            '[dataset]\npath = "p.jsonl"\nanswer_column = ""\n',
+            r"rewards\.0\.name='math_verify' scores against a reference answer.*dataset\.answer_column",
+        ),
+    ],
+    ids=["misspelt", "not_a_module_path", "unimportable", "no_such_function", "listed_twice", "needs_answers"],
+)
+def test_cli_run_create_refuses_unusable_rewards(tmp_path: Path, rewards: str, dataset: str, expected: str) -> None:
+    """A reward the workers could not use is refused by `run create`, which stores nothing: the name stays free."""
+    from worker.tools.cli import main
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    url = f"file://{tmp_path / 'bucket'}"
+    bad = _config(tmp_path, dataset + rewards, "bad.toml")
+    refused = CliRunner().invoke(main, ["run", "create", str(bad), "--run", "exp", "--bucket", url])
+    assert refused.exit_code == 1, refused.output
+    assert re.search(expected, refused.output, re.DOTALL), refused.output
+    if "unknown" in expected or "function" in expected:
+        assert "a built-in (exact_match, format, math_verify, repeat_digit)" in refused.output
+    assert FileBucket(tmp_path / "bucket").list("") == []
+
+    good = _config(tmp_path, dataset + FIXED_REWARD + '[[rewards]]\nname = "tests.test_rewards:length_reward"\n')
+    created = CliRunner().invoke(main, ["run", "create", str(good), "--run", "exp", "--bucket", url])
+    assert created.exit_code == 0, created.output
+    config, _, _ = load_run(FileBucket(tmp_path / "bucket"), "exp")
+    assert [reward.name for reward in config.rewards] == ["repeat_digit", "tests.test_rewards:length_reward"]

@@ -7,6 +7,7 @@ every worker read that stored copy, so all processes of a run agree on it.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -77,6 +78,16 @@ class DatasetConfig(_Section):
         return self
 
 
+# The built-in rewards of ``worker.algo.rewards`` (a test keeps the two lists equal; the proxy never imports
+# worker code), and those that score against the dataset's reference answer.
+BUILTIN_REWARD_NAMES = ("exact_match", "format", "math_verify", "repeat_digit")
+REWARDS_NEEDING_ANSWER = frozenset({"exact_match", "math_verify"})
+_USER_REWARD = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+REWARD_CHOICES = f"a built-in ({', '.join(BUILTIN_REWARD_NAMES)}) or 'package.module:function' for your own"
+
+
 class RewardConfig(_Section):
     name: str = Field(
         ...,
@@ -85,6 +96,15 @@ class RewardConfig(_Section):
         "'package.module:function' for user code.",
     )
     weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this reward in the total.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_or_importable_path(cls, value: str) -> str:
+        # Only the spelling here: whether a 'module:function' imports is checked by `run create`, not by
+        # every process that reads the stored config.
+        if value not in BUILTIN_REWARD_NAMES and not _USER_REWARD.match(value):
+            raise ValueError(f"reward {value!r} is unknown; use {REWARD_CHOICES}")
+        return value
 
 
 class SamplingConfig(_Section):
@@ -248,6 +268,15 @@ class RunConfig(_Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("rewards")
+    @classmethod
+    def _each_reward_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
+        names = [reward.name for reward in value]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"rewards {duplicates} are listed more than once; list each once with its total weight")
+        return value
 
     @property
     def final_version(self) -> int:

@@ -11,6 +11,7 @@ in the run manifest before it is parsed.
 
 from __future__ import annotations
 
+import importlib
 import re
 import time
 from pathlib import Path
@@ -18,7 +19,14 @@ from pathlib import Path
 import structlog
 from pydantic import ValidationError
 
-from proxy.run.config import ConfigError, RunConfig, load_run_config
+from proxy.run.config import (
+    BUILTIN_REWARD_NAMES,
+    REWARD_CHOICES,
+    REWARDS_NEEDING_ANSWER,
+    ConfigError,
+    RunConfig,
+    load_run_config,
+)
 from proxy.run.datasets import PromptRecord, build_dataset, dump_prompts_jsonl, parse_prompts_jsonl
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
@@ -50,6 +58,36 @@ def check_model_base(base: str) -> None:
         f"model.base={base!r} is not 'tiny', not an existing local directory, and does not look like a "
         "Hugging Face hub id (org/name); fix the path or the id"
     )
+
+
+def check_rewards(config: RunConfig, prompts: list[PromptRecord]) -> None:
+    """Refuse, before anything is stored, a reward the generate workers could not use: a
+    ``module:function`` that does not import here (workers import it the same way, from their Python path),
+    or a reward that scores against reference answers when the dataset has none."""
+    has_answers = any(record["answer"] is not None for record in prompts)
+    for index, reward in enumerate(config.rewards):
+        field = f"rewards.{index}.name={reward.name!r}"
+        if reward.name in REWARDS_NEEDING_ANSWER and not has_answers:
+            raise ConfigError(
+                f"{field} scores against a reference answer, but no prompt has one; set dataset.answer_column "
+                "to the column holding the answers, or use another reward"
+            )
+        if reward.name in BUILTIN_REWARD_NAMES:
+            continue
+        module_name, _, function_name = reward.name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:  # a user module may fail with anything at import time
+            raise ConfigError(
+                f"{field}: cannot import module {module_name!r} ({type(error).__name__}: {error}); fix the name, "
+                "or make the module importable (install it, or put its folder on PYTHONPATH) here and on every "
+                f"generate worker; or use {REWARD_CHOICES}"
+            ) from error
+        if not callable(getattr(module, function_name, None)):
+            raise ConfigError(
+                f"{field}: module {module_name!r} has no function {function_name!r}; fix the name, or use "
+                f"{REWARD_CHOICES}"
+            )
 
 
 def _digest(data: bytes) -> FileDigest:
@@ -103,6 +141,7 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
     config = load_run_config(config_path)
     check_model_base(config.model.base)
     prompts = build_dataset(config.dataset, config.seed, base_dir=config_path.parent)
+    check_rewards(config, prompts)
 
     config_bytes = config.to_json().encode()
     prompts_bytes = dump_prompts_jsonl(prompts)
