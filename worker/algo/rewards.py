@@ -10,7 +10,8 @@ reference answer (None when the dataset has none). Built-ins:
 * ``format``: 1.0 when the completion is ``<think>...</think>`` followed by ``<answer>...</answer>`` and
   nothing else (whitespace aside), else 0.0 (the DeepSeek-R1 format reward).
 * ``math_verify``: 1.0 when the completion's final math answer is equivalent to the reference, checked by
-  the ``math-verify`` package (``pip install 'asyncgrpo[math]'``); 0.0 otherwise.
+  the ``math-verify`` package (``pip install 'asyncgrpo[math]'``); 0.0 otherwise, and when math-verify times out
+  (``worker.algo.math_scoring`` runs it in a helper process, away from this process's signals).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from __future__ import annotations
 import importlib
 import math
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import structlog
-
-log = structlog.get_logger()
+from worker.algo.math_scoring import default_verifier
 
 RewardFn = Callable[[str, str, "str | None"], float]
 
@@ -83,21 +81,8 @@ def format_reward(prompt: str, completion: str, answer: str | None) -> float:
 
 
 def math_verify_reward(prompt: str, completion: str, answer: str | None) -> float:
-    gold_text = _require_answer("math_verify", answer)
-    try:
-        from math_verify import parse, verify
-    except ImportError as error:
-        raise RewardError(
-            "reward 'math_verify' needs the math-verify package: pip install 'asyncgrpo[math]'"
-        ) from error
-    # math-verify's timeouts use SIGALRM, which only the main thread may set.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(gold_text, parsing_timeout=timeout)
-    if not gold:
-        log.warning("reward.math_verify.unparsable_answer", answer=gold_text[:200])
-        return 0.0
-    predicted = parse(completion, parsing_timeout=timeout)
-    return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+    # In a helper process: math-verify's own timeouts use SIGALRM, which would cancel the preemption grace timer.
+    return default_verifier().score(_require_answer("math_verify", answer), completion)
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
