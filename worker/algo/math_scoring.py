@@ -101,7 +101,8 @@ class MathVerifier:
                     self._stop()
                     if attempt == 2:
                         raise ScoringError(
-                            f"the math-verify helper process died twice on this completion: {error!r}"
+                            f"the math-verify helper process died twice (starting, or on this completion): {error!r}; "
+                            "see its output in this worker's log"
                         ) from error
                     log.warning("reward.math_verify.helper_died", error=repr(error))
         raise AssertionError("unreachable")
