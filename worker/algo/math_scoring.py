@@ -134,9 +134,10 @@ class MathVerifier:
         if importlib.util.find_spec("math_verify") is None:
             raise ScoringError(MISSING_PACKAGE)
         parent_end, child_end = socket.socketpair()
+        import_path = json.dumps([str(entry) for entry in sys.path])
         try:
             process = subprocess.Popen(
-                [sys.executable, "-c", _CHILD_CODE, json.dumps(sys.path), str(child_end.fileno())],
+                [sys.executable, "-c", _CHILD_CODE, import_path, str(child_end.fileno())],
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
