@@ -22,15 +22,22 @@ from typing import Annotated
 
 import anyio.to_thread
 import structlog
-from fastapi import Body, FastAPI, Path
-from fastapi.responses import JSONResponse, Response
+from fastapi import Body, Depends, FastAPI, Path
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
 from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
 from proxy.api.openapi import install_openapi
-from proxy.api.refusals import AUTH_REFUSAL, TOO_LARGE, UNAVAILABLE, error_body, install_error_handlers
+from proxy.api.refusals import (
+    AUTH_REFUSAL,
+    TOO_LARGE,
+    UNAVAILABLE,
+    error_body,
+    install_error_handlers,
+    refuse_unknown_query,
+)
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.api.token_policy import check_can_serve
 from proxy.api.version_watch import install_version_watch, releasing_server
@@ -125,6 +132,7 @@ def create_app(
         version="1",
         description=__doc__,
         lifespan=lifespan,
+        dependencies=[Depends(refuse_unknown_query)],
     )
     app.state.coordinator = coordinator
     metrics = coordinator.metrics
@@ -167,7 +175,7 @@ def create_app(
             return error_body(UNAVAILABLE, f"Redis unreachable: {error}")
         return JSONResponse({"status": "ok", "run": coordinator.run, "current_version": current})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

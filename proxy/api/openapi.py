@@ -56,32 +56,54 @@ def _describe(codes: list[str]) -> str:
     return "; ".join(f"`{code}`: {ERROR_CODES[code].meaning}" for code in codes)
 
 
+def _body_schemas() -> dict[str, Any]:
+    """The component schemas of the error bodies (``FieldError`` comes along as a definition)."""
+    out: dict[str, Any] = {}
+    for model in (ErrorBody, ValidationErrorBody):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
+
+
+def _error_answer(status: int, codes: list[str]) -> dict[str, Any]:
+    model = ValidationErrorBody if status == 422 else ErrorBody
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"description": _describe(codes), "content": {"application/json": {"schema": ref}}}
+
+
 def install_openapi(app: FastAPI, *, token_required: bool, open_paths: frozenset[str]) -> None:
-    """Document every route's error answers and the bearer scheme; call after the last route is added."""
-    for route in app.routes:
-        if not isinstance(route, APIRoute):
-            continue
-        needs_token = token_required and route.path not in open_paths
-        for status, codes in route_errors(route, needs_token=needs_token).items():
-            model = ValidationErrorBody if status == 422 else ErrorBody
-            route.responses.setdefault(status, {"model": model, "description": _describe(codes)})
-        if needs_token:
-            route.openapi_extra = {**(route.openapi_extra or {}), "security": [{BEARER_SCHEME: []}]}
+    """Serve a schema that documents every route's error answers and the bearer scheme."""
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(
-                title=app.title, version=app.version, description=app.description, routes=app.routes
-            )
-            if token_required:
-                schema.setdefault("components", {})["securitySchemes"] = {
-                    BEARER_SCHEME: {
-                        "type": "http",
-                        "scheme": "bearer",
-                        "description": "ASYNCGRPO_TOKEN, the secret shared by the proxy and its workers.",
-                    }
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body, which we never send
+            schemas.pop(unused, None)
+        schemas.update(_body_schemas())
+        if token_required:
+            components["securitySchemes"] = {
+                BEARER_SCHEME: {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "ASYNCGRPO_TOKEN, the secret shared by the proxy and its workers.",
                 }
-            app.openapi_schema = schema
-        return app.openapi_schema
+            }
+        for route in app.routes:
+            if not isinstance(route, APIRoute) or not route.include_in_schema:
+                continue
+            needs_token = token_required and route.path not in open_paths
+            for method in route.methods:
+                operation = schema["paths"][route.path][method.lower()]
+                responses = operation["responses"]
+                for status, codes in route_errors(route, needs_token=needs_token).items():
+                    responses[str(status)] = _error_answer(status, codes)
+                if needs_token:
+                    operation["security"] = [{BEARER_SCHEME: []}]
+        app.openapi_schema = schema
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

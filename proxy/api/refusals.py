@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
@@ -103,6 +104,19 @@ def field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
         loc = [part if isinstance(part, int) else printable(str(part), 64) for part in item.get("loc", ())][:16]
         out.append({"loc": loc, "msg": printable(str(item.get("msg", "")), 300), "type": str(item.get("type", ""))})
     return out
+
+
+def refuse_unknown_query(request: Request) -> None:
+    """A dependency of every route: a query parameter the route does not take is a 422, as an unknown body
+    field is (a misspelt ``wait_s`` must not silently mean the default)."""
+    route = request.scope.get("route")
+    known = {param.alias for param in route.dependant.query_params} if isinstance(route, APIRoute) else set()
+    unknown = [name for name in request.query_params if name not in known]
+    if unknown:
+        raise RequestValidationError(
+            [{"loc": ("query", name), "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
+             for name in unknown]
+        )
 
 
 def _snake(name: str) -> str:

@@ -35,9 +35,10 @@ Figure = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)] | float | None
 
 
 class _Request(BaseModel):
-    # Requests come from the network: unknown fields, NaN/Infinity and text that is not valid UTF-8 (lone
-    # surrogates from "\ud800" escapes) are refused with a 422, so nothing downstream has to cope with them.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Requests come from the network: unknown fields, NaN/Infinity, text that is not valid UTF-8 (lone
+    # surrogates from "\ud800" escapes) and values of another JSON type (false for 0, "1" for 1) are refused
+    # with a 422, so nothing downstream has to cope with them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
