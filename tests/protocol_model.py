@@ -105,6 +105,12 @@ class ModelState:
     def expire(self, now: int, max_attempts: int) -> int:
         """Cancel the tasks past their deadline, counting an attempt per prompt (invariant 9); returns how many."""
         due = [t for t in self.inflight_tasks() if self.task_deadline[t] <= now]
+        self.cancel_counted(due, max_attempts)
+        return len(due)
+
+    def cancel_counted(self, due: list[str], max_attempts: int) -> None:
+        """Cancel tasks presumed lost (past their deadline, or their lease holder silent), in this order,
+        counting an attempt per prompt (invariants 8 and 9)."""
         for tid in due:
             self.task_state[tid] = "cancelled"
             for gid in self.task_groups[tid]:
@@ -119,7 +125,6 @@ class ModelState:
                     self.end(gid, "rejected")
                 else:
                     self.end(gid, "cancelled")
-        return len(due)
 
     def force_cancel(self, tid: str) -> None:
         """The broker refused the task: cancelled at once, no attempt counted (a quarantined prompt's group is

@@ -10,7 +10,7 @@ from redis import Redis
 
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import PublishRequest, RolloutSubmission
+from proxy.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
@@ -100,6 +100,19 @@ def start_run(coord: Coordinator) -> Coordinator:
     return coord
 
 
+def leased_versions(coord: Coordinator, task_id: str, worker_id: str) -> set[int]:
+    """The versions ``worker_id`` leased for ``task_id`` as its holder (what the proxy binds submissions to)."""
+    holder, leases = coord.redis.hmget(coord.keys.task(task_id), ["worker_id", "leases"])
+    if holder != worker_id or not leases:
+        return set()
+    return {int(entry.rsplit(":", 1)[1]) for entry in leases.split()}
+
+
+def lease_task(coord: Coordinator, task: dict[str, Any], worker_id: str = "gen-1") -> LeaseGrant:
+    """Lease the current version for a task, as its generate worker does before it samples."""
+    return coord.lease(worker_id, task["task_id"])
+
+
 def submission(
     coord: Coordinator,
     task: dict[str, Any],
@@ -107,10 +120,23 @@ def submission(
     *,
     worker_id: str = "gen-1",
     rejected: dict[str, str] | None = None,
+    lease: bool = True,
 ) -> RolloutSubmission:
-    """A submission of every group of a recorded generate task (minus ``rejected``: group id -> reason)."""
+    """A submission of every group of a recorded generate task (minus ``rejected``: group id -> reason).
+
+    A worker submits under its lease of the task: with ``lease`` (the default), a task in flight that
+    ``worker_id`` holds no lease of ``version`` for is leased now (and the lease goes with the submission,
+    which releases it), so ``version`` must be current then; lease earlier (``lease_task``) for an older one.
+    """
     rejected = rejected or {}
     group_ids = [g["group_id"] for g in task["groups"] if g["group_id"] not in rejected]
+    lease_id = None
+    in_flight = coord.redis.hget(coord.keys.task(task["task_id"]), "state") == "inflight"
+    if lease and in_flight and version not in leased_versions(coord, task["task_id"], worker_id):
+        assert version == coord.current_version(), (
+            f"{worker_id} never leased v{version} for task {task['task_id']}: lease_task() while it is current"
+        )
+        lease_id = lease_task(coord, task, worker_id).lease_id
     return RolloutSubmission(
         task_id=task["task_id"],
         worker_id=worker_id,
@@ -121,6 +147,7 @@ def submission(
         num_samples=4 * len(group_ids),
         rejected_groups=[{"group_id": gid, "reason": reason} for gid, reason in rejected.items()],
         stats={"reward_mean": 0.5},
+        lease_id=lease_id,
     )
 
 

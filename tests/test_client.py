@@ -29,6 +29,7 @@ from tests.fixtures_coordinator import served
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import (
     advance_version,
+    lease_task,
     publish_next,
     publish_request,
     submission,
@@ -71,6 +72,7 @@ def test_each_refusal_maps_to_its_exception(proxy_url: str, coord: Coordinator) 
         client_for(proxy_url, token=None).release(grant.lease_id)
 
     late = coord.dispatcher.generate[0]
+    lease_task(coord, late)  # on v0
     submitted = {late["task_id"]}
     advance_version(coord, submitted)
     advance_version(coord, submitted)

@@ -33,6 +33,7 @@ from tests.proxy_harness import (
     ManualClock,
     advance_version,
     file_bucket,
+    lease_task,
     make_coordinator,
     publish_next,
     publish_request,
@@ -183,6 +184,7 @@ def test_publish_without_a_claimed_step_is_refused(coord: Coordinator) -> None:
 def test_stale_rollout_is_refused_and_its_prompts_dispatched_again(coord: Coordinator) -> None:
     started(coord)
     late = coord.dispatcher.generate[0]
+    lease_task(coord, late)  # on v0
     submitted = {late["task_id"]}
     advance_version(coord, submitted)
     advance_version(coord, submitted)
@@ -239,6 +241,7 @@ def test_groups_left_out_of_a_submission_are_rejected_not_lost(coord: Coordinato
 def test_bad_submissions_change_nothing(coord: Coordinator) -> None:
     started(coord)
     task, other = coord.dispatcher.generate[0], coord.dispatcher.generate[1]
+    lease_task(coord, task)
     before = coord.status()
     foreign = submission(coord, task, 0).model_copy(update={"group_ids": [other["groups"][0]["group_id"]]})
     with pytest.raises(BadRollout, match="not part of task"):
@@ -248,7 +251,7 @@ def test_bad_submissions_change_nothing(coord: Coordinator) -> None:
     with pytest.raises(BadRollout, match="listed twice"):
         coord.submit(twice)
     with pytest.raises(BadRollout, match="newer than the current version"):
-        coord.submit(submission(coord, task, 5))
+        coord.submit(submission(coord, task, 5, lease=False))
     with pytest.raises(BadRollout, match="must be"):
         coord.submit(submission(coord, task, 0).model_copy(update={"key": "runs/r1/rollouts/else.safetensors"}))
     with pytest.raises(UnknownTask):
@@ -360,7 +363,8 @@ def test_a_submission_releases_the_lease_it_names(coord: Coordinator) -> None:
     assert {lease.lease_id for lease in coord.status().leases} == {kept.lease_id}
     other = coord.lease("gen-2", refused["task_id"])
     with pytest.raises(BadRollout):
-        coord.submit(submission(coord, refused, 0).model_copy(update={"key": "elsewhere", "lease_id": other.lease_id}))
+        bad_key = {"key": "elsewhere", "lease_id": other.lease_id}
+        coord.submit(submission(coord, refused, 0, worker_id="gen-2").model_copy(update=bad_key))
     assert {lease.lease_id for lease in coord.status().leases} == {kept.lease_id}
 
 

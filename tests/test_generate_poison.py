@@ -20,6 +20,7 @@ from proxy.storage.bucket import BucketError
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,
+    lease_task,
     make_coordinator,
     publish_next,
     small_config,
@@ -169,6 +170,7 @@ def test_failure_reports_cancel_at_once_and_the_last_reason_is_kept(http, coord:
 def test_a_stale_drop_counts_no_attempt(coord: Coordinator) -> None:
     start_run(coord)
     task = coord.dispatcher.generate[0]
+    lease_task(coord, task)  # on v0
     coord.tick()
     for _ in range(2):  # two versions later the rollout made with v0 is too stale (max_staleness = 1)
         coord.redis.hset(coord.keys.state, "step_inflight", coord.current_version() + 1)

@@ -31,6 +31,7 @@ from redis import Redis
 from proxy.coordinator.errors import (
     BadRollout,
     LeaseLostError,
+    NotTaskHolder,
     NoVersionYet,
     PublishConflict,
     TaskCancelled,
@@ -91,6 +92,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.snap_leases: dict[str, tuple[int, int]] = {}  # the leases a snapshot write surely saw
         self.fresh_writer = True  # a new coordinator's first tick always writes the snapshot
         self.seen = {"generate": 0, "optimize": 0, "refused_generate": 0, "refused_optimize": 0}
+        # Submissions are bound to their lease: the versions gen-1 leased for each task, the version each task
+        # was admitted with, and the tasks admitted since Redis was last lost (a rebuild keeps no holder for
+        # the tasks of a claimed step, so a repeat of those is not checked against anything).
+        self.task_leases: dict[str, set[int]] = {}
+        self.task_leased_ms: dict[str, int] = {}  # gen-1 (which sends no heartbeat) last leased the task then
+        self.admitted_version: dict[str, int] = {}
+        self.bound: set[str] = set()
 
     def teardown(self) -> None:
         self.redis.close()
@@ -113,6 +121,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         m, now = self.m, self.clock()
         self.leases = {k: v for k, v in self.leases.items() if v[1] > now}
         changed = m.expire(now, self.config.async_.max_group_attempts) > 0 or self.fresh_writer
+        # Invariant 8: a task whose holder was leased it longer ago than a heartbeat may be missed goes too.
+        silent_since = now - int(self.coord.heartbeats.alive_s * 1000)
+        lost = [t for t in m.inflight_tasks() if self.task_leased_ms.get(t, now) <= silent_since]
+        m.cancel_counted(lost, self.config.async_.max_group_attempts)
+        changed = changed or bool(lost)
         self.fresh_writer = False
         before = m.step_inflight
         due = before is not None and (m.step_sent_ms is None or now - m.step_sent_ms > self.resend_ms)
@@ -172,12 +185,32 @@ class ProtocolMachine(RuleBasedStateMachine):
         for tid in sorted(t for t, state in self.m.task_state.items() if state == "inflight"):
             self._submit(tid, lag, reject_first=False)
 
+    def _lease_task(self, tid: str) -> set[int]:
+        """gen-1 leases the current version for a task in flight (as before it samples); its leased versions."""
+        grant = self.coord.lease("gen-1", tid)
+        assert grant.version == self.m.current
+        self.leases[grant.lease_id] = (grant.version, int(grant.expires_at * 1000))
+        self.task_leases.setdefault(tid, set()).add(grant.version)
+        self.task_leased_ms[tid] = self.clock()
+        return self.task_leases[tid]
+
+    @rule(data=st.data())
+    def lease_task(self, data: st.DataObject) -> None:
+        inflight = sorted(t for t, state in self.m.task_state.items() if state == "inflight")
+        if inflight:
+            self._lease_task(data.draw(st.sampled_from(inflight)))
+
     def _submit(self, tid: str, lag: int, reject_first: bool) -> None:
         m = self.m
-        version = max(0, m.current - lag)
-        rejected = {m.task_groups[tid][0]: "bad_prompt"} if reject_first else {}
-        sub = submission(self.coord, m.task(tid), version, rejected=rejected)
         state = m.task_state[tid]
+        version = max(0, m.current - lag)
+        if state == "inflight":  # a version gen-1 leased for it: the one nearest to ``lag`` behind
+            leased = self.task_leases.get(tid) or self._lease_task(tid)
+            version = min(leased, key=lambda v: (abs(v - version), -v))
+        elif state == "admitted":
+            version = self.admitted_version.get(tid, version)
+        rejected = {m.task_groups[tid][0]: "bad_prompt"} if reject_first else {}
+        sub = submission(self.coord, m.task(tid), version, rejected=rejected, lease=False)
         if state in ("cancelled", "unknown"):
             with pytest.raises(TaskCancelled) as refused:
                 self.coord.submit(sub)
@@ -199,6 +232,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             m.ran(tid)
             assert self.coord.submit(sub).status == "admitted"
             m.task_state[tid] = "admitted"
+            self.admitted_version[tid] = version
+            self.bound.add(tid)
             kept = [gid for gid in m.task_groups[tid] if gid not in rejected]
             for gid in m.task_groups[tid]:
                 m.group_state[gid] = "rejected" if gid in rejected else "buffered"
@@ -217,7 +252,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         if not tids:
             return
         tid = data.draw(st.sampled_from(tids))
-        sub = submission(self.coord, m.task(tid), max(0, m.current))
+        version = max(0, m.current)
+        if m.task_state[tid] == "inflight":
+            version = max(self.task_leases.get(tid) or self._lease_task(tid))
+        sub = submission(self.coord, m.task(tid), version, lease=False)
         if kind == "unknown_task":
             sub, expected = submission(self.coord, m.task(tid) | {"task_id": tid + "-never"}, 0), UnknownTask
         else:
@@ -227,6 +265,39 @@ class ProtocolMachine(RuleBasedStateMachine):
         with pytest.raises(expected):
             self.coord.submit(sub)
         assert (self.coord.status().counters, self._records(), self.coord.snapshots.writes) == before
+
+    @rule(data=st.data(), kind=st.sampled_from(["other_worker", "unleased_version", "foreign_lease", "other_sha"]))
+    def submit_unbound(self, data: st.DataObject, kind: str) -> None:
+        """Not from the task's holder, not a version or lease it leased for it, or not the admitted rollout:
+        refused as NotTaskHolder, and nothing changes."""
+        m = self.m
+        inflight = sorted(t for t, s in m.task_state.items() if s == "inflight")
+        admitted = sorted(self.bound & {t for t, s in m.task_state.items() if s == "admitted"})
+        tids = {"other_worker": inflight + admitted, "other_sha": admitted}.get(kind, inflight)
+        if not tids:
+            return
+        tid = data.draw(st.sampled_from(tids))
+        leased = self.task_leases.get(tid) or (self._lease_task(tid) if tid in inflight else set())
+        version = self.admitted_version[tid] if tid in admitted else max(leased)
+        sub = submission(self.coord, m.task(tid), version, lease=False)
+        if kind == "other_worker":
+            sub = sub.model_copy(update={"worker_id": "gen-2"})
+        elif kind == "unleased_version":
+            unleased = sorted(set(range(m.current + 1)) - leased)
+            if not unleased:
+                return
+            sub = sub.model_copy(update={"version": data.draw(st.sampled_from(unleased))})
+        elif kind == "foreign_lease":
+            sub = sub.model_copy(update={"lease_id": "f" * 32})
+        else:
+            sub = sub.model_copy(update={"sha256": "e" * 64})
+        before = (self.coord.status().counters, self._records(), self.coord.snapshots.writes, self._lease_ids())
+        with pytest.raises(NotTaskHolder):
+            self.coord.submit(sub)
+        assert (self.coord.status().counters, self._records(), self.coord.snapshots.writes, self._lease_ids()) == before
+
+    def _lease_ids(self) -> list[str]:
+        return self.redis.zrange(self.coord.keys.leases, 0, -1)
 
     def _records(self) -> list[str | None]:
         pipe = self.redis.pipeline(transaction=False)
@@ -343,6 +414,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.maybe_leases.update({k: v[0] for k, v in self.leases.items() if k not in surely})
         self.leases = surely
         assert {v for v, _ in surely.values()} <= self.coord.live_leased_versions(), "a snapshot's lease kept"
+        self.bound.clear()
         self.fresh_writer = True
 
     # ---- invariants ----

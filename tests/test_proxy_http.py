@@ -82,12 +82,13 @@ def test_happy_path_over_http(http: TestClient, coord: Coordinator) -> None:
 def test_missing_or_wrong_token_is_401_and_changes_nothing(http: TestClient, coord: Coordinator, headers: dict) -> None:
     sha = write_fake_version(coord.bucket, coord.run, 1)
     lease_id = coord.lease("w", "t").lease_id
+    rollout = submit_body(coord)  # leases its task
     before = state_of(coord)
     calls = [
         ("POST", "/v1/leases", {"worker_id": "w1", "task_id": "t1"}),
         ("POST", f"/v1/leases/{lease_id}/renew", {}),
         ("DELETE", f"/v1/leases/{lease_id}", None),
-        ("POST", "/v1/rollouts", submit_body(coord)),
+        ("POST", "/v1/rollouts", rollout),
         ("POST", "/v1/versions", publish_body(1, sha)),
         (
             "POST",
@@ -164,10 +165,11 @@ def test_refusals_have_their_codes(http: TestClient, coord: Coordinator) -> None
 
 
 def test_stale_rollout_is_409_with_the_numbers(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> None:
-    from tests.proxy_harness import advance_version
+    from tests.proxy_harness import advance_version, lease_task
 
     coord = start_run(make_coordinator(redis_client, file_bucket(tmp_path), clock=clock))
     late = coord.dispatcher.generate[0]
+    lease_task(coord, late)  # on v0
     submitted = {late["task_id"]}
     advance_version(coord, submitted)
     advance_version(coord, submitted)

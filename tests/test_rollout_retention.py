@@ -20,7 +20,15 @@ from proxy.coordinator.service import Coordinator
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, BucketError
-from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, publish_next, small_config, submission
+from tests.proxy_harness import (
+    ManualClock,
+    file_bucket,
+    lease_task,
+    make_coordinator,
+    publish_next,
+    small_config,
+    submission,
+)
 
 
 @pytest.fixture
@@ -153,6 +161,7 @@ def test_stale_rollouts_go_at_the_same_pace(redis_client: Redis, bucket: Bucket,
     coord = coordinator(redis_client, bucket, clock, rollout_retention_versions=1)
     start(coord)
     late = coord.dispatcher.generate[0]
+    lease_task(coord, late)  # on v0
     submitted = {late["task_id"]}
     next_version(coord, submitted)
     next_version(coord, submitted)
@@ -222,6 +231,7 @@ def test_minus_one_keeps_every_rollout(redis_client: Redis, bucket: Bucket, cloc
     coord = coordinator(redis_client, bucket, clock, rollout_retention_versions=-1)
     start(coord)
     late = coord.dispatcher.generate[0]
+    lease_task(coord, late)  # on v0
     write_rollout(coord, late["task_id"])
     submitted = {late["task_id"]}
     for _ in range(4):

@@ -42,6 +42,12 @@ class BadRollout(CoordinatorError):
     """A submission that does not match its task (foreign or repeated groups, a future version, a bad key)."""
 
 
+class NotTaskHolder(CoordinatorError):
+    """A submission not bound to its lease: the task was never leased, another worker holds it, the version
+    (or lease) is not one its holder leased for it, or another rollout was admitted for it. Nothing changed;
+    the worker drops its work (the task is someone else's, or already done), reporting no failure."""
+
+
 class StepNotFound(CoordinatorError):
     """No step with this number was claimed."""
 

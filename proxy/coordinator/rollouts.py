@@ -53,7 +53,8 @@ class RolloutIntake:
         return rejected
 
     def submit(self, submission: RolloutSubmission) -> SubmitResult:
-        """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout."""
+        """Admit a rollout iff it is fresh and bound to its lease; raises StaleRolloutError, TaskCancelled,
+        BadRollout, NotTaskHolder (the last two change nothing)."""
         store = self.store
         expected_key = bucket_keys.rollout_key(store.run, submission.task_id)
         if submission.key != expected_key:
@@ -78,6 +79,8 @@ class RolloutIntake:
                 rejected_json=json.dumps(self._rejected(submission)),
                 omitted_reason=OMITTED_GROUP_REASON,
                 track=track_flag(self.config),
+                sha256=submission.sha256,
+                lease_id=submission.lease_id or "",
             )
         except RolloutTooStale as stale:
             self.snapshots.write_through(store.mark_changed())

@@ -31,6 +31,7 @@ from proxy.coordinator.errors import (
     CasLost,
     EpochMoved,
     LeaseLostError,
+    NotTaskHolder,
     NoVersionYet,
     RolloutTooStale,
     StateExists,
@@ -132,10 +133,12 @@ SUBMIT_ROLLOUT = LuaScript(
         "rejected_json",
         "omitted_reason",
         "track",
+        "sha256",
+        "lease_id",
     ),
     # a repeated submission of an admitted rollout is answered like the first (the worker's retry)
     ok={"OK": _CURRENT, "DUPLICATE": _CURRENT},
-    fields={"STALE": _CURRENT, "BAD_ROLLOUT": ("message",)},
+    fields={"STALE": _CURRENT, "BAD_ROLLOUT": ("message",), "NOT_HOLDER": ("message",)},
     errors={
         "STALE": Refusal(
             RolloutTooStale, "rollout v{version} of task {task_id} is too stale for v{current}", passed=_CURRENT
@@ -147,6 +150,7 @@ SUBMIT_ROLLOUT = LuaScript(
         ),
         "UNKNOWN_TASK": Refusal(UnknownTask, "task {task_id} was never dispatched by the proxy of run {run!r}"),
         "BAD_ROLLOUT": Refusal(BadRollout, "rollout of task {task_id} refused: {message}"),
+        "NOT_HOLDER": Refusal(NotTaskHolder, "rollout of task {task_id} from worker {worker_id} refused: {message}"),
         **_NO_STATE,
     },
 )

@@ -28,6 +28,7 @@ from redis import Redis
 
 from proxy.coordinator.accounting import WaitingAccount
 from proxy.coordinator.dispatch import Dispatcher
+from proxy.coordinator.errors import NotTaskHolder
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.housekeeping import Housekeeping
 from proxy.coordinator.leases import Leases, live_leased_versions
@@ -201,13 +202,17 @@ class Coordinator(Housekeeping):
         return self.leases.release(lease_id)
 
     def submit(self, submission: RolloutSubmission) -> SubmitResult:
-        """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout."""
+        """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout, NotTaskHolder."""
+        release = submission.lease_id
         try:
             result = self.rollouts.submit(submission)
+        except NotTaskHolder:
+            release = None  # the lease may be another worker's: a refused submission changes nothing
+            raise
         finally:
-            if submission.lease_id is not None:
+            if release is not None:
                 # Admitted, stale or refused: the worker is done with the version either way.
-                self.leases.release(submission.lease_id)
+                self.leases.release(release)
         self.pacer.submitted(submission.task_id, submission.worker_id)
         return result
 

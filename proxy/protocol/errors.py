@@ -47,6 +47,12 @@ class Cancelled(ProxyError):
     """410 cancelled: the generate task was cancelled (timed out, superseded, unknown); drop the work."""
 
 
+class NotHolder(ProxyError):
+    """409 not_holder: the submission is not bound to its lease (another worker holds the task, the version or
+    lease is not the one leased for it, another rollout was admitted); nothing changed. Drop the work quietly:
+    the task is someone else's, or done."""
+
+
 class StepGone(ProxyError):
     """409 not_claimed: the step is no longer claimed with this batch (published, or claimed again with
     another batch); drop this copy of the task."""
@@ -130,6 +136,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
         ErrorCode("not_ready", (409,), NotReady, "no version published yet (leases)"),
         ErrorCode("conflict", (409,), Conflict, "a publish refused (CAS lost, manifest missing or mismatching)"),
         ErrorCode("not_claimed", (409,), StepGone, "the step is no longer claimed with this batch; drop the task"),
+        ErrorCode("not_holder", (409,), NotHolder, "a rollout not from the task's lease holder and leased version"),
         ErrorCode("lease_lost", (410,), LeaseLost, "the lease expired or is unknown"),
         ErrorCode("cancelled", (410,), Cancelled, "the generate task was cancelled or is unknown; groups requeued"),
         ErrorCode("bad_request", (400, 422), BadRequest, "a submission that does not match its task, or the schema"),

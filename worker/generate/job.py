@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Cancelled, LeaseLost, ProxyError, StaleRollout
+from proxy.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
 from proxy.protocol.records import GenerateTimings, RolloutExtra
 from proxy.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
 from proxy.run.config import RunConfig
@@ -37,7 +37,7 @@ class GenerateResult:
     """What one generate task did; the task logs and returns its ``summary()`` and feeds it to the metrics."""
 
     task_id: str
-    status: str  # admitted | duplicate | stale | cancelled | rejected
+    status: str  # admitted | duplicate | stale | cancelled | rejected | not_holder
     version: int
     groups: int
     samples: int
@@ -136,14 +136,16 @@ def run_generate_task(
 
     existing = bucket.head(key)
     if existing is not None:
-        # A redelivery after the first attempt wrote its rollout: submit that object, generate nothing.
+        # A redelivery after the first attempt wrote its rollout: submit that object, generate nothing. It is
+        # submitted for the worker that made it, under that worker's lease of the task: the proxy admits it only
+        # if that worker still holds the task (and answers "duplicate" if it was admitted already).
         data = bucket.get(key)
         header = read_rollout_header(data)
         return _submit(
             client,
             run,
             task_id,
-            worker_id,
+            header.worker_id,
             header.version,
             key,
             data,
@@ -353,6 +355,13 @@ def _submit(
     except Cancelled as error:
         log.warning("generate.rollout_cancelled", task_id=task_id, error=str(error))
         status = "cancelled"
+    except NotHolder as error:
+        # Not this lease's task (re-leased by another worker, or another rollout admitted): drop the work, and
+        # report no failure, which would cancel the task under its holder. The proxy released nothing.
+        log.warning("generate.rollout_not_holder", task_id=task_id, error=str(error))
+        status = "not_holder"
+        if lease_id is not None:
+            _release_quietly(client, lease_id)
     timings = timings.model_copy(update={"task_s": time.perf_counter() - started})
     return GenerateResult(
         task_id=task_id,
@@ -365,6 +374,13 @@ def _submit(
         timings=timings,
         reward_mean=reward_mean,
     )
+
+
+def _release_quietly(client: ProxyClient, lease_id: str) -> None:
+    try:
+        client.release(lease_id)
+    except ProxyError as error:  # the lease's TTL is the backstop
+        log.info("generate.lease_release_failed", lease_id=lease_id, error=str(error))
 
 
 # ---- corrupted objects of a published version ----

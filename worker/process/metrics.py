@@ -45,7 +45,7 @@ GCCollector(registry=REGISTRY)
 
 ROLES = ("generate", "optimize")
 ERROR_KINDS = ("integrity", "stale", "conflict", "proxy", "other")
-GENERATE_STATUSES = ("admitted", "duplicate", "stale", "cancelled", "rejected")
+GENERATE_STATUSES = ("admitted", "duplicate", "stale", "cancelled", "rejected", "not_holder")
 OPTIMIZE_STATUSES = (
     "published",
     "already_published",

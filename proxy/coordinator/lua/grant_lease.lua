@@ -5,6 +5,7 @@
 -- returns {"OK", version, manifest_sha256, expires_ms} | {"NO_VERSION"} | {"TASK_ENDED", task_state}
 --   (the task was cancelled, ended or forgotten: its work is not wanted) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+local MAX_TASK_LEASES = 16
 local current = num(KEYS[1], 'current_version', -1)
 if current < 0 then return {'NO_VERSION'} end
 local tk = key(TASK, ARGV[6])
@@ -18,6 +19,18 @@ redis.call('HSET', lk, 'version', current, 'worker_id', ARGV[5], 'task_id', ARGV
 redis.call('PEXPIRE', lk, ARGV[3])
 redis.call('ZADD', KEYS[3], expires, ARGV[4])
 redis.call('HINCRBY', KEYS[2], 'leases_granted', 1)
--- the task's holder: proxy.coordinator.generate_tasks cancels it when the holder's heartbeats stop
-if tstate then redis.call('HSET', tk, 'worker_id', ARGV[5], 'leased_ms', ARGV[2]) end
+-- the task's holder: proxy.coordinator.generate_tasks cancels it when the holder's heartbeats stop. Its
+-- leases ("<lease_id>:<version> ...", the holder's only: a new holder starts the list again) bind the
+-- submission (submit_rollout.lua): a renewal keeps its version, a second lease by the holder adds one.
+if tstate then
+  local held = ''
+  if redis.call('HGET', tk, 'worker_id') == ARGV[5] then held = redis.call('HGET', tk, 'leases') or '' end
+  local entries = {}
+  for entry in string.gmatch(held, '%S+') do entries[#entries + 1] = entry end
+  -- bounded: only a worker that keeps leasing one task without submitting gets this far
+  while #entries >= MAX_TASK_LEASES do table.remove(entries, 1) end
+  entries[#entries + 1] = ARGV[4] .. ':' .. current
+  redis.call('HSET', tk, 'worker_id', ARGV[5], 'leased_ms', ARGV[2], 'leased_version', current,
+    'leases', table.concat(entries, ' '))
+end
 return {'OK', current, redis.call('HGET', KEYS[4], current), expires}

@@ -6,19 +6,57 @@
 -- ARGV[9] admitted_json: group ids  ARGV[10] rejected_json: [[group_id, reason], ...]
 -- ARGV[11] omitted_reason: recorded for groups of the task the submission does not mention
 -- ARGV[12] track: rollouts for retention ("1") or keep them all ("0")
+-- ARGV[13] sha256: of the rollout object  ARGV[14] lease_id: the lease it was made under ("" when not given)
 -- a refused late or repeated submission (STALE, CANCELLED, DUPLICATE of a finished rollout) puts its
 -- rollout object, possibly written again just now, back under retention; a task that ran to its submission
 -- clears the failed-attempt counts of its prompts
+-- a submission is bound to its lease: it must come from the task's holder (grant_lease.lua), with a version
+-- (and lease, when named) the holder leased for the task; a repeated one must match the admitted rollout
 -- returns {"OK", current} | {"DUPLICATE", current} | {"STALE", current} (groups requeued)
---   | {"CANCELLED"} | {"UNKNOWN_TASK"} | {"BAD_ROLLOUT", message} (nothing changed) | {"NO_STATE"}
+--   | {"CANCELLED"} | {"UNKNOWN_TASK"} | {"BAD_ROLLOUT", message} (nothing changed)
+--   | {"NOT_HOLDER", message} (not this worker's lease, version or rollout: nothing changed) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, max_staleness, ttl, tid = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local track = ARGV[12]
 local tk = key(TASK, tid)
 local tstate = redis.call('HGET', tk, 'state')
 local current = num(KEYS[1], 'current_version', -1)
+local worker, version, sha, lease_id = ARGV[6], tonumber(ARGV[7]), ARGV[13], ARGV[14]
+-- why the holder's leases of the task (recorded by grant_lease.lua) do not cover this submission, or nil
+local function not_leased()
+  local leases = redis.call('HGET', tk, 'leases')
+  if not leases then return nil end -- leased by a proxy that did not record leases: the holder is all we know
+  local lease_known = false
+  for entry in string.gmatch(leases, '%S+') do
+    local lid, v = string.match(entry, '^(.+):(%d+)$')
+    if lease_id == '' or lid == lease_id then
+      if tonumber(v) == version then return nil end
+      lease_known = true
+    end
+  end
+  if lease_id ~= '' and not lease_known then
+    return 'lease ' .. lease_id .. ' is not a lease of task ' .. tid .. ' by worker ' .. worker
+  end
+  return 'version v' .. version .. ' was not leased for task ' .. tid .. ' by worker ' .. worker
+    .. '; submit the version of the lease the rollout was made under'
+end
 if not tstate then return {'UNKNOWN_TASK'} end
 if tstate == 'admitted' then
+  -- a repeat (the worker's retry, or a redelivered task resubmitting its object) must be the admitted rollout
+  local rk = key(ROLLOUT, tid)
+  local by = redis.call('HGET', tk, 'worker_id') or redis.call('HGET', rk, 'worker_id')
+  local admitted_sha = redis.call('HGET', tk, 'sha256')
+  if not admitted_sha then
+    local ref = redis.call('HGET', rk, 'ref')
+    if ref then admitted_sha = cjson.decode(ref)['sha256'] end
+  end
+  local admitted_version = num(tk, 'version', version)
+  if (by and by ~= worker) or (admitted_sha and admitted_sha ~= sha) or admitted_version ~= version then
+    return {'NOT_HOLDER', 'task ' .. tid .. ' already has another rollout admitted (another worker, sha256 or '
+      .. 'version); this one is not wanted'}
+  end
+  local why = not_leased()
+  if why then return {'NOT_HOLDER', why} end
   redis.call('HINCRBY', KEYS[2], 'rollouts_duplicate', 1)
   local rstate = redis.call('HGET', key(ROLLOUT, tid), 'state')
   if rstate ~= 'buffered' and rstate ~= 'claimed' then retain_until(KEYS[7], track, tid, current) end
@@ -32,10 +70,19 @@ if tstate ~= 'inflight' then
   retain_until(KEYS[7], track, tid, current)
   return {'CANCELLED'}
 end
-local version = tonumber(ARGV[7])
 if version > current then
   return {'BAD_ROLLOUT', 'rollout version v' .. version .. ' is newer than the current version v' .. current}
 end
+local holder = redis.call('HGET', tk, 'worker_id')
+if not holder then
+  return {'NOT_HOLDER', 'task ' .. tid .. ' was never leased; a generate worker leases its task before it submits'}
+end
+if holder ~= worker then
+  return {'NOT_HOLDER', 'task ' .. tid .. ' is leased by another worker, not ' .. worker
+    .. ' (it was leased again after this worker was presumed lost)'}
+end
+local why = not_leased()
+if why then return {'NOT_HOLDER', why} end
 local task_groups = cjson.decode(redis.call('HGET', tk, 'group_ids'))
 local member, fate = {}, {}
 for _, gid in ipairs(task_groups) do member[gid] = true end
@@ -82,7 +129,8 @@ if stale then
   retain_until(KEYS[7], track, tid, current)
   return {'STALE', current}
 end
-redis.call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'ended_ms', now)
+redis.call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'sha256', sha,
+  'ended_ms', now)
 if #admitted > 0 then
   redis.call('HSET', key(ROLLOUT, tid), 'ref', ARGV[8], 'version', version, 'admitted_ms', now,
     'group_ids', ARGV[9], 'groups', #admitted, 'worker_id', ARGV[6], 'state', 'buffered')
