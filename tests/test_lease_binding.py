@@ -170,3 +170,17 @@ def test_a_second_lease_by_the_same_worker(proxy: httpx.Client, coord: Coordinat
     mismatched = lambda: submit(proxy, coord, other, 1, lease_id=first_other["lease_id"])  # noqa: E731
     assert_refused_changing_nothing(coord, mismatched, "version v1 was not leased")
     assert submit(proxy, coord, other, 1, lease_id=again_other["lease_id"]).json() == {"status": "admitted"}
+
+
+def test_the_task_records_its_holders_leases_only_and_boundedly(proxy: httpx.Client, coord: Coordinator) -> None:
+    task = coord.dispatcher.generate[0]
+    tk = coord.keys.task(task["task_id"])
+    lease(proxy, "gen-2", task["task_id"])
+    grants = [lease(proxy, "gen-1", task["task_id"]) for _ in range(20)]
+    holder, version, leases = coord.redis.hmget(tk, ["worker_id", "leased_version", "leases"])
+    # a new holder starts the list again; a worker leasing one task again and again keeps its last 16
+    assert (holder, version) == ("gen-1", "0")
+    assert leases.split() == [f"{grant['lease_id']}:0" for grant in grants[-16:]]
+    dropped = lambda: submit(proxy, coord, task, 0, lease_id=grants[0]["lease_id"])  # noqa: E731
+    assert_refused_changing_nothing(coord, dropped, "is not a lease of task")
+    assert submit(proxy, coord, task, 0, lease_id=grants[-1]["lease_id"]).json() == {"status": "admitted"}
