@@ -4,6 +4,12 @@ A rollout made with version ``n`` is admitted iff ``current - n <= async.max_sta
 a stale one is counted and its prompts are requeued. Groups the worker rejected (bad input) end with a
 normalised reason; groups the submission does not mention end as ``missing_from_rollout``. The snapshot is
 written before the worker hears "admitted", so an admitted rollout survives a proxy crash.
+
+A submission is bound to its lease (``lua/submit_rollout.lua``): it must come from the worker holding the
+task's lease, with a version (and lease id, when given) that worker leased for the task, and a repeat of an
+admitted task must be the admitted rollout (worker, sha256, version). Otherwise ``NotTaskHolder``: nothing
+changes, not even the lease it names, and the worker drops its work. Stale and cancelled tasks answer as such
+to anyone: those answers already make the worker drop its work.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ if not holder then
 end
 if holder ~= worker then
   return {'NOT_HOLDER', 'task ' .. tid .. ' is leased by another worker, not ' .. worker
-    .. ' (it was leased again after this worker was presumed lost)'}
+    .. ' (it was leased again, e.g. redelivered after this worker was presumed lost): drop this rollout'}
 end
 local why = not_leased()
 if why then return {'NOT_HOLDER', why} end
