@@ -184,3 +184,19 @@ def test_the_task_records_its_holders_leases_only_and_boundedly(proxy: httpx.Cli
     dropped = lambda: submit(proxy, coord, task, 0, lease_id=grants[0]["lease_id"])  # noqa: E731
     assert_refused_changing_nothing(coord, dropped, "is not a lease of task")
     assert submit(proxy, coord, task, 0, lease_id=grants[-1]["lease_id"]).json() == {"status": "admitted"}
+
+
+def test_a_repeat_after_redis_was_lost_is_checked_against_the_rebuilt_rollout(
+    proxy: httpx.Client, coord: Coordinator
+) -> None:
+    """A rebuild keeps the buffered rollout (its worker and sha256), not the task's lease record."""
+    task = coord.dispatcher.generate[0]
+    grant = lease(proxy, "gen-1", task["task_id"])
+    assert submit(proxy, coord, task, 0, lease_id=grant["lease_id"]).json() == {"status": "admitted"}
+    coord.redis.flushdb()
+    assert coord.ensure_state() == "rebuilt"
+    assert coord.redis.hget(coord.keys.task(task["task_id"]), "worker_id") is None
+    for update in ({"worker_id": "gen-2"}, {"sha256": "e" * 64}):
+        send = lambda update=update: submit(proxy, coord, task, 0, **update)  # noqa: E731
+        assert_refused_changing_nothing(coord, send, "another rollout admitted")
+    assert submit(proxy, coord, task, 0, lease_id=grant["lease_id"]).json() == {"status": "duplicate"}
