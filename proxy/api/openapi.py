@@ -21,7 +21,7 @@ BEARER_SCHEME = "bearerToken"
 ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/leases"): ("not_ready", "cancelled"),
     ("POST", "/v1/leases/{lease_id}/renew"): ("lease_lost",),
-    ("POST", "/v1/rollouts"): ("bad_request", "stale", "cancelled"),
+    ("POST", "/v1/rollouts"): ("bad_request", "stale", "not_holder", "cancelled"),
     ("POST", "/v1/tasks/{task_id}/failure"): (),
     ("GET", "/v1/steps/{step}"): ("not_found",),
     ("POST", "/v1/steps/{step}/start"): ("not_found", "not_claimed"),

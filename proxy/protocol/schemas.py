@@ -135,8 +135,9 @@ class RolloutSubmission(_Request):
     rejected_groups: list[RejectedGroup] = Field(default_factory=list, max_length=MAX_LIST)
     stats: dict[Name, Figure] = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES)
     lease_id: str | None = Field(None, pattern=ID_PATTERN)
-    """The task's lease, released with the submission (one round trip less per task); whatever the answer,
-    the worker no longer needs the version."""
+    """The task's lease: the submission must be one of its holder's leases of the task, at ``version``. It is
+    released with the submission (one round trip less per task), except on a ``not_holder`` refusal, where
+    it may be another worker's (the refused worker releases its own)."""
 
 
 class PublishRequest(_Request):
