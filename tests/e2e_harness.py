@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -228,6 +229,16 @@ def assert_run_invariants(records: list[StepRecord]) -> None:
     assert not twice, f"groups trained more than once: {twice}"
     tasks = Counter(rollout.task_id for r in records for rollout in r.rollouts)
     assert all(n == 1 for n in tasks.values()), tasks
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM a worker started in its own process group (its Celery children too); SIGKILL after 30 s."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
 
 def scrape(port: int) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from proxy.protocol.client import ProxyClient
 from proxy.run.config import RunConfig
 from proxy.storage.bucket import open_bucket
 from proxy.storage.manifest import write_version
+from tests.e2e_harness import stop_process_group
 from tests.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from tests.fixtures_redis import free_port
 from worker.generate.adapter_cache import AdapterCache
@@ -146,9 +146,4 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
         (info,) = (client.control.inspect(timeout=10, limit=1)._request("model_info") or {"": {}}).values()
         assert info.get("torch_threads") == 1, f"ASYNCGRPO_TORCH_THREADS was not applied: {info}"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        stop_process_group(process)

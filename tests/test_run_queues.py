@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from proxy.protocol.queues import (
 from proxy.protocol.schemas import GenerateTaskMessage, GroupRef, OptimizeTaskMessage, RepairTaskMessage
 from proxy.protocol.settings import SettingsError
 from proxy.storage.bucket_keys import check_run_name
+from tests.e2e_harness import stop_process_group
 from tests.fixtures_redis import free_port
 from worker.process import celery_app
 
@@ -153,9 +153,4 @@ def test_two_runs_on_one_redis_take_only_their_own_tasks(redis_url: str, tmp_pat
             replies = _inspect_client(redis_url, RUN_B).control.ping(timeout=2)
         assert _inspect_client(redis_url, RUN_A).control.ping(timeout=2) == []
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        stop_process_group(process)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from proxy.protocol.input_bounds import is_valid_unicode
 from proxy.run.config import DatasetConfig
 
 PromptRecord = dict[str, str | None]
@@ -154,7 +155,7 @@ def _records(
             value = _column(path, where, row, answer_column, "dataset.answer_column")
             answer = None if value is None else str(value)
         for column, text in ((prompt_column, prompt), (answer_column, answer)):
-            if text is not None and not _is_unicode_text(text):
+            if text is not None and not is_valid_unicode(text):
                 # A lone surrogate ("\ud800" escaped in JSON) cannot be stored as UTF-8 nor tokenised.
                 raise PromptFileError(
                     f"{path} {where} column {column!r} holds an unpaired UTF-16 surrogate; fix or remove that row"
@@ -163,14 +164,6 @@ def _records(
     if not records:
         raise PromptFileError(f"prompt file {path} has no rows")
     return records
-
-
-def _is_unicode_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _column(path: Path, where: str, row: dict[str, Any], column: str, setting: str) -> Any:
