@@ -29,7 +29,9 @@ from worker.tools.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 
-FINAL = 6  # the poison-rollout run's final version: two steps past any version it can be paused at
+FINAL = 9  # the corrupt-rollout run's final version: two steps past any version it can be paused at
+PAUSE_ATTEMPTS = 3
+FRESH_ROLLOUT_WAIT_S = 30.0
 
 
 def _alive(cluster: LocalCluster, worker_id: str) -> bool:
@@ -85,6 +87,17 @@ def test_kill_9_of_the_busy_trainer_is_recovered_by_the_stand_by_within_a_minute
     assert_run_invariants(records_of(cluster))
 
 
+def wait_until(find: Callable[[], str | None], timeout_s: float) -> str | None:
+    """What ``find`` returns within ``timeout_s``, or None (the caller then tries another way)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = find()
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    return None
+
+
 def test_a_corrupted_rollout_is_rejected_and_the_run_reaches_its_final_version(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
@@ -94,26 +107,38 @@ def test_a_corrupted_rollout_is_rejected_and_the_run_reaches_its_final_version(
     wait_for(version_reached(cluster, 1), 240, "version 1", cluster)
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     keys = RunKeys(cluster.run)
-    os.kill(trainer.pid, signal.SIGSTOP)  # steps wait; generation fills the buffer
-    try:
-        paused_at = cluster.status()["current_version"]
-        assert paused_at + 2 < FINAL, paused_at
 
-        def fresh_buffered_rollout() -> str | None:
-            # One made with the version current at the pause: never too stale for the next two steps, and
-            # the buffer (at most 8 groups) is claimed oldest first, so one of those two steps claims it.
+    def fresh_buffered_rollout(paused_at: int) -> Callable[[], str | None]:
+        # One made with the version current at the pause: never too stale for the next two steps, and
+        # the buffer (at most 8 groups) is claimed oldest first, so one of those two steps claims it.
+        def find() -> str | None:
             for tid in client.lrange(keys.buffer, 0, -1):
                 if int(client.hget(keys.rollout(tid), "version") or -1) == paused_at:
                     return tid
             return None
 
-        task_id = wait_for(fresh_buffered_rollout, 120, f"a buffered rollout made with v{paused_at}", cluster)
-        ref = json.loads(client.hget(keys.rollout(task_id), "ref"))
-        groups = len(ref["group_ids"])
-        # The object no longer matches the sha256 the generate worker submitted.
-        open_bucket(cluster.bucket_url).put(ref["key"], b"not a rollout")
-    finally:
-        os.kill(trainer.pid, signal.SIGCONT)
+        return find
+
+    task_id = None
+    for _ in range(PAUSE_ATTEMPTS):
+        os.kill(trainer.pid, signal.SIGSTOP)  # steps wait; generation fills the buffer
+        try:
+            paused_at = cluster.status()["current_version"]
+            assert paused_at + 2 < FINAL, paused_at
+            # A pause can land when the buffer is already full of rollouts of older versions: then nothing
+            # fresh is made until a step runs. Resume, let one version publish, and pause again.
+            task_id = wait_until(fresh_buffered_rollout(paused_at), FRESH_ROLLOUT_WAIT_S)
+            if task_id is not None:
+                ref = json.loads(client.hget(keys.rollout(task_id), "ref"))
+                groups = len(ref["group_ids"])
+                # The object no longer matches the sha256 the generate worker submitted.
+                open_bucket(cluster.bucket_url).put(ref["key"], b"not a rollout")
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
+        if task_id is not None:
+            break
+        wait_for(version_reached(cluster, paused_at + 1), 240, f"version {paused_at + 1}", cluster)
+    assert task_id is not None, f"no fresh rollout was buffered in {PAUSE_ATTEMPTS} pauses"
     wait_for(version_reached(cluster, FINAL), 240, f"the final version {FINAL}", cluster)
     status = cluster.status()
     assert status["finished"]
