@@ -25,7 +25,6 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 LABEL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 """Short human-readable text (host names, states, reasons): any printable character, no control characters."""
-_ID = Field(pattern=ID_PATTERN)
 _SHA = Field(pattern=SHA256_PATTERN)
 Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
@@ -60,7 +59,7 @@ class GroupRef(_Request):
     the rollout header (``proxy.protocol.records.RolloutHeader.groups``) for the optimize worker.
     """
 
-    group_id: str = _ID
+    group_id: Id
     prompt_index: Count
 
 
@@ -69,7 +68,7 @@ class GenerateTaskMessage(_Request):
     broker, validated by ``worker.process.tasks.generate``."""
 
     run: str
-    task_id: str = _ID
+    task_id: Id
     groups: list[GroupRef] = Field(min_length=1)
     expires_at: float | None = None
     """Unix seconds of the task's deadline: the broker drops the message after it (the proxy no longer wants
@@ -84,7 +83,7 @@ class RolloutRef(_Request):
     against ``sha256``, ``version`` and ``task_id``.
     """
 
-    task_id: str = _ID
+    task_id: Id
     key: str = Field(min_length=1)
     sha256: str = _SHA
     version: Count
@@ -105,8 +104,8 @@ class OptimizeTaskMessage(_Request):
 
 
 class LeaseRequest(_Request):
-    worker_id: str = _ID
-    task_id: str = _ID
+    worker_id: Id
+    task_id: Id
 
 
 class RenewRequest(_Request):
@@ -117,7 +116,7 @@ class RejectedGroup(_Request):
     """A group the generate worker refused as bad input, with the reason: in the rollout header and in the
     submission, where the proxy counts it as rejected."""
 
-    group_id: str = _ID
+    group_id: Id
     reason: str = Field(min_length=1, max_length=200, pattern=LABEL_PATTERN)
 
 
@@ -125,8 +124,8 @@ class RolloutSubmission(_Request):
     """``POST /v1/rollouts``: the generate worker submits the rollout object it wrote; the proxy admits it
     (or refuses it as stale, cancelled, bad)."""
 
-    task_id: str = _ID
-    worker_id: str = _ID
+    task_id: Id
+    worker_id: Id
     version: Count
     key: str = Field(min_length=1, max_length=1024)
     sha256: str = _SHA
@@ -134,7 +133,7 @@ class RolloutSubmission(_Request):
     num_samples: Count
     rejected_groups: list[RejectedGroup] = Field(default_factory=list, max_length=MAX_LIST)
     stats: dict[Name, Figure] = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES)
-    lease_id: str | None = Field(None, pattern=ID_PATTERN)
+    lease_id: Id | None = None
     """The task's lease: the submission must be one of its holder's leases of the task, at ``version``. It is
     released with the submission (one round trip less per task), except on a ``not_holder`` refusal, where
     it may be another worker's (the refused worker releases its own)."""
@@ -147,20 +146,20 @@ class PublishRequest(_Request):
     version: Count
     base_version: int = Field(ge=-1, le=MAX_INT)
     step: Count
-    worker_id: str = _ID
+    worker_id: Id
     manifest_sha256: str = _SHA
 
 
 class HeartbeatRequest(_Request):
     """``POST /v1/workers/heartbeat``: every worker, every few seconds, from a background thread."""
 
-    worker_id: str = _ID
+    worker_id: Id
     role: Literal["generate", "optimize"]
     hostname: str = Field(min_length=1, max_length=255, pattern=LABEL_PATTERN)
     pid: Count
     state: str = Field(min_length=1, max_length=64, pattern=LABEL_PATTERN)
     versions_cached: list[Count] = Field(default_factory=list, max_length=1024)
-    current_task: str | None = Field(None, pattern=ID_PATTERN)
+    current_task: Id | None = None
     metrics_port: int | None = Field(None, ge=1, le=65535)
     info: dict[Name, Any] = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES)
     """Free-form facts about the worker (backend, device), shown by ``/v1/workers``; at most 16 KiB of JSON."""
@@ -175,7 +174,7 @@ class TaskFailureReport(_Request):
     """``POST /v1/tasks/{task_id}/failure``: a generate worker whose task failed for good (not a preemption,
     not a transient proxy or bucket error); the proxy cancels the task at once and counts the attempt."""
 
-    worker_id: str = _ID
+    worker_id: Id
     reason: str = Field(min_length=1, max_length=200, pattern=LABEL_PATTERN)
     """A short label, e.g. ``task_error_ValueError``; normalised into a rejection reason at the last attempt."""
     detail: str = Field("", max_length=2000)
@@ -313,7 +312,7 @@ class StepStartRequest(_Request):
     re-sends the step at once when the holder's heartbeats stop. Refused (``not_claimed``) for a copy whose
     batch is no longer the step's: the worker drops it."""
 
-    worker_id: str = _ID
+    worker_id: Id
     base_version: int = Field(ge=-1, le=MAX_INT)
     task_ids: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
     """The rollouts of the worker's message, in order."""
@@ -333,12 +332,12 @@ class StepFailureReport(_Request):
     exists, made from another batch by an attempt from before the step was claimed again: the proxy removes
     that unpublished manifest, which can never publish, and re-sends the step; no attempt is counted)."""
 
-    worker_id: str = _ID
+    worker_id: Id
     kind: StepFailureKind
     reason: str = Field(min_length=1, max_length=200, pattern=LABEL_PATTERN)
     """A short label, counted per reason like a generate worker's rejections."""
     detail: str = Field("", max_length=4000)
-    task_id: str | None = Field(None, pattern=ID_PATTERN)
+    task_id: Id | None = None
 
 
 class StepFailureResult(_Response):
@@ -365,7 +364,7 @@ class CorruptReport(_Request):
     """``POST /v1/versions/{version}/corrupt``: a worker found object ``key`` of published ``version``
     failing its sha256 check. The proxy re-reads it before acting."""
 
-    worker_id: str = _ID
+    worker_id: Id
     key: str = Field(min_length=1, max_length=1024)
 
 

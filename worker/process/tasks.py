@@ -100,11 +100,11 @@ def _on_worker_shutdown(**_: Any) -> None:
         (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
 
 
-def _refuse_other_run(task: str, run: str) -> None:
+def _refuse_other_run(role: str, task: str, run: str) -> None:
     """A worker serves one run (``ASYNCGRPO_RUN``) and consumes only its queues, so a message naming another run
     is a stray (sent by hand, or by hand-moved queues): log it and drop it unrun with no retry. Its own run's
     proxy sends the work again or cancels it when its task times out."""
-    own = load_worker_settings().run
+    own = get_runtime(role).settings.run  # read once at start-up, not from the environment per task
     if run != own:
         log.error("worker.task_refused", task=task, task_run=run, worker_run=own, reason="message of another run")
         raise Reject(f"task {task} is for run {run!r}, this worker serves run {own!r}", requeue=False)
@@ -148,7 +148,7 @@ def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, An
 @app.task(name="asyncgrpo.generate", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def generate(**payload: Any) -> dict[str, Any]:
     message = GenerateTaskMessage.model_validate(payload)
-    _refuse_other_run(message.task_id, message.run)
+    _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
         with runtime.adapter_lock:  # the prefetcher may be building them right now
@@ -209,7 +209,7 @@ def _report_step_failure(runtime: WorkerRuntime, message: OptimizeTaskMessage, e
 @app.task(name="asyncgrpo.optimize", acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def optimize(**payload: Any) -> dict[str, Any]:
     message = OptimizeTaskMessage.model_validate(payload)
-    _refuse_other_run(f"step-{message.step}", message.run)
+    _refuse_other_run("optimize", f"step-{message.step}", message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
         context = runtime.run_context(message.run)
@@ -260,7 +260,7 @@ def _upload_pause(seconds: float) -> Callable[[], None] | None:
 @app.task(name=REPAIR_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def repair_version(**payload: Any) -> dict[str, Any]:
     message = RepairTaskMessage.model_validate(payload)
-    _refuse_other_run(f"repair-{message.version}", message.run)
+    _refuse_other_run("optimize", f"repair-{message.version}", message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
         outcome = held_version.repair_object(runtime.bucket, message)
