@@ -108,12 +108,67 @@ def worker(ctx: click.Context, role: str) -> None:
 @click.option("--steps", default=None, type=int, help="Optimizer steps to run (default: the demo config's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one final JSON line with the run's figures.")
 @click.option("--workdir", default=None, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--generate-workers", default=2, show_default=True, type=int)
+@click.option("--generate-workers", default=2, show_default=True, type=click.IntRange(min=1))
 def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int) -> None:
-    """Run the whole system locally on a tiny model: Redis, proxy, workers, a file:// bucket."""
+    """Run the whole system locally on a tiny model: Redis, proxy, workers, a file:// bucket (`asyncgrpo local`
+    on an embedded config)."""
     from worker.tools.demo import run_demo
 
-    sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
+    try:
+        sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
+    except SettingsError as error:
+        raise click.UsageError(str(error)) from None
+
+
+@main.command()
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--run",
+    "run_name",
+    default=None,
+    help="Run name [default: the config file's name without .toml]. A run of that name already in the bucket "
+    "with the same config is resumed, so Ctrl-C and the same command again continue it.",
+)
+@click.option(
+    "--workdir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Logs, caches and (without ASYNCGRPO_BUCKET) the file:// bucket [default: work/local/RUN].",
+)
+@click.option("--generate-workers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print one final JSON line with the run's figures.")
+def local(config_path: Path, run_name: str | None, workdir: Path | None, generate_workers: int, as_json: bool) -> None:
+    """Run CONFIG_PATH (a TOML run config) on this machine: Redis, the proxy, one optimize worker and N
+    generate workers as separate processes, live progress, then a summary; Ctrl-C stops them all.
+
+    Redis: ASYNCGRPO_REDIS_URL when it answers, else a private redis-server. Bucket: ASYNCGRPO_BUCKET when
+    set, else file://WORKDIR/bucket. Each worker gets an even share of the cores as torch threads unless
+    ASYNCGRPO_TORCH_THREADS is set. Exit codes: 2 for a config or run name to fix, 1 for a process that failed,
+    130 when interrupted.
+    """
+    from proxy.storage.bucket_keys import InvalidKeyPart, check_run_name
+    from worker.tools.local_run import configured_services, run_local
+
+    try:
+        run_name = check_run_name(run_name or config_path.stem)
+    except InvalidKeyPart as error:
+        raise click.UsageError(f"{error}; pass --run NAME" if run_name is None else str(error)) from None
+    try:
+        redis_url, bucket_url = configured_services()
+    except SettingsError as error:
+        raise click.UsageError(str(error)) from None
+    sys.exit(
+        run_local(
+            config_path,
+            run_name=run_name,
+            workdir=workdir or Path("work") / "local" / run_name,
+            generate_workers=generate_workers,
+            as_json=as_json,
+            redis_url=redis_url,
+            bucket_url=bucket_url,
+            title=f"asyncgrpo local: {run_name}",
+        )
+    )
 
 
 @main.command()
