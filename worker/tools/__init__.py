@@ -2,8 +2,9 @@
 
 Modules:
     cli            the `asyncgrpo` command line
-    demo           `asyncgrpo demo`: the whole system on one machine
-    local_cluster  runs Redis, the proxy and workers as local processes (demo and tests)
+    local_run      `asyncgrpo local CONFIG`: any run config on one machine, live progress, summary, resume
+    demo           `asyncgrpo demo`: `asyncgrpo local` on the embedded tiny-model config
+    local_cluster  runs Redis, the proxy and workers as local processes (local runs and tests)
     status         `asyncgrpo status`
     step_records   reads step records back from the bucket
     plot           `asyncgrpo plot`
