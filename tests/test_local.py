@@ -162,8 +162,9 @@ def test_local_runs_a_config_of_its_own_to_the_end(tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["versions_published"] == 4
     assert summary["samples_trained"] == 3 * 4 * 4  # 3 steps x 4 groups x G=4
     assert summary["max_staleness_trained"] <= 2
-    assert spawned_children(tmp_path / "work") == ["generate-2.log", "generate-3.log", "optimize-1.log", "proxy.log",
-                                                    "redis.log"]
+    # Redis, the proxy, one optimize worker and the default two generate workers, each with its log.
+    expected = ["generate-2.log", "generate-3.log", "optimize-1.log", "proxy.log", "redis.log"]
+    assert spawned_children(tmp_path / "work") == expected
 
 
 @pytest.mark.slow
