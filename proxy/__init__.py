@@ -7,5 +7,6 @@ Packages:
     storage      the bucket interface, its backends, keys and manifests
     run          the run config, prompt datasets, creating and loading a run
     coordinator  the run's state machine in Redis, its snapshot and rebuild, task dispatch
+    tracking     experiment trackers (trackio, wandb, mlflow): each published step and eval result forwarded
     api          the FastAPI app, the proxy's settings and `serve()`
 """

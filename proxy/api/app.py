@@ -68,6 +68,7 @@ from proxy.protocol.schemas import (
     VersionInfo,
     WorkersResponse,
 )
+from proxy.tracking.forwarder import start_forwarding
 
 log = structlog.get_logger()
 
@@ -321,9 +322,19 @@ def serve(
         max_body_bytes=settings.max_body_bytes,
         metrics_need_token=settings.metrics_need_token,
     )
+    # [tracking] report_to: its own threads, only while this proxy holds the run (proxy.tracking.forwarder).
+    tracking = start_forwarding(
+        coordinator.config,
+        run_name,
+        redis=redis,
+        bucket=bucket,
+        registry=coordinator.metrics.registry,
+        keep_going=lambda: fence.lost is None,
+    )
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)
     releasing_server(config, app.state.version_watch).run()
+    tracking.stop()
     if fence.lost is not None:  # non-zero, so that systemd restarts it (as a stand-by if so configured)
         raise SystemExit(f"asyncgrpo proxy: lost the lease of run {run_name!r} to {fence.lost.describe()}")
     fence.release()  # a clean stop: a stand-by takes over at once

@@ -26,6 +26,8 @@ Fixed keys:
   (and ``reason:<index>`` -> the last failure its worker reported); at ``async.max_group_attempts`` the
   group is rejected and ``quarantined:<index>`` -> the reason keeps the prompt from being dispatched again
   (``quarantined`` counts them)
+- ``tracking``   hash: what the proxy sent to each experiment tracker (``proxy.tracking.forwarder``):
+  ``<tracker>:step`` -> the last step record sent, ``<tracker>:eval:<version>`` -> when that eval was sent
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class RunKeys:
     @property
     def prompt_attempts(self) -> str:
         return self.prefix + "prompt_attempts"
+
+    @property
+    def tracking(self) -> str:
+        return self.prefix + "tracking"
 
     def _item(self, kind: str, item_id: str | int) -> str:
         return f"{self.prefix}{kind}:{item_id}"

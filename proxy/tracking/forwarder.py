@@ -1,0 +1,315 @@
+"""The proxy's forwarder: each published step record and each eval result, sent to the run's trackers.
+
+One daemon thread per tracker (``TrackerFollower``), never the housekeeping loop's: a slow or hung tracker
+delays nothing but itself. It follows the bucket, not the publish path: the step records the proxy copies to
+``runs/<run>/metrics/step-S.json`` at each publish, in step order, then the eval records
+(``runs/<run>/evals/v00000042.json``) of versions it has already sent the step of, each logged at its version.
+The tracker's step is the published version (the record's ``step``; with ``async.publish_every`` > 1 a
+version holds several optimizer updates, logged as ``asyncgrpo/optimizer_steps``).
+
+Progress is kept in Redis (``RunKeys.tracking``: ``<tracker>:step`` the last step sent, ``<tracker>:eval:<v>``
+each eval sent), so a restarted or stand-by proxy goes on where the last one stopped and sends nothing twice
+(a record is marked sent right after the tracker accepted it; a proxy killed in between sends it again). Only
+the proxy holding the run's lease forwards: the threads stop once it is lost.
+
+A tracker never stops the run. Every exception from it (start, log, finish) is logged as
+``proxy.tracker_failed`` with the tracker's name and counted in ``asyncgrpo_tracker_errors_total{tracker}``;
+the follower retries after a backoff doubling from 1 s to 5 min. A record the tracker refused
+``RECORD_ATTEMPTS`` times is skipped (``proxy.tracker_record_skipped``), so one bad record cannot stall the
+tracker; a start is retried for as long as the proxy runs (a tracker server may come back). A tracker whose
+library is not installed is left out at start-up with a warning naming its extra.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
+from redis import Redis
+
+from proxy.coordinator.redis_keys import RunKeys
+from proxy.protocol.records import StepRecord
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, ObjectNotFound
+from proxy.tracking.metric_names import eval_metrics, step_metrics
+from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun, install_hint
+
+log = structlog.get_logger()
+
+POLL_S = 2.0
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 300.0
+RECORD_ATTEMPTS = 5
+STOP_TIMEOUT_S = 10.0
+
+_EVAL_FILE = re.compile(r"/evals/v(\d{8})\.json$")
+
+
+def _evals_prefix(run: str) -> str:
+    """``runs/<run>/evals/``: one eval record per evaluated version, ``v00000042.json``."""
+    return bucket_keys.run_prefix(run) + "evals/"
+
+
+def _eval_key(run: str, version: int) -> str:
+    return f"{_evals_prefix(run)}v{version:08d}.json"
+
+
+class TrackerMetrics:
+    """The forwarder's Prometheus series, in the proxy's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.errors = Counter(
+            "asyncgrpo_tracker_errors",
+            "Calls to an experiment tracker that raised (start, log, finish), or its library missing; the run goes on.",
+            ["tracker"],
+            registry=registry,
+        )
+        self.step = Gauge(
+            "asyncgrpo_tracker_step", "The last step the proxy sent to the tracker.", ["tracker"], registry=registry
+        )
+
+
+class TrackerFollower:
+    """One tracker's thread: sends the steps after its cursor in order, then the evals it has not sent."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        *,
+        redis: Redis,
+        bucket: Bucket,
+        run: str,
+        metrics: TrackerMetrics,
+        keep_going: Callable[[], bool] = lambda: True,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.tracker = tracker
+        self.redis = redis
+        self.bucket = bucket
+        self.run = run
+        self.keys = RunKeys(run)
+        self.metrics = metrics
+        self.keep_going = keep_going
+        self.poll_s = poll_s
+        self.started = False
+        self.backoff_s = 0.0
+        self._attempts: dict[str, int] = {}
+        self._evals_sent: set[int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"tracker-{tracker.name}", daemon=True)
+        metrics.errors.labels(tracker.name)  # the series exists at 0 from the start
+        metrics.step.labels(tracker.name).set(self.cursor())
+
+    # ---- the thread ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the thread to finish the tracker run and end; a hung tracker is left behind (daemon)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() and self.keep_going():
+            try:
+                self.forward_once()
+            except Exception as error:  # Redis or the bucket, not the tracker: next round tries again
+                log.warning("proxy.tracking_round_failed", tracker=self.tracker.name, error=repr(error))
+            self._stop.wait(self.backoff_s or self.poll_s)
+        self.finish()
+
+    # ---- one round ----
+
+    def forward_once(self) -> int:
+        """Send what is new; return how many records the tracker took."""
+        if not self.started:
+            self.started = self._call("start", self.tracker.start)
+            if not self.started:
+                return 0
+        sent = 0
+        cursor = self.cursor()
+        while not self._stop.is_set():
+            step = cursor + 1
+            record = self._step_record(step)
+            if record is not None:
+                metrics = step_metrics(record)
+                if not self._send(f"step {step}", lambda m=metrics, s=step: self.tracker.log(m, s)):
+                    return sent
+                sent += 1
+            elif step >= self._current_version():
+                break  # not published yet, or its record is being copied
+            else:
+                log.warning("proxy.tracker_step_missing", tracker=self.tracker.name, step=step)
+            cursor = step
+            self.redis.hset(self.keys.tracking, self._cursor_field, cursor)
+            self.metrics.step.labels(self.tracker.name).set(cursor)
+        for version in self._evals_to_send(cursor):
+            if self._stop.is_set():
+                break
+            record = self._eval_record(version)
+            if record is not None:
+                if not self._send(
+                    f"eval {version}", lambda r=record, v=version: self.tracker.log_eval(eval_metrics(r), v)
+                ):
+                    return sent
+                sent += 1
+            self.redis.hset(self.keys.tracking, f"{self.tracker.name}:eval:{version}", int(time.time()))
+            self._evals_sent.add(version)  # type: ignore[union-attr]
+        return sent
+
+    def finish(self) -> None:
+        if self.started:
+            self._call("finish", self.tracker.finish)
+            self.started = False
+
+    # ---- progress and records ----
+
+    @property
+    def _cursor_field(self) -> str:
+        return f"{self.tracker.name}:step"
+
+    def cursor(self) -> int:
+        """The last step sent to this tracker (0: none; version 0 trained nothing and has no record)."""
+        return int(self.redis.hget(self.keys.tracking, self._cursor_field) or 0)
+
+    def _current_version(self) -> int:
+        return int(self.redis.hget(self.keys.state, "current_version") or 0)
+
+    def _step_record(self, step: int) -> StepRecord | None:
+        key = bucket_keys.metrics_key(self.run, step)
+        try:
+            return StepRecord.model_validate_json(self.bucket.get(key))
+        except ObjectNotFound:
+            return None
+        except ValidationError as error:  # sent as nothing rather than stalling every later step
+            log.warning("proxy.tracker_record_unreadable", tracker=self.tracker.name, key=key, error=str(error))
+            return None
+
+    def _evals_to_send(self, cursor: int) -> list[int]:
+        """Evaluated versions whose step was sent (so an eval never precedes its step), not sent yet."""
+        if self._evals_sent is None:
+            prefix = f"{self.tracker.name}:eval:"
+            fields = self.redis.hkeys(self.keys.tracking)
+            self._evals_sent = {int(field[len(prefix) :]) for field in fields if field.startswith(prefix)}
+        versions = []
+        for key in self.bucket.list(_evals_prefix(self.run)):
+            match = _EVAL_FILE.search(key)
+            if match and int(match.group(1)) <= cursor and int(match.group(1)) not in self._evals_sent:
+                versions.append(int(match.group(1)))
+        return sorted(versions)
+
+    def _eval_record(self, version: int) -> dict[str, Any] | None:
+        key = _eval_key(self.run, version)
+        try:
+            record = json.loads(self.bucket.get(key))
+        except (ObjectNotFound, ValueError) as error:
+            log.warning("proxy.tracker_record_unreadable", tracker=self.tracker.name, key=key, error=str(error))
+            return None
+        return record if isinstance(record, dict) else None
+
+    # ---- calls into the tracker ----
+
+    def _call(self, phase: str, call: Callable[[], object]) -> bool:
+        """Run one tracker call; on an exception log, count and back off. True when it returned."""
+        try:
+            call()
+        except Exception as error:  # any failure of a third-party tracker; it must not end the thread
+            self.metrics.errors.labels(self.tracker.name).inc()
+            self.backoff_s = min(max(self.backoff_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+            log.warning(
+                "proxy.tracker_failed",
+                tracker=self.tracker.name,
+                phase=phase,
+                error=repr(error),
+                retry_in_s=self.backoff_s,
+            )
+            return False
+        self.backoff_s = 0.0
+        return True
+
+    def _send(self, what: str, call: Callable[[], object]) -> bool:
+        """True when the record is done with: taken by the tracker, or skipped after too many refusals."""
+        if self._call(f"log {what}", call):
+            self._attempts.pop(what, None)
+            return True
+        self._attempts[what] = self._attempts.get(what, 0) + 1
+        if self._attempts[what] < RECORD_ATTEMPTS:
+            return False
+        log.error("proxy.tracker_record_skipped", tracker=self.tracker.name, record=what, attempts=RECORD_ATTEMPTS)
+        self._attempts.pop(what)
+        return True
+
+
+class Forwarder:
+    """The followers of one proxy process, started and stopped together."""
+
+    def __init__(self, followers: list[TrackerFollower]) -> None:
+        self.followers = followers
+
+    def start(self) -> Forwarder:
+        for follower in self.followers:
+            follower.start()
+        return self
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        for follower in self.followers:
+            follower.request_stop()
+        for follower in self.followers:
+            follower.stop(max(0.0, deadline - time.monotonic()))
+
+
+def build_trackers(config: RunConfig, run: str, metrics: TrackerMetrics) -> list[Tracker]:
+    """The adapters of ``tracking.report_to`` whose library is installed (a missing one: warned and counted)."""
+    target = TrackerRun(
+        project=config.tracking.project,
+        name=config.tracking.run_name or run,
+        config=config.model_dump(mode="json", by_alias=True),
+    )
+    trackers = []
+    for name in config.tracking.report_to:
+        cls = TRACKERS[name]
+        if not cls.installed():
+            log.warning("proxy.tracker_missing", tracker=name, fix=install_hint(name))
+            metrics.errors.labels(name).inc()
+            continue
+        trackers.append(cls(target))
+    return trackers
+
+
+def start_forwarding(
+    config: RunConfig,
+    run: str,
+    *,
+    redis: Redis,
+    bucket: Bucket,
+    registry: CollectorRegistry,
+    keep_going: Callable[[], bool] = lambda: True,
+    trackers: list[Tracker] | None = None,
+    poll_s: float = POLL_S,
+) -> Forwarder:
+    """Start one follower per tracker of ``tracking.report_to`` (``trackers``: these instead, for tests)."""
+    metrics = TrackerMetrics(registry)
+    if trackers is None:
+        trackers = build_trackers(config, run, metrics)
+    followers = [
+        TrackerFollower(
+            tracker, redis=redis, bucket=bucket, run=run, metrics=metrics, keep_going=keep_going, poll_s=poll_s
+        )
+        for tracker in trackers
+    ]
+    if followers:
+        log.info("proxy.tracking_started", trackers=[tracker.name for tracker in trackers])
+    return Forwarder(followers).start()
