@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -38,6 +39,8 @@ class Tracker:
 
     @classmethod
     def installed(cls) -> bool:
+        if cls.module in sys.modules:  # imported already (find_spec refuses a module without a spec)
+            return sys.modules[cls.module] is not None
         return importlib.util.find_spec(cls.module) is not None
 
     def _library(self) -> ModuleType:

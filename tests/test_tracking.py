@@ -1,0 +1,335 @@
+"""Experiment trackers (proxy.tracking): TRL names, the adapters, and the forwarder against real Redis, a
+file:// bucket and real trackio; a tracker that raises is counted and retried and holds nothing up."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import typing
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+import structlog
+from prometheus_client import CollectorRegistry
+
+from proxy.coordinator.redis_keys import RunKeys
+from proxy.protocol.records import StepRecord
+from proxy.run.config import ConfigError, RunConfig, TrackingConfig, parse_run_config
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket, open_bucket
+from proxy.tracking import forwarder as forwarder_module
+from proxy.tracking.forwarder import TrackerFollower, TrackerMetrics, build_trackers, start_forwarding
+from proxy.tracking.metric_names import eval_metrics, step_metrics
+from proxy.tracking.trackers import TRACKERS, MlflowTracker, Tracker, TrackerRun, WandbTracker, flat_params
+from tests.tracker_doubles import trackio_config, trackio_dir, trackio_logs
+
+RUN = "r1"
+
+
+def _record(step: int, **changes: Any) -> StepRecord:
+    data = {
+        "run": RUN, "step": step, "version": step, "base_version": step - 1, "worker_id": "opt-1",
+        "published_at": 1.7e9, "samples": 4, "groups": 1, "tokens": 18, "reward_mean": 0.25 * step,
+        "reward_std": 0.5, "rewards_by_name": {"repeat_digit": 0.25 * step, "format": None},
+        "rewards_std_by_name": {"repeat_digit": 0.5, "format": None}, "completion_length_mean": 4.5,
+        "truncated_fraction": 0.25, "staleness": [1], "max_staleness": 1, "ratio": 1.0, "rescore_ratio": 0.999,
+        "kl": 0.002, "entropy": 1.25, "clip_low": 0.0, "clip_high": 0.01, "clip_region": 0.02, "loss": 0.1,
+        "grad_norm": 0.5, "lr": 1e-3,
+        "updates": [{"update": 2 * step - 1, "loss": 0.1, "ratio": 1.0, "kl": 0.002, "clip_low": 0.0,
+                     "clip_high": 0.01, "clip_region": 0.02, "entropy": 1.25, "grad_norm": 0.5, "lr": 1e-3,
+                     "tokens": 18, "sequences": 4, "micro_batches": 1, "forward_backward_s": 0.2,
+                     "optimizer_s": 0.01}],
+        "rollouts": [{"task_id": "t1", "version": step - 1, "worker_id": "gen-1", "ratio": 1.0,
+                      "group_ids": ["t1.0"], "prompt_indices": [4], "samples": 4}],
+        "flagged_rollouts": [], "timings": {"fetch_s": 0.01, "step_s": 0.9},
+    }  # fmt: skip
+    return StepRecord.model_validate({**data, **changes})
+
+
+# ---- names ----
+
+
+def test_a_step_record_is_sent_under_trl_names_and_missing_values_are_left_out() -> None:
+    metrics = step_metrics(_record(2, entropy=None))
+    assert metrics == {
+        "reward": 0.5, "reward_std": 0.5, "rewards/repeat_digit/mean": 0.5, "rewards/repeat_digit/std": 0.5,
+        "kl": 0.002, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.01, "clip_ratio/region_mean": 0.02,
+        "completions/mean_length": 4.5, "completions/clipped_ratio": 0.25, "loss": 0.1, "grad_norm": 0.5,
+        "learning_rate": 1e-3,
+        "asyncgrpo/optimizer_steps": 4.0, "asyncgrpo/max_staleness": 1.0, "asyncgrpo/mean_staleness": 1.0,
+        "asyncgrpo/ratio": 1.0, "asyncgrpo/rescore_ratio": 0.999, "asyncgrpo/tokens": 18.0,
+        "asyncgrpo/samples": 4.0, "asyncgrpo/groups": 1.0, "asyncgrpo/flagged_rollouts": 0.0,
+        "asyncgrpo/timings/fetch_s": 0.01, "asyncgrpo/timings/step_s": 0.9,
+    }  # fmt: skip
+    # entropy, the reward with no values and kl_ref (beta = 0) have no value: not logged as 0.
+
+
+def test_an_eval_record_is_sent_as_eval_names_numbers_only() -> None:
+    record = {"version": 4, "metrics": {"reward": 0.5, "pass@1": 0.25, "n": 64, "note": "x", "bad": float("nan")}}
+    assert eval_metrics(record) == {"eval/reward": 0.5, "eval/pass@1": 0.25, "eval/n": 64.0}
+    assert eval_metrics({"version": 4}) == {}
+
+
+# ---- config ----
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [([], []), ("none", []), (["none"], []), ("trackio", ["trackio"]), (["wandb", "mlflow"], ["wandb", "mlflow"])],
+)
+def test_report_to_takes_a_name_a_list_or_none(given: object, expected: list[str]) -> None:
+    assert TrackingConfig(report_to=given).report_to == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "hint"),
+    [
+        ({"report_to": "all"}, "list the trackers"),
+        ({"report_to": ["trackio", "trackio"]}, "more than once"),
+        ({"report_to": ["tensorboard"]}, "'trackio', 'wandb' or 'mlflow'"),
+        ({"run_name": "has space"}, "should match pattern"),
+    ],
+)
+def test_bad_tracking_config_names_the_field(given: dict, hint: str) -> None:
+    with pytest.raises(ConfigError, match=r"tracking\.(report_to|run_name)") as error:
+        parse_run_config({"tracking": given})
+    assert hint in str(error.value)
+
+
+def test_every_choice_of_report_to_has_an_adapter() -> None:
+    choices = typing.get_args(typing.get_args(TrackingConfig.model_fields["report_to"].annotation)[0])
+    assert set(choices) == set(TRACKERS)
+
+
+# ---- the wandb and mlflow adapters, over stand-in modules (the libraries are not installed here) ----
+
+
+class _Recorder(SimpleNamespace):
+    def __init__(self) -> None:
+        super().__init__(calls=[])
+
+    def record(self, call: str, /, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((call, args, kwargs))
+
+
+def test_wandb_adapter_resumes_by_id_and_plots_evals_against_their_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _Recorder()
+    run = SimpleNamespace(
+        define_metric=lambda *a, **k: calls.record("define_metric", *a, **k),
+        log=lambda *a, **k: calls.record("log", *a, **k),
+        finish=lambda: calls.record("finish"),
+    )
+    fake = SimpleNamespace(init=lambda **k: calls.record("init", **k) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert WandbTracker.installed()
+    tracker = WandbTracker(TrackerRun(project="p", name="my-run", config={"seed": 1}))
+    tracker.start()
+    tracker.log({"reward": 0.5}, 3)
+    tracker.log_eval({"eval/pass@1": 0.25}, 2)
+    tracker.finish()
+    assert calls.calls == [
+        ("init", (), {"project": "p", "name": "my-run", "id": "my-run", "resume": "allow", "config": {"seed": 1}}),
+        ("define_metric", ("eval/step",), {}),
+        ("define_metric", ("eval/*",), {"step_metric": "eval/step"}),
+        ("log", ({"reward": 0.5},), {"step": 3}),
+        ("log", ({"eval/pass@1": 0.25, "eval/step": 2},), {}),
+        ("finish", (), {}),
+    ]
+
+
+def test_mlflow_adapter_logs_params_once_and_finds_its_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _Recorder()
+    found: list[Any] = []
+    fake = SimpleNamespace(
+        active_run=lambda: None,
+        set_experiment=lambda name: calls.record("set_experiment", name),
+        search_runs=lambda **k: calls.record("search_runs", **k) or list(found),
+        start_run=lambda **k: calls.record("start_run", **k),
+        log_params=lambda params: calls.record("log_params", params),
+        log_dict=lambda data, path: calls.record("log_dict", data, path),
+        log_metrics=lambda metrics, step: calls.record("log_metrics", metrics, step=step),
+        end_run=lambda: calls.record("end_run"),
+    )
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    config = {"seed": 1, "optimizer": {"learning_rate": 0.002}, "tracking": {"report_to": ["mlflow"]}}
+    tracker = MlflowTracker(TrackerRun(project="p", name="my-run", config=config))
+    tracker.start()
+    tracker.log({"eval/pass@1": 0.25, "reward": 1.0}, 2)
+    tracker.finish()
+    search = {"experiment_names": ["p"], "filter_string": "tags.asyncgrpo_run = 'my-run'", "output_format": "list"}
+    assert calls.calls == [
+        ("set_experiment", ("p",), {}),
+        ("search_runs", (), search),
+        ("start_run", (), {"run_name": "my-run", "tags": {"asyncgrpo_run": "my-run"}}),
+        ("log_params", ({"seed": "1", "optimizer.learning_rate": "0.002", "tracking.report_to": "['mlflow']"},), {}),
+        ("log_dict", (config, "run_config.json"), {}),
+        ("log_metrics", ({"eval/pass_1": 0.25, "reward": 1.0},), {"step": 2}),
+        ("end_run", (), {}),
+    ]
+    calls.calls.clear()
+    found.append(SimpleNamespace(info=SimpleNamespace(run_id="abc123")))
+    tracker.start()  # a restarted proxy: the same mlflow run, params not written again
+    assert calls.calls[-1] == ("start_run", (), {"run_id": "abc123"})
+    assert not any(name == "log_params" for name, _, _ in calls.calls)
+    assert flat_params({"a": {"b": {"c": 1}}, "d": None}) == {"a.b.c": "1", "d": "None"}
+
+
+def test_a_tracker_whose_library_is_missing_is_left_out_with_its_extra_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow fails
+    config = RunConfig(tracking=TrackingConfig(report_to=["mlflow"]))
+    registry = CollectorRegistry()
+    with structlog.testing.capture_logs() as logs:
+        assert build_trackers(config, RUN, TrackerMetrics(registry)) == []
+    missing = {"event": "proxy.tracker_missing", "tracker": "mlflow", "fix": "pip install 'asyncgrpo[mlflow]'"}
+    assert missing.items() <= logs[0].items()
+    assert registry.get_sample_value("asyncgrpo_tracker_errors_total", {"tracker": "mlflow"}) == 1
+
+
+# ---- the forwarder: real Redis, a file:// bucket, real trackio ----
+
+
+def _publish(redis_client: redis.Redis, bucket: Bucket, step: int) -> None:
+    """What a publish leaves for the forwarder: the step record in metrics/, the current version in Redis."""
+    bucket.put(bucket_keys.metrics_key(RUN, step), _record(step).model_dump_json().encode())
+    redis_client.hset(RunKeys(RUN).state, "current_version", step)
+
+
+def _put_eval(bucket: Bucket, version: int, metrics: dict[str, float]) -> None:
+    key = f"{bucket_keys.run_prefix(RUN)}evals/v{version:08d}.json"
+    bucket.put(key, json.dumps({"version": version, "metrics": metrics}).encode())
+
+
+def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _cursor(redis_client: redis.Redis, tracker: str) -> int:
+    return int(redis_client.hget(RunKeys(RUN).tracking, f"{tracker}:step") or 0)
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> Bucket:
+    return open_bucket(f"file://{tmp_path / 'bucket'}")
+
+
+def test_trackio_receives_steps_and_evals_in_order_once_across_a_restart(
+    redis_client: redis.Redis, bucket: Bucket
+) -> None:
+    trackio_dir()
+    project = f"test-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(tracking=TrackingConfig(report_to=["trackio"], project=project))
+    for step in (1, 2, 3):
+        _publish(redis_client, bucket, step)
+    _put_eval(bucket, 0, {"pass@1": 0.125})
+    _put_eval(bucket, 2, {"pass@1": 0.5})
+    _put_eval(bucket, 9, {"pass@1": 0.9})  # a version whose step is not sent yet: waits for it
+
+    def start() -> Any:
+        registry = CollectorRegistry()
+        return registry, start_forwarding(
+            config, RUN, redis=redis_client, bucket=bucket, registry=registry, poll_s=0.05
+        )
+
+    registry, forwarder = start()
+    _wait(lambda: _cursor(redis_client, "trackio") == 3, "steps 1-3 sent")
+    _wait(lambda: redis_client.hexists(RunKeys(RUN).tracking, "trackio:eval:2"), "eval of version 2 sent")
+    forwarder.stop()  # finishes the trackio run: its queue is flushed to the database
+    assert registry.get_sample_value("asyncgrpo_tracker_step", {"tracker": "trackio"}) == 3
+    assert registry.get_sample_value("asyncgrpo_tracker_errors_total", {"tracker": "trackio"}) == 0
+
+    # A restarted proxy: the same trackio run goes on from step 4, nothing sent twice.
+    _publish(redis_client, bucket, 4)
+    registry, forwarder = start()
+    _wait(lambda: _cursor(redis_client, "trackio") == 4, "step 4 sent")
+    forwarder.stop()
+
+    rows = trackio_logs(project, RUN)
+    train = [row for row in rows if "reward" in row]
+    evals = [row for row in rows if "eval/pass@1" in row]
+    assert [row["step"] for row in train] == [1, 2, 3, 4]
+    assert [row["reward"] for row in train] == [0.25, 0.5, 0.75, 1.0]
+    assert train[0]["clip_ratio/region_mean"] == 0.02 and train[0]["completions/mean_length"] == 4.5
+    assert [(row["step"], row["eval/pass@1"]) for row in evals] == [(0, 0.125), (2, 0.5)]
+    stored = trackio_config(project, RUN)
+    assert stored is not None
+    assert {key: stored[key] for key in ("optimizer", "tracking", "seed")} == {
+        key: config.model_dump(mode="json", by_alias=True)[key] for key in ("optimizer", "tracking", "seed")
+    }
+
+
+class _FlakyTracker(Tracker):
+    """Refuses its first start, and every log of step 2; remembers what it took."""
+
+    name = "flaky"
+    module = "json"
+
+    def __init__(self) -> None:
+        super().__init__(TrackerRun(project="p", name=RUN, config={}))
+        self.starts = 0
+        self.logged: list[int] = []
+
+    def start(self) -> None:
+        self.starts += 1
+        if self.starts == 1:
+            raise ConnectionError("tracker server unreachable")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if step == 2:
+            raise ValueError("tracker refuses this record")
+        self.logged.append(step)
+
+    def finish(self) -> None:
+        raise RuntimeError("finish fails too")
+
+
+class _HungTracker(_FlakyTracker):
+    name = "hung"
+
+    def start(self) -> None:
+        time.sleep(3600)
+
+
+def test_a_failing_tracker_is_counted_retried_and_holds_nothing_up(
+    redis_client: redis.Redis, bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forwarder_module, "FIRST_BACKOFF_S", 0.01)
+    monkeypatch.setattr(forwarder_module, "MAX_BACKOFF_S", 0.05)
+    trackio_dir()
+    project = f"test-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(tracking=TrackingConfig(report_to=["trackio"], project=project))
+    for step in (1, 2, 3):
+        _publish(redis_client, bucket, step)
+    registry = CollectorRegistry()
+    metrics = TrackerMetrics(registry)
+    flaky, hung = _FlakyTracker(), _HungTracker()
+    trackers = [flaky, *build_trackers(config, RUN, metrics), hung]  # the hung one last: stop joins in order
+    followers = [
+        TrackerFollower(tracker, redis=redis_client, bucket=bucket, run=RUN, metrics=metrics, poll_s=0.05)
+        for tracker in trackers
+    ]
+    with structlog.testing.capture_logs() as logs:
+        forwarder = forwarder_module.Forwarder(followers).start()
+        _wait(lambda: _cursor(redis_client, "flaky") == 3 and _cursor(redis_client, "trackio") == 3, "steps sent")
+        assert all(follower._thread.is_alive() for follower in followers)
+        started = time.monotonic()
+        forwarder.stop(timeout_s=2)
+    assert time.monotonic() - started < 5, "a hung tracker held up the stop"
+
+    # The flaky tracker: one failed start, step 2 refused RECORD_ATTEMPTS times then skipped, step 3 sent.
+    assert flaky.starts == 2 and flaky.logged == [1, 3]
+    errors = 1 + forwarder_module.RECORD_ATTEMPTS + 1  # start, the step-2 logs, finish
+    assert registry.get_sample_value("asyncgrpo_tracker_errors_total", {"tracker": "flaky"}) == errors
+    failed = [log for log in logs if log["event"] == "proxy.tracker_failed" and log["tracker"] == "flaky"]
+    assert [log["phase"] for log in failed] == ["start"] + ["log step 2"] * 5 + ["finish"]
+    assert any(log["event"] == "proxy.tracker_record_skipped" and log["record"] == "step 2" for log in logs)
+    # The hung one never got past its start; trackio, beside both, got every step.
+    assert _cursor(redis_client, "hung") == 0
+    assert [row["step"] for row in trackio_logs(project, RUN)] == [1, 2, 3]
