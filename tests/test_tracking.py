@@ -318,9 +318,9 @@ def test_a_failing_tracker_is_counted_retried_and_holds_nothing_up(
     with structlog.testing.capture_logs() as logs:
         forwarder = forwarder_module.Forwarder(followers).start()
         _wait(lambda: _cursor(redis_client, "flaky") == 3 and _cursor(redis_client, "trackio") == 3, "steps sent")
-        assert all(follower._thread.is_alive() for follower in followers)
+        assert all(follower.alive() for follower in followers)
         started = time.monotonic()
-        forwarder.stop(timeout_s=2)
+        forwarder.stop(timeout_s=1)
     assert time.monotonic() - started < 5, "a hung tracker held up the stop"
 
     # The flaky tracker: one failed start, step 2 refused RECORD_ATTEMPTS times then skipped, step 3 sent.

@@ -105,8 +105,8 @@ class TrackerFollower:
         self._evals_sent: set[int] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"tracker-{tracker.name}", daemon=True)
-        metrics.errors.labels(tracker.name)  # the series exists at 0 from the start
-        metrics.step.labels(tracker.name).set(self.cursor())
+        metrics.errors.labels(tracker.name)  # the series exist from the start
+        metrics.step.labels(tracker.name)
 
     # ---- the thread ----
 
@@ -115,6 +115,9 @@ class TrackerFollower:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask the thread to finish the tracker run and end; a hung tracker is left behind (daemon)."""
@@ -140,6 +143,7 @@ class TrackerFollower:
                 return 0
         sent = 0
         cursor = self.cursor()
+        self.metrics.step.labels(self.tracker.name).set(cursor)
         while not self._stop.is_set():
             step = cursor + 1
             record = self._step_record(step)
