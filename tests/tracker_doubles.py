@@ -8,7 +8,9 @@ raises, put on a real proxy's PYTHONPATH to show that a tracker that fails does 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +24,7 @@ def trackio_dir() -> Path:
     if not _SESSION_DIR:
         if "trackio" not in sys.modules:
             os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="asyncgrpo-trackio-")
+            atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
         import trackio.utils
 
         _SESSION_DIR.append(Path(trackio.utils.TRACKIO_DIR))
