@@ -2,6 +2,9 @@
 
 Modules:
     config    the run config: one pydantic model loaded from TOML, every field documented and bounded
+    dataset_config  the `[dataset]` table: prompt source (file, Hub, generator), columns, chat template
     datasets  prompt files (jsonl/json/csv/parquet) and the built-in prompt generators
+    hub_datasets  Hub datasets and local dataset folders (save_to_disk, parquet/arrow) via `datasets`
+    prompt_records  one dataset row -> one prompt record (prompt or chat, answer extraction)
     store     `asyncgrpo run create` and `load_run` (config and prompts verified against the run manifest)
 """

@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from proxy.run.dataset_config import DatasetConfig
+
 LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
 
 
@@ -52,30 +54,6 @@ class LoraConfig(_Section):
         if isinstance(value, list) and not value:
             raise ValueError("give at least one module name, or 'all-linear'")
         return value
-
-
-class DatasetConfig(_Section):
-    path: str | None = Field(
-        None,
-        description="Prompt file (.jsonl, .json, .csv or .parquet). Leave empty to use `generator`.",
-    )
-    generator: str | None = Field(
-        "repeat_digit",
-        description="Name of a built-in prompt generator used when `path` is empty (e.g. 'repeat_digit').",
-    )
-    num_prompts: int = Field(
-        512, ge=1, le=10_000_000, description="How many prompts the generator makes (ignored with `path`)."
-    )
-    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
-    answer_column: str | None = Field(
-        "answer", description="Column holding the reference answer passed to rewards (may be empty)."
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> DatasetConfig:
-        if not self.path and not self.generator:
-            raise ValueError("set dataset.path to a prompt file or dataset.generator to a built-in generator")
-        return self
 
 
 # The built-in rewards of ``worker.algo.rewards`` (a test keeps the two lists equal; the proxy never imports

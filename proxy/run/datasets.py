@@ -1,8 +1,9 @@
 """Prompt datasets: built-in generators (pure Python, seeded) and loading a user's prompt file.
 
-A prompt record is a dict with exactly ``prompt`` (str) and ``answer`` (str or None); the record index in
-the run's ``prompts.jsonl`` is the prompt's identity for the whole run. Prompt files may be ``.jsonl``,
-``.json`` (a list of objects), ``.csv`` or ``.parquet`` (needs pyarrow).
+A prompt record is a dict with ``prompt`` (str) and ``answer`` (str or None), and ``messages`` for chats
+(see ``proxy.run.prompt_records``); the record index in the run's ``prompts.jsonl`` is the prompt's identity
+for the whole run. Prompt files may be ``.jsonl``, ``.json`` (a list of objects), ``.csv`` or ``.parquet``
+(needs pyarrow); Hub datasets and local dataset folders are read by ``proxy.run.hub_datasets``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from proxy.protocol.input_bounds import is_valid_unicode
 from proxy.run.config import DatasetConfig
+from proxy.run.hub_datasets import load_hub_dataset
+from proxy.run.prompt_records import PromptFileError, PromptRecord, RecordSpec
 
-PromptRecord = dict[str, str | None]
+__all__ = ["PromptFileError", "PromptRecord", "build_dataset", "load_prompt_file", "parse_prompts_jsonl"]
 
 
 def repeat_digit_prompts(num_prompts: int, seed: int) -> list[PromptRecord]:
@@ -46,10 +48,6 @@ def generate_prompts(name: str, num_prompts: int, seed: int) -> list[PromptRecor
         known = ", ".join(sorted(PROMPT_GENERATORS))
         raise ValueError(f"dataset.generator={name!r} is unknown; use one of: {known}") from None
     return generator(num_prompts, seed)
-
-
-class PromptFileError(ValueError):
-    """A prompt file that cannot be used; the message names the file, the row or column, and the fix."""
 
 
 PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -114,8 +112,16 @@ _READERS: dict[str, Callable[[Path], Iterator[tuple[str, Any]]]] = {
 }
 
 
-def load_prompt_file(path: str | Path, prompt_column: str, answer_column: str | None) -> list[PromptRecord]:
-    """Read a prompt file into records ``{"prompt": str, "answer": str | None}``.
+def load_prompt_file(
+    path: str | Path,
+    prompt_column: str,
+    answer_column: str | None,
+    *,
+    messages_column: str | None = None,
+    answer_pattern: str | None = None,
+) -> list[PromptRecord]:
+    """Read a prompt file into records ``{"prompt": str, "answer": str | None}`` (plus ``messages`` with
+    ``messages_column``).
 
     ``answer_column`` None or "" means the file has no answers. Raises PromptFileError naming the missing
     column (and the columns present), an empty prompt's row, or an unsupported suffix.
@@ -128,62 +134,41 @@ def load_prompt_file(path: str | Path, prompt_column: str, answer_column: str | 
         )
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist; check dataset.path")
-    answer_column = answer_column or None
+    spec = RecordSpec(prompt_column, answer_column or None, messages_column, answer_pattern)
     try:
-        return _records(path, reader(path), prompt_column, answer_column)
+        records = [_object_row(path, where, row, spec) for where, row in reader(path)]
     except UnicodeDecodeError as error:
         raise PromptFileError(
             f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"
         ) from None
-
-
-def _records(
-    path: Path, rows: Iterator[tuple[str, Any]], prompt_column: str, answer_column: str | None
-) -> list[PromptRecord]:
-    records: list[PromptRecord] = []
-    for where, row in rows:
-        if not isinstance(row, dict):
-            raise PromptFileError(f"{path} {where} is a {type(row).__name__}, not an object with named columns")
-        prompt = _column(path, where, row, prompt_column, "dataset.prompt_column")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise PromptFileError(
-                f"{path} {where} has an empty or non-text prompt in column {prompt_column!r} ({prompt!r}); "
-                "fix or remove that row"
-            )
-        answer = None
-        if answer_column is not None:
-            value = _column(path, where, row, answer_column, "dataset.answer_column")
-            answer = None if value is None else str(value)
-        for column, text in ((prompt_column, prompt), (answer_column, answer)):
-            if text is not None and not is_valid_unicode(text):
-                # A lone surrogate ("\ud800" escaped in JSON) cannot be stored as UTF-8 nor tokenised.
-                raise PromptFileError(
-                    f"{path} {where} column {column!r} holds an unpaired UTF-16 surrogate; fix or remove that row"
-                )
-        records.append({"prompt": prompt, "answer": answer})
     if not records:
         raise PromptFileError(f"prompt file {path} has no rows")
     return records
 
 
-def _column(path: Path, where: str, row: dict[str, Any], column: str, setting: str) -> Any:
-    if column not in row:
-        present = ", ".join(repr(name) for name in row) or "none"
-        hint = ' (or set it to "" if the file has no answers)' if setting == "dataset.answer_column" else ""
-        raise PromptFileError(
-            f"{path} {where} has no column {column!r}; columns present: {present}. Set {setting} to one of them{hint}"
-        )
-    return row[column]
+def _object_row(path: Path, where: str, row: Any, spec: RecordSpec) -> PromptRecord:
+    if not isinstance(row, dict):
+        raise PromptFileError(f"{path} {where} is a {type(row).__name__}, not an object with named columns")
+    return spec.record(str(path), where, row)
 
 
 def build_dataset(config: DatasetConfig, seed: int, base_dir: Path | None = None) -> list[PromptRecord]:
-    """The run's prompts: from ``config.path`` (relative paths resolve against ``base_dir``, e.g. the
-    config file's folder) or else from the built-in ``config.generator``."""
+    """The run's prompts: from ``config.path`` or ``config.hub_id`` (relative paths resolve against
+    ``base_dir``, e.g. the config file's folder), or else from the built-in ``config.generator``."""
+    if config.hub_id:
+        return load_hub_dataset(config, base_dir)
     if config.path:
         path = Path(config.path).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        return load_prompt_file(path, config.prompt_column, config.answer_column)
+        records = load_prompt_file(
+            path,
+            config.prompt_column,
+            config.answer_column,
+            messages_column=config.messages_column,
+            answer_pattern=config.answer_pattern,
+        )
+        return records[: config.max_rows]
     assert config.generator is not None  # DatasetConfig guarantees one source
     return generate_prompts(config.generator, config.num_prompts, seed)
 

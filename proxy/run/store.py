@@ -169,11 +169,16 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
 
 
 def _summary(run: str, bucket: Bucket, config: RunConfig, manifest: RunManifest) -> str:
-    source = (
-        f"from {config.dataset.path}"
-        if config.dataset.path
-        else f"from the built-in generator {config.dataset.generator!r}"
-    )
+    dataset = config.dataset
+    if dataset.hub_id:
+        subset = f" subset {dataset.subset!r}" if dataset.subset else ""
+        source = f"from {dataset.hub_id}{subset} split {dataset.split!r}"
+    elif dataset.path:
+        source = f"from {dataset.path}"
+    else:
+        source = f"from the built-in generator {dataset.generator!r}"
+    if dataset.chat_templated:
+        source += " (fed through the model's chat template)"
     rewards = ", ".join(f"{reward.name}×{reward.weight:g}" for reward in config.rewards)
     return (
         f"Created run {run!r} in {bucket.url}: {manifest.num_prompts} prompts {source} "
