@@ -12,6 +12,7 @@ from proxy.protocol.schemas import GroupRef
 from proxy.run.config import RunConfig
 from tests.poison_rewards import NAN_DIGIT, RAISE_DIGIT
 from worker.generate.job import _score, _split_bad_prompts
+from worker.generate.prompt_format import fed_prompts
 from worker.generate.transformers_backend import TransformersBackend
 from worker.process.task_failure import failure_reason
 
@@ -58,7 +59,8 @@ def test_a_prompt_that_tokenizes_to_nothing_is_rejected(backend: TransformersBac
     prompts = [{"prompt": "7="}, {"prompt": ""}]
     groups = [GroupRef(group_id=f"t.{i}", prompt_index=i) for i in range(2)]
     assert backend.tokenize([""]) == [[]], "the tiny tokenizer adds no special token"
-    accepted, rejected = _split_bad_prompts(groups, prompts, backend, config("format"))
+    fed = fed_prompts(prompts, range(2), config("format").dataset, backend.tokenizer)
+    accepted, rejected = _split_bad_prompts(groups, fed, backend, config("format"))
     assert [g.group_id for g in accepted] == ["t.0"]
     assert [(r.group_id, r.reason) for r in rejected] == [("t.1", "empty_prompt")]
 

@@ -27,6 +27,15 @@ def test_tokenizer_is_character_level_over_the_toy_alphabet(tiny_model_dir: Path
     assert decoded == "44"
 
 
+def test_tokenizer_has_a_chatml_template(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "7="}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n7=<|im_end|>\n<|im_start|>assistant\n"
+    # the markers are outside the toy alphabet: the vocabulary (and so the toy task) is unchanged
+    assert len(tokenizer) == 14
+
+
 def test_model_loads_and_matches_the_tokenizer(tiny_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -53,6 +53,17 @@ class RolloutExtra(_Stored):
     rejected_groups: list[RejectedGroup] = Field(default_factory=list)
     """Groups of the task refused as bad input (prompt too long, index out of range), with the reason; a
     redelivered task resubmits them with the rollout."""
+    prompts: list[str] | None = None
+    """Per accepted group, in header order: the prompt text actually fed to the model (after the chat template,
+    if the run uses one; see ``worker.generate.prompt_format``). None (and not written) in rollouts made before
+    it existed, which still read and write the same bytes."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_prompts(self, handler: SerializerFunctionWrapHandler, _: SerializationInfo) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompts") is None:
+            data.pop("prompts", None)
+        return data
 
 
 class RolloutHeader(_Stored):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length"]
 
@@ -90,8 +90,15 @@ class GenerationBackend(Protocol):
     @property
     def eos_token_id(self) -> int: ...
 
-    def tokenize(self, prompts: list[str]) -> list[list[int]]:
-        """Prompt token ids exactly as ``generate`` would feed them to the model."""
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the backend tokenizes with; chat templates are applied with it
+        (``worker.generate.prompt_format``)."""
+        ...
+
+    def tokenize(self, prompts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """Prompt token ids exactly as ``generate`` would feed them to the model. ``add_special_tokens=False``
+        for text that holds its special tokens already (a chat template's output)."""
         ...
 
     def load_adapter(self, name: str, version: int, path: Path) -> None:
@@ -117,8 +124,11 @@ class GenerationBackend(Protocol):
         temperature: float,
         top_p: float,
         seed: int,
+        add_special_tokens: bool = True,
     ) -> GenerationResult:
         """Sample ``samples_per_prompt`` completions of each prompt with ``adapter`` (None: base model).
+
+        The prompts are tokenized as ``tokenize(prompts, add_special_tokens=add_special_tokens)`` does.
 
         The same seed, prompts, adapter and settings give the same completions on the same hardware.
         """

@@ -28,6 +28,7 @@ from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
+from worker.generate.prompt_format import FedPrompts, fed_prompts
 
 log = structlog.get_logger()
 
@@ -177,12 +178,13 @@ def run_generate_task(
         backend.load_adapter(adapter, lease.version, adapter_dir)
         timings.adapter_fetch_s = time.perf_counter() - fetch_started
 
-        accepted, rejected = _split_bad_prompts(groups, prompts, backend, config)
+        fed = fed_prompts(prompts, (group.prompt_index for group in groups), config.dataset, backend.tokenizer)
+        accepted, rejected = _split_bad_prompts(groups, fed, backend, config)
         samples: list[RolloutSample] = []
         tokens = 0
         if accepted:
             gen_started = time.perf_counter()
-            texts = [prompts[group.prompt_index]["prompt"] for group in accepted]
+            texts = fed.of(accepted)
             answers = [prompts[group.prompt_index].get("answer") for group in accepted]
             result = backend.generate(
                 texts,
@@ -192,6 +194,7 @@ def run_generate_task(
                 temperature=config.sampling.temperature,
                 top_p=config.sampling.top_p,
                 seed=_task_seed(config.seed, task_id),
+                add_special_tokens=fed.add_special_tokens,
             )
             timings.generate_s = time.perf_counter() - gen_started
             score_started = time.perf_counter()
@@ -209,7 +212,7 @@ def run_generate_task(
         groups=accepted,
         samples=samples,
         timings=timings,
-        extra=RolloutExtra(rejected_groups=rejected),
+        extra=RolloutExtra(rejected_groups=rejected, prompts=fed.of(accepted)),
     )
     data = encode_rollout(rollout)
     try:
@@ -244,18 +247,18 @@ def _task_seed(run_seed: int, task_id: str) -> int:
 
 
 def _split_bad_prompts(
-    groups: list[GroupRef], prompts: list[dict[str, Any]], backend: GenerationBackend, config: RunConfig
+    groups: list[GroupRef], fed: FedPrompts, backend: GenerationBackend, config: RunConfig
 ) -> tuple[list[GroupRef], list[RejectedGroup]]:
     accepted: list[GroupRef] = []
     rejected: list[RejectedGroup] = []
     limit = config.model.max_prompt_length
-    in_range = [group for group in groups if 0 <= group.prompt_index < len(prompts)]
+    in_range = [group for group in groups if group.prompt_index in fed.texts]
     for group in groups:
         if group not in in_range:
             rejected.append(
                 RejectedGroup(group_id=group.group_id, reason=f"prompt index {group.prompt_index} out of range")
             )
-    lengths = backend.tokenize([prompts[group.prompt_index]["prompt"] for group in in_range]) if in_range else []
+    lengths = backend.tokenize(fed.of(in_range), add_special_tokens=fed.add_special_tokens) if in_range else []
     for group, token_ids in zip(in_range, lengths, strict=True):
         length = len(token_ids)
         if length == 0:

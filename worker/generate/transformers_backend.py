@@ -67,8 +67,12 @@ class TransformersBackend:
     def eos_token_id(self) -> int:
         return self.policy.eos_token_id
 
-    def tokenize(self, prompts: list[str]) -> list[list[int]]:
-        return self.policy.encode_prompts(prompts)
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
+
+    def tokenize(self, prompts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        return self.policy.encode_prompts(prompts, add_special_tokens=add_special_tokens)
 
     def loaded_adapters(self) -> list[str]:
         return sorted(self._versions)
@@ -201,9 +205,10 @@ class TransformersBackend:
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
+        add_special_tokens: bool = True,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_new_tokens, temperature, top_p)
-        prompt_ids = self.tokenize(prompts)
+        prompt_ids = self.tokenize(prompts, add_special_tokens=add_special_tokens)
         for index, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")

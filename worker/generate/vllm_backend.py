@@ -248,8 +248,13 @@ class VLLMBackend:
     def eos_token_id(self) -> int:
         return int(self._tokenizer.eos_token_id)
 
-    def tokenize(self, prompts: list[str]) -> list[list[int]]:
-        return [list(ids) for ids in self._tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def tokenize(self, prompts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        # Token ids go to the engine as TokensPrompt, so vLLM never tokenizes (nor adds a BOS) itself.
+        return [list(ids) for ids in self._tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]]
 
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)
@@ -302,6 +307,7 @@ class VLLMBackend:
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
+        add_special_tokens: bool = True,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_new_tokens, temperature, top_p)
         from vllm import SamplingParams
@@ -312,7 +318,7 @@ class VLLMBackend:
         if adapter is not None:
             loaded = self._adapter(adapter)
             lora_request = LoRARequest(adapter, loaded.lora_id, loaded.path)
-        prompt_ids = self.tokenize(prompts)
+        prompt_ids = self.tokenize(prompts, add_special_tokens=add_special_tokens)
         for index, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")

@@ -80,9 +80,10 @@ class Policy:
         log.info("policy.loaded", base=base, path=path, dtype=dtype, device=str(torch_device))
         return cls(model=model, tokenizer=tokenizer, device=torch_device, base=base)
 
-    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        """Token ids of each prompt, as the model sees them (the tokenizer's own special tokens included)."""
-        return [list(ids) for ids in self.tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    def encode_prompts(self, prompts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each prompt, as the model sees them: with the tokenizer's own special tokens, unless
+        the text already holds them (a chat template's output, see ``worker.generate.prompt_format``)."""
+        return [list(ids) for ids in self.tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
 def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:

@@ -5,8 +5,13 @@ library on a corpus of toy-task prompts, so its vocabulary is exactly the ten di
 and an UNK token (14 tokens). The model is small enough that GRPO teaches it the ``repeat_digit`` task from
 scratch on a CPU in seconds, which is what the tests and the local demo rely on.
 
+The tokenizer carries a ChatML-style chat template (``TINY_CHAT_TEMPLATE``) so that runs with
+``dataset.chat_template = true`` can be tested end to end offline. Its markers are outside the toy alphabet
+and tokenize to ``<unk>``: the vocabulary, the weights and the toy task (which uses no template) are those
+of the template-less model.
+
 ``model.base = "tiny"`` in a run config means: build this model once into the local cache
-(``$ASYNCGRPO_CACHE/tiny-model-seed0``, default ``~/.cache/asyncgrpo``) and load it from there.
+(``$ASYNCGRPO_CACHE/tiny-model-r2-seed0``, default ``~/.cache/asyncgrpo``) and load it from there.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ PAD_TOKEN = "<pad>"
 UNK_TOKEN = "<unk>"
 # Written last by build_tiny_model: a cache folder without it is an interrupted build.
 _COMPLETE_MARKER = "TINY_MODEL_COMPLETE"
+# Part of the cache folder's name: a build with other files (r2: the chat template) gets a new folder.
+TINY_BUILD_REVISION = 2
+# ChatML, as Qwen2.5 instruct models use: "<|im_start|>role\ncontent<|im_end|>\n" per message, then the
+# generation prompt "<|im_start|>assistant\n".
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # Shape of the tiny model. Small enough for CPU RL in seconds, big enough to learn the toy task.
 TINY_HIDDEN_SIZE = 128
@@ -58,6 +71,7 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN
     )
     wrapped.padding_side = "left"
+    wrapped.chat_template = TINY_CHAT_TEMPLATE
     return wrapped
 
 
@@ -106,11 +120,11 @@ def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
     the loser discards its copy.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"tiny-model-seed{seed}"
+    target = cache_dir / f"tiny-model-r{TINY_BUILD_REVISION}-seed{seed}"
     if (target / _COMPLETE_MARKER).exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tiny-model-seed{seed}-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".tiny-model-r{TINY_BUILD_REVISION}-seed{seed}-", dir=cache_dir))
     try:
         build_tiny_model(staging, seed=seed)
         if target.exists() and not (target / _COMPLETE_MARKER).exists():
