@@ -77,8 +77,12 @@ def test_parquet(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    # A parquet column has one type: the answers as text, then a numeric answer column read back as text.
+    rows = [{**row, "solution": None if row["solution"] is None else str(row["solution"])} for row in ROWS]
+    pq.write_table(pa.Table.from_pylist(rows), path)
     assert load_prompt_file(path, "question", "solution") == EXPECTED
+    pq.write_table(pa.Table.from_pylist([{"question": "What is 2+2?", "solution": 4}]), path)
+    assert load_prompt_file(path, "question", "solution") == [EXPECTED[0]]
 
 
 def test_missing_column_names_it_and_the_columns_present(tmp_path: Path) -> None:

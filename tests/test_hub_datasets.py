@@ -156,7 +156,6 @@ def test_messages_column_in_a_prompt_file(tmp_path: Path) -> None:
     ("fields", "message"),
     [
         ({"hub_id": "a/b", "path": "p.jsonl"}, "dataset.path and dataset.hub_id are all set"),
-        ({"hub_id": "a/b", "generator": "repeat_digit"}, "dataset.hub_id and dataset.generator"),
         ({"system_prompt": "Be brief."}, "dataset.system_prompt is only used with a chat template"),
         ({"subset": "main"}, "dataset.subset applies to dataset.hub_id only"),
         ({"hub_id": "a/b", "answer_pattern": "(unclosed"}, "answer_pattern"),
@@ -169,3 +168,11 @@ def test_config_refuses_conflicting_dataset_fields(tmp_path: Path, fields: dict,
     with pytest.raises(ConfigError, match=r"dataset") as raised:
         create_run(tmp_path / "run.toml", "bad", open_bucket(f"file://{tmp_path / 'bucket'}"))
     assert message in str(raised.value)
+
+
+def test_a_generator_beside_a_file_or_hub_source_is_ignored_as_in_runs_stored_before_hub_id() -> None:
+    # A run created before hub_id existed stored the default generator next to its `path` in config.json;
+    # its workers and proxy must still read it, with the file as the source.
+    stored = DatasetConfig.model_validate({"path": "prompts.jsonl", "generator": "repeat_digit"})
+    assert (stored.path, stored.generator) == ("prompts.jsonl", None)
+    assert DatasetConfig.model_validate({"hub_id": "a/b", "generator": "repeat_digit"}).generator is None

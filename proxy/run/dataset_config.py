@@ -78,9 +78,10 @@ class DatasetConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _generator_only_by_default(cls, data: object) -> object:
-        # The generator's default applies only when no other source is named, so a config with `path` or
-        # `hub_id` need not also write `generator = ""`.
-        if isinstance(data, dict) and "generator" not in data and (data.get("path") or data.get("hub_id")):
+        # The generator applies only when no other source is named, so a config with `path` or `hub_id` need not
+        # also write `generator = ""`; and runs stored before `hub_id` existed (their config.json spells the
+        # default generator next to `path`) keep loading as they did.
+        if isinstance(data, dict) and (data.get("path") or data.get("hub_id")):
             return {**data, "generator": None}
         return data
 
