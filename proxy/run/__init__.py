@@ -6,5 +6,6 @@ Modules:
     datasets  prompt files (jsonl/json/csv/parquet) and the built-in prompt generators
     hub_datasets  Hub datasets and local dataset folders (save_to_disk, parquet/arrow) via `datasets`
     prompt_records  one dataset row -> one prompt record (prompt or chat, answer extraction)
+    tracking_config  the `[tracking]` table: experiment trackers (`report_to`), project and tracker run name
     store     `asyncgrpo run create` and `load_run` (config and prompts verified against the run manifest)
 """

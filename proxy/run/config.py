@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from proxy.run.dataset_config import DatasetConfig
+from proxy.run.tracking_config import TrackingConfig
 
 LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
 
@@ -227,48 +228,62 @@ class AsyncConfig(_Section):
         return self
 
 
-class TrackingConfig(_Section):
-    report_to: list[Literal["trackio", "wandb", "mlflow"]] = Field(
-        default_factory=list,
-        description="Experiment trackers the proxy forwards each published step record and each eval result to, "
-        "under TRL's metric names: any of 'trackio', 'wandb', 'mlflow' (a list, or one name); [] or 'none': "
-        "none. Each needs its extra (pip install 'asyncgrpo[trackio]'); credentials and servers come from the "
-        "library's own environment variables. A failing tracker never stops the run.",
-    )
-    project: str = Field(
-        "asyncgrpo",
-        min_length=1,
-        max_length=128,
-        description="Tracker project: the trackio and wandb project, the mlflow experiment.",
-    )
-    run_name: str = Field(
-        "",
-        pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})?$",
-        description="Name (and wandb id) of the tracker run: letters, digits, '.', '_', '-'; empty: the asyncgrpo "
-        "run name. A restarted or stand-by proxy resumes this tracker run.",
+EVAL_SEED_OFFSET = 1_000_003
+"""Added to the run's seed for the eval prompts a generator makes, so they are not the training prompts."""
+
+
+class EvalDatasetConfig(DatasetConfig):
+    """The held-out prompts of ``[eval.dataset]``: the training set's fields, with fewer generated prompts."""
+
+    num_prompts: int = Field(
+        64, ge=1, le=10_000_000, description="How many eval prompts the generator makes (ignored with `path`)."
     )
 
-    @field_validator("report_to", mode="before")
+
+def _each_reward_once(value: list[RewardConfig], field: str) -> list[RewardConfig]:
+    names = [reward.name for reward in value]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"{field} {duplicates} are listed more than once; list each once with its total weight")
+    return value
+
+
+class EvalConfig(_Section):
+    """``[eval]``: evaluation of published versions on held-out prompts; it never feeds a gradient."""
+
+    every_versions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="0: no evaluation. K: evaluate versions 0, K, 2K, ... and always the final version, each "
+        "once, on the held-out prompts of [eval.dataset]; results go to runs/<run>/evals/vNNNNNNNN.json.",
+    )
+    dataset: EvalDatasetConfig = Field(default_factory=EvalDatasetConfig)
+    samples_per_prompt: int = Field(
+        1, ge=1, le=1024, description="Completions per eval prompt; above 1, pass@k is reported for k = 1 and k = this."
+    )
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="Eval sampling temperature (0: greedy).")
+    max_completion_length: int = Field(
+        0, ge=0, le=131072, description="Eval completions stop after this many tokens (0: the sampling one)."
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="Rewards of the eval, summed with their weights (empty: the run's rewards)."
+    )
+    pass_threshold: float = Field(
+        1.0, ge=-1e6, le=1e6, description="A completion is correct (pass@k) when its total reward is at least this."
+    )
+    examples: int = Field(4, ge=0, le=64, description="Example completions kept in each eval record.")
+    max_prompts_per_task: int = Field(
+        64, ge=1, le=4096, description="Eval prompts per evaluate task: a larger set is split over several workers."
+    )
+
+    @field_validator("rewards")
     @classmethod
-    def _none_or_names(cls, value: object) -> object:
-        # TRL's report_to takes one string or a list; "none" means no tracker. "all" (every installed
-        # integration) is refused: which trackers a run reports to should not depend on what is installed.
-        if isinstance(value, str):
-            value = [value]
-        if isinstance(value, list):
-            if value == ["none"]:
-                return []
-            if "all" in value:
-                raise ValueError("'all' is not accepted: list the trackers to report to ('trackio', 'wandb', 'mlflow')")
-            duplicates = sorted({name for name in value if isinstance(name, str) and value.count(name) > 1})
-            if duplicates:
-                raise ValueError(f"trackers {duplicates} are listed more than once; list each once")
-        return value
-
-
+    def _rewards_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
+        return _each_reward_once(value, "eval.rewards")
 class RunConfig(_Section):
     """A whole run. Sections map to TOML tables: ``[model]``, ``[lora]``, ``[dataset]``, ``[[rewards]]``,
-    ``[sampling]``, ``[optimizer]``, ``[loss]``, ``[async]``, ``[tracking]``."""
+    ``[sampling]``, ``[optimizer]``, ``[loss]``, ``[async]``, ``[eval]``, ``[tracking]``."""
 
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompt order, LoRA init and sampling.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -283,6 +298,7 @@ class RunConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -290,11 +306,7 @@ class RunConfig(_Section):
     @field_validator("rewards")
     @classmethod
     def _each_reward_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
-        names = [reward.name for reward in value]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"rewards {duplicates} are listed more than once; list each once with its total weight")
-        return value
+        return _each_reward_once(value, "rewards")
 
     @property
     def final_version(self) -> int:

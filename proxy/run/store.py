@@ -6,7 +6,8 @@ without its config and prompts. It never overwrites: creating the same run again
 and prompts is a no-op; anything else is refused with ``RunExistsError``.
 
 ``load_run`` is how the proxy and the workers read a run back: every object is checked against the sha256
-in the run manifest before it is parsed.
+in the run manifest before it is parsed. A run with ``[eval]`` also has ``prompts/eval_prompts.jsonl``, the
+held-out prompts, written before the manifest like the others and read back with ``load_eval_prompts``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from pydantic import ValidationError
 
 from proxy.run.config import (
     BUILTIN_REWARD_NAMES,
+    EVAL_SEED_OFFSET,
     REWARD_CHOICES,
     REWARDS_NEEDING_ANSWER,
     ConfigError,
+    RewardConfig,
     RunConfig,
     load_run_config,
 )
@@ -37,7 +40,7 @@ log = structlog.get_logger()
 # "org/name" as on the Hugging Face hub (one slash, no path-like start).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
-__all__ = ["RunExistsError", "RunManifest", "RunNotFound", "create_run", "load_run"]
+__all__ = ["RunExistsError", "RunManifest", "RunNotFound", "create_run", "load_eval_prompts", "load_run"]
 
 
 class RunExistsError(Exception):
@@ -60,16 +63,19 @@ def check_model_base(base: str) -> None:
     )
 
 
-def check_rewards(config: RunConfig, prompts: list[PromptRecord]) -> None:
+def check_rewards(
+    config: RunConfig, prompts: list[PromptRecord], rewards: list[RewardConfig] | None = None, where: str = ""
+) -> None:
     """Refuse, before anything is stored, a reward the generate workers could not use: a
     ``module:function`` that does not import here (workers import it the same way, from their Python path),
-    or a reward that scores against reference answers when the dataset has none."""
+    or a reward that scores against reference answers when the dataset has none. ``rewards`` and ``where``
+    (the config table, e.g. ``"eval."``): another reward list than the run's, checked against its prompts."""
     has_answers = any(record["answer"] is not None for record in prompts)
-    for index, reward in enumerate(config.rewards):
-        field = f"rewards.{index}.name={reward.name!r}"
+    for index, reward in enumerate(config.rewards if rewards is None else rewards):
+        field = f"{where}rewards.{index}.name={reward.name!r}"
         if reward.name in REWARDS_NEEDING_ANSWER and not has_answers:
             raise ConfigError(
-                f"{field} scores against a reference answer, but no prompt has one; set dataset.answer_column "
+                f"{field} scores against a reference answer, but no prompt has one; set {where}dataset.answer_column "
                 "to the column holding the answers, or use another reward"
             )
         if reward.name in BUILTIN_REWARD_NAMES:
@@ -123,8 +129,9 @@ def _refuse_or_accept_existing(bucket: Bucket, run: str, wanted: RunManifest) ->
         for name, mine, theirs in (
             ("config", wanted.config, existing.config),
             ("prompts", wanted.prompts, existing.prompts),
+            ("eval prompts", wanted.eval_prompts, existing.eval_prompts),
         )
-        if mine.sha256 != theirs.sha256
+        if (mine.sha256 if mine else None) != (theirs.sha256 if theirs else None)
     ]
     if differs:
         raise RunExistsError(
@@ -142,6 +149,7 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
     check_model_base(config.model.base)
     prompts = build_dataset(config.dataset, config.seed, base_dir=config_path.parent)
     check_rewards(config, prompts)
+    eval_bytes = _eval_prompts_bytes(config, config_path.parent)
 
     config_bytes = config.to_json().encode()
     prompts_bytes = dump_prompts_jsonl(prompts)
@@ -150,6 +158,8 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
         prompts=_digest(prompts_bytes),
         num_prompts=len(prompts),
         created_at=time.time(),
+        eval_prompts=_digest(eval_bytes) if eval_bytes is not None else None,
+        num_eval_prompts=len(parse_prompts_jsonl(eval_bytes)) if eval_bytes is not None else 0,
     )
     if _refuse_or_accept_existing(bucket, run_name, manifest):
         return (
@@ -159,6 +169,8 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
 
     _put_once(bucket, bucket_keys.config_key(run_name), config_bytes, run_name)
     _put_once(bucket, bucket_keys.prompts_key(run_name), prompts_bytes, run_name)
+    if eval_bytes is not None:
+        _put_once(bucket, bucket_keys.eval_prompts_key(run_name), eval_bytes, run_name)
     try:
         bucket.put(bucket_keys.run_manifest_key(run_name), manifest.to_bytes(), if_absent=True)
     except ObjectExists:
@@ -166,6 +178,16 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
         _refuse_or_accept_existing(bucket, run_name, manifest)
     log.info("run.created", run=run_name, bucket=bucket.url, num_prompts=len(prompts))
     return _summary(run_name, bucket, config, manifest)
+
+
+def _eval_prompts_bytes(config: RunConfig, base_dir: Path) -> bytes | None:
+    """The held-out prompts of ``[eval]`` (generated with another seed than the training ones), their rewards
+    checked like the run's; None when evaluation is off."""
+    if config.eval.every_versions == 0:
+        return None
+    prompts = build_dataset(config.eval.dataset, config.seed + EVAL_SEED_OFFSET, base_dir=base_dir)
+    check_rewards(config, prompts, list(config.eval.rewards) or list(config.rewards), where="eval.")
+    return dump_prompts_jsonl(prompts)
 
 
 def _summary(run: str, bucket: Bucket, config: RunConfig, manifest: RunManifest) -> str:
@@ -225,3 +247,16 @@ def load_run(bucket: Bucket, run: str) -> tuple[RunConfig, list[PromptRecord], R
             key=prompts_key,
         )
     return config, prompts, manifest
+
+
+def load_eval_prompts(bucket: Bucket, run: str, manifest: RunManifest) -> list[PromptRecord]:
+    """The run's held-out eval prompts, verified against the run manifest; [] for a run without evaluation."""
+    if manifest.eval_prompts is None:
+        return []
+    key = bucket_keys.eval_prompts_key(run)
+    prompts = parse_prompts_jsonl(read_verified(bucket, key, manifest.eval_prompts.sha256), key)
+    if len(prompts) != manifest.num_eval_prompts:
+        raise IntegrityError(
+            f"{key!r} holds {len(prompts)} prompts but the run manifest says {manifest.num_eval_prompts}", key=key
+        )
+    return prompts

@@ -5,12 +5,14 @@ Layout of one run (``<run>`` is the run name)::
     runs/<run>/config.json                        the run config, written once at creation
     runs/<run>/RUN_MANIFEST.json                  sha256 of config.json and prompts.jsonl, written last
     runs/<run>/prompts/prompts.jsonl              the dataset as the run saw it
+    runs/<run>/prompts/eval_prompts.jsonl         the held-out eval prompts (only with [eval])
     runs/<run>/adapters/v00000042/MANIFEST.json   the version: sha256 of each file and the attempt that
                                                   wrote them (create-only, written last)
     runs/<run>/adapters/v00000042/<attempt>/<file> adapter_model.safetensors, adapter_config.json,
                                                   trainer_state.safetensors, trainer_state.json, ...
     runs/<run>/rollouts/<task-id>.safetensors     one generate task's samples
     runs/<run>/metrics/step-00000042.json         one record per optimizer step
+    runs/<run>/evals/v00000042.json               the evaluation of one version (only with [eval])
     runs/<run>/proxy/snapshot.json                what the proxy needs to rebuild Redis
 
 Version directories are zero-padded so that a lexical listing is also a numeric one. Each attempt at a
@@ -37,6 +39,7 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _VERSION_DIR = re.compile(r"/adapters/v(\d{8})/$")
 _ATTEMPT = re.compile(r"^[a-z0-9]{1,32}$")
+_EVAL_KEY = re.compile(r"/evals/v(\d{8})\.json$")
 
 
 class InvalidKeyPart(ValueError):
@@ -77,6 +80,10 @@ def run_manifest_key(run: str) -> str:
 
 def prompts_key(run: str) -> str:
     return run_prefix(run) + "prompts/prompts.jsonl"
+
+
+def eval_prompts_key(run: str) -> str:
+    return run_prefix(run) + "prompts/eval_prompts.jsonl"
 
 
 def adapters_prefix(run: str) -> str:
@@ -131,6 +138,22 @@ def metrics_prefix(run: str) -> str:
 
 def metrics_key(run: str, step: int) -> str:
     return f"{metrics_prefix(run)}step-{step:08d}.json"
+
+
+def evals_prefix(run: str) -> str:
+    return run_prefix(run) + "evals/"
+
+
+def eval_key(run: str, version: int) -> str:
+    if version < 0:
+        raise ValueError(f"eval version must be >= 0, got {version}")
+    return f"{evals_prefix(run)}v{version:08d}.json"
+
+
+def version_from_eval_key(key: str) -> int | None:
+    """``runs/r/evals/v00000042.json`` -> 42; anything else -> None."""
+    match = _EVAL_KEY.search(key)
+    return int(match.group(1)) if match else None
 
 
 def proxy_snapshot_key(run: str) -> str:

@@ -156,6 +156,9 @@ class RunManifest(BaseModel):
     prompts: FileDigest
     num_prompts: int = Field(ge=1)
     created_at: float
+    eval_prompts: FileDigest | None = None
+    """``prompts/eval_prompts.jsonl``, the held-out prompts of ``[eval]``; None for a run without evaluation."""
+    num_eval_prompts: int = Field(0, ge=0)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
