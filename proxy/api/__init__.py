@@ -9,4 +9,5 @@ Modules:
     token_policy   which tokens the proxy serves with: blank, placeholder and short ones refused at start-up
     settings       the proxy's environment variables
     version_watch  `GET /v1/versions/latest`: the long poll that tells generate workers of a new version
+    eval_routes    `POST /v1/evals/{task_id}/lease` and `.../result`: the evaluate tasks' routes, their gauges
 """

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from proxy.api.eval_routes import install_eval_routes
 from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
 from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
 from proxy.api.openapi import install_openapi
@@ -256,6 +257,7 @@ def create_app(
         coordinator.heartbeat(report)
         return HeartbeatResult()
 
+    install_eval_routes(app, coordinator, poke)  # POST /v1/evals/{task_id}/lease and .../result
     install_openapi(app, token_required=expected is not None, open_paths=open_paths)
     return app
 

@@ -29,6 +29,8 @@ ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/versions"): ("bad_request", "conflict"),
     ("GET", "/v1/versions/{version}"): ("not_found",),
     ("POST", "/v1/versions/{version}/corrupt"): ("not_found",),
+    ("POST", "/v1/evals/{task_id}/lease"): ("cancelled",),
+    ("POST", "/v1/evals/{task_id}/result"): ("cancelled",),
 }
 """Refusals particular to a route, by error code (``proxy.protocol.errors``)."""
 

@@ -30,4 +30,6 @@ Modules:
     dispatch        send Celery tasks by name (never importing worker code); a recording double for tests
     metrics         the proxy's Prometheus metrics, read from Redis at scrape time
     versions        published versions: recorded manifest sha, the step record copied at publish, corruption repair
+    evaluations     `[eval]`: due versions, evaluate tasks, their leases, re-sends and records; GC protection
+    eval_scripts    the Lua scripts of evaluations, declared (part of `scripts.ALL_SCRIPTS`)
 """

@@ -18,7 +18,9 @@ from typing import Any, Protocol
 
 import structlog
 
+from proxy.protocol.evals import EvaluateTaskMessage
 from proxy.protocol.queues import (
+    EVALUATE_TASK_NAME,
     GENERATE_TASK_NAME,
     OPTIMIZE_TASK_NAME,
     REPAIR_TASK_NAME,
@@ -49,6 +51,10 @@ class Dispatcher(Protocol):
     ) -> None:
         """``queue``: one worker's own queue (``proxy.protocol.queues.worker_queue``); None: the run's shared one.
         ``expires_s``: a copy not started within this many seconds (e.g. redelivered late) is dropped unrun."""
+        ...
+
+    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
+        """An evaluate task to the run's generate queue (``proxy.coordinator.evaluations``)."""
         ...
 
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
@@ -104,6 +110,11 @@ class CeleryDispatcher:
         kwargs = message.model_dump(mode="json")
         self._send(OPTIMIZE_TASK_NAME, queue or optimize_queue(message.run), task_id, kwargs, expires_s)
 
+    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
+        # No broker expiry: a copy that runs late is refused at its lease, and the proxy re-sends it anyway.
+        kwargs = message.model_dump(mode="json")
+        self._send(EVALUATE_TASK_NAME, generate_queue(message.run), message.task_id, kwargs)
+
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
         task_id = f"repair-{message.run}-{message.version}-{uuid.uuid4().hex[:8]}"
         self._send(REPAIR_TASK_NAME, worker_queue(message.run, worker_id), task_id, message.model_dump(mode="json"))
@@ -118,6 +129,7 @@ class RecordingDispatcher:
     optimize_queues: list[str | None] = field(default_factory=list)  # the queue of each optimize message
     repairs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (worker_id, message)
     optimize_expires: list[float | None] = field(default_factory=list)  # the expiry of each, in seconds
+    evaluate: list[dict[str, Any]] = field(default_factory=list)
     fail: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -136,6 +148,12 @@ class RecordingDispatcher:
             self.optimize.append(message.model_dump(mode="json"))
             self.optimize_queues.append(queue)
             self.optimize_expires.append(expires_s)
+
+    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
+        if self.fail:
+            raise DispatchError(f"recording dispatcher set to fail (evaluate {message.task_id})")
+        with self._lock:
+            self.evaluate.append(message.model_dump(mode="json"))
 
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
         if self.fail:

@@ -38,6 +38,11 @@ class TaskEnded(TaskCancelled):
     the worker skips the task and acks its message."""
 
 
+class EvalEnded(TaskCancelled):
+    """An evaluate task whose version is evaluated already or was given up (or an unknown one): the worker
+    drops it."""
+
+
 class BadRollout(CoordinatorError):
     """A submission that does not match its task (foreign or repeated groups, a future version, a bad key)."""
 

@@ -3,8 +3,8 @@
 A round rebuilds an empty Redis, expires leases and lost tasks, takes back the tasks of dead generate workers,
 repairs a missing step record and re-checks a halt, claims a step, keeps the generate queue fed (only while a
 generate worker is alive and the bucket takes snapshots), writes the snapshot before sending anything, sends or
-re-sends the step in flight, and collects old versions and rollouts. ``Coordinator`` (``service``) inherits it;
-the attributes below are the parts it builds.
+re-sends the step in flight, sends due evaluations (``evaluations``), and collects old versions and rollouts.
+``Coordinator`` (``service``) inherits it; the attributes below are the parts it builds.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import structlog
 from proxy.coordinator.accounting import WaitingAccount
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import SnapshotFailed
+from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.halt import halted_reason
 from proxy.coordinator.pacing import InflightPacer
@@ -47,6 +48,7 @@ class TickReport:
     versions_deleted: list[int] = field(default_factory=list)
     rollouts_deleted: list[str] = field(default_factory=list)
     rebuilt: str | None = None
+    evals_sent: list[str] = field(default_factory=list)
 
     def busy(self) -> bool:
         return any(
@@ -62,6 +64,7 @@ class TickReport:
                 self.versions_deleted,
                 self.rollouts_deleted,
                 self.rebuilt,
+                self.evals_sent,
             )
         )
 
@@ -78,6 +81,7 @@ class Housekeeping:
     tasks: GenerateTasks
     steps: Steps
     versions: Versions
+    evals: Evaluations
     heartbeats: Workers
     pacer: InflightPacer
     accounting: WaitingAccount
@@ -127,6 +131,14 @@ class Housekeeping:
         report.step_sent = self.send_due_step()
         if report.step_sent is not None:
             self.pacer.step_sent(report.step_sent)
+        try:
+            # Before GC, so a version that just became due is protected; sent only while a generate worker
+            # is alive (they run the evaluate tasks), or every attempt would time out unconsumed.
+            report.evals_sent = self.evals.tick(
+                self.dispatcher, self.heartbeats.alive_s, send=self._generate_consumed()
+            )
+        except (BucketError, OSError) as error:
+            log.warning("proxy.eval_tick_failed", error=str(error))
         try:
             report.versions_deleted = self.gc()
         except (BucketError, OSError) as error:

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from proxy.protocol.errors import ERROR_CODES
-from proxy.protocol.schemas import StatusResponse
+from proxy.protocol.schemas import EvalSummary, StatusResponse
 
 log = structlog.get_logger()
 
@@ -57,6 +57,18 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Versions in the bucket a rebuild did not adopt (another batch, or a gap); inspect them.",
     ),
     "rollouts_deleted": ("asyncgrpo_rollouts_deleted", "Rollout objects deleted by retention."),
+    "eval_tasks_sent": ("asyncgrpo_eval_tasks_sent", "Evaluate tasks created ([eval]), one per prompt chunk."),
+    "eval_tasks_resent": ("asyncgrpo_eval_tasks_resent", "Evaluate tasks sent again (timed out, worker lost)."),
+    "eval_tasks_done": ("asyncgrpo_eval_tasks_done", "Evaluate task results recorded."),
+    "eval_versions_done": ("asyncgrpo_eval_versions_done", "Versions whose eval record was written."),
+    "eval_versions_failed": (
+        "asyncgrpo_eval_versions_failed",
+        "Versions whose evaluation was given up after async.max_group_attempts sends of a task.",
+    ),
+    "eval_versions_skipped": (
+        "asyncgrpo_eval_versions_skipped",
+        "Due versions not evaluated because they were no longer in the bucket (after a Redis rebuild).",
+    ),
 }
 
 # Redis counter field holding milliseconds -> (metric name in seconds without _total, help)
@@ -211,6 +223,45 @@ class _StateCollector(Collector):
         yield workers
 
 
+class _EvalCollector(Collector):
+    """The newest evaluation (``[eval]``) and the versions awaiting one, read from Redis at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[int, EvalSummary | None]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            pending, latest = self.read()
+        except RedisError as error:
+            log.warning("proxy.metrics_unavailable", error=str(error))
+            return
+        gauge = GaugeMetricFamily("asyncgrpo_evals_pending", "Versions due for evaluation whose record is not written.")
+        gauge.add_metric([], pending)
+        yield gauge
+        version = GaugeMetricFamily("asyncgrpo_eval_version", "The newest evaluated version (-1: none yet).")
+        version.add_metric([], -1 if latest is None else latest.version)
+        yield version
+        metrics = latest.metrics if latest is not None else {}
+        reward = GaugeMetricFamily(
+            "asyncgrpo_eval_reward",
+            "Mean eval reward of the newest evaluated version: total and per reward.",
+            labels=["reward"],
+        )
+        if "reward" in metrics:
+            reward.add_metric(["total"], metrics["reward"])
+        for key, value in sorted(metrics.items()):
+            if key.startswith("rewards/") and key.endswith("/mean"):
+                reward.add_metric([key[len("rewards/") : -len("/mean")]], value)
+        yield reward
+        pass_at_k = GaugeMetricFamily(
+            "asyncgrpo_eval_pass_at_k", "pass@k of the newest evaluated version (eval.pass_threshold).", labels=["k"]
+        )
+        for key, value in sorted(metrics.items()):
+            if key.startswith("pass@"):
+                pass_at_k.add_metric([key[len("pass@") :]], value)
+        yield pass_at_k
+
+
 class ProxyMetrics:
     """Registry plus the histograms the proxy observes itself."""
 
@@ -262,6 +313,7 @@ class ProxyMetrics:
             # Every code starts at 0, so rate() and increase() see the first error too.
             self.http_errors.labels(code)
         self._collector: _StateCollector | None = None
+        self._eval_collector: _EvalCollector | None = None
 
     def count_http_error(self, code: str) -> None:
         """Count one error answer; a code outside ``HTTP_ERROR_CODES`` is counted as 'other'."""
@@ -278,3 +330,10 @@ class ProxyMetrics:
             self.registry.unregister(self._collector)
         self._collector = _StateCollector(read_status, limits)
         self.registry.register(self._collector)
+
+    def watch_evals(self, read: Callable[[], tuple[int, EvalSummary | None]]) -> None:
+        """Expose the evaluations (``[eval]``): versions pending, and the newest one's rewards and pass@k."""
+        if self._eval_collector is not None:
+            self.registry.unregister(self._eval_collector)
+        self._eval_collector = _EvalCollector(read)
+        self.registry.register(self._eval_collector)

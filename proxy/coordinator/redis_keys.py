@@ -28,6 +28,11 @@ Fixed keys:
   (``quarantined`` counts them)
 - ``tracking``   hash: what the proxy sent to each experiment tracker (``proxy.tracking.forwarder``):
   ``<tracker>:step`` -> the last step record sent, ``<tracker>:eval:<version>`` -> when that eval was sent
+- ``evals``      hash ([eval], ``proxy.coordinator.evaluations``): ``cursor`` (the next version to consider),
+  ``latest`` (JSON of the newest eval summary) and ``latest_version``; per due version not yet recorded
+  ``v:<version>`` (JSON: chunks left, task ids); per evaluate task in flight ``t:<task_id>`` (JSON: version,
+  prompt range, attempts, worker) and, once its result came, ``s:<task_id>`` (its chunk summary)
+- ``evals_inflight`` sorted set: evaluate task id -> deadline (ms)
 """
 
 from __future__ import annotations
@@ -125,6 +130,14 @@ class RunKeys:
     @property
     def tracking(self) -> str:
         return self.prefix + "tracking"
+
+    @property
+    def evals(self) -> str:
+        return self.prefix + "evals"
+
+    @property
+    def evals_inflight(self) -> str:
+        return self.prefix + "evals_inflight"
 
     def _item(self, kind: str, item_id: str | int) -> str:
         return f"{self.prefix}{kind}:{item_id}"

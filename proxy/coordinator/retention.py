@@ -1,12 +1,15 @@
 """Retention: delete adapter versions and rollout objects that can never be used again (invariant 3).
 
-Versions: everything older than ``current - max_staleness - 1`` goes, except versions under a live lease,
-every ``keep_every``-th version and the current one; versions newer than the window (an upload in progress)
-are never touched. Rollouts: the scripts queue a rollout in ``rollout_retention`` once it can never be
-trained (again); its object goes ``async.rollout_retention_versions`` versions later (``-1`` keeps all).
+Versions: everything older than ``current - max_staleness - 1`` goes, except versions under a live lease or
+awaiting their evaluation, every ``keep_every``-th version and the current one; versions newer than the
+window (an upload in progress) are never touched. Rollouts: the scripts queue a rollout in
+``rollout_retention`` once it can never be trained (again); its object goes
+``async.rollout_retention_versions`` versions later (``-1`` keeps all).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import structlog
 
@@ -33,8 +36,17 @@ def track_flag(async_config: AsyncConfig) -> str:
 class Retention:
     """Garbage collection of one run's versions and rollout objects."""
 
-    def __init__(self, store: RunStore, async_config: AsyncConfig, bucket: Bucket, snapshots: SnapshotWriter) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        async_config: AsyncConfig,
+        bucket: Bucket,
+        snapshots: SnapshotWriter,
+        protected: Callable[[], set[int]] | None = None,
+    ) -> None:
+        """``protected``: versions kept like leased ones (those awaiting their evaluation, ``evaluations``)."""
         self.store = store
+        self.protected = protected or set
         self.config = async_config
         self.bucket = bucket
         self.snapshots = snapshots
@@ -63,7 +75,7 @@ class Retention:
             # Nothing can have become collectable: the window moves only with the current version, and no
             # old version waited for a lease to end. Skips reading every lease at every tick.
             return []
-        leased = frozenset(live_leased_versions(store))
+        leased = frozenset(live_leased_versions(store) | self.protected())
         if self._last_gc == (current, leased):
             return []
         cutoff = current - self.config.max_staleness - 1

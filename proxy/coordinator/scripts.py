@@ -43,6 +43,13 @@ from proxy.coordinator.errors import (
     TaskEnded,
     UnknownTask,
 )
+from proxy.coordinator.eval_scripts import (
+    CLOSE_EVAL,
+    FINISH_EVAL_CHUNK,
+    GRANT_EVAL_LEASE,
+    RETRY_EVALS,
+    SCHEDULE_EVAL,
+)
 from proxy.coordinator.lua_script import NO_STATE, BoundScript, LuaScript, Refusal
 
 # Every script that reads the run's state refuses with NO_STATE when there is none; the store rebuilds once.
@@ -344,6 +351,11 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
     SNAPSHOT_JSON,
     DUE_ROLLOUTS,
     FORGET_ROLLOUTS,
+    SCHEDULE_EVAL,
+    GRANT_EVAL_LEASE,
+    FINISH_EVAL_CHUNK,
+    RETRY_EVALS,
+    CLOSE_EVAL,
 )
 
 
@@ -372,3 +384,8 @@ class Scripts:
         self.snapshot_json = bind(SNAPSHOT_JSON)
         self.due_rollouts = bind(DUE_ROLLOUTS)
         self.forget_rollouts = bind(FORGET_ROLLOUTS)
+        self.schedule_eval = bind(SCHEDULE_EVAL)
+        self.grant_eval_lease = bind(GRANT_EVAL_LEASE)
+        self.finish_eval_chunk = bind(FINISH_EVAL_CHUNK)
+        self.retry_evals = bind(RETRY_EVALS)
+        self.close_eval = bind(CLOSE_EVAL)

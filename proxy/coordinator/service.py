@@ -29,6 +29,7 @@ from redis import Redis
 from proxy.coordinator.accounting import WaitingAccount
 from proxy.coordinator.dispatch import Dispatcher
 from proxy.coordinator.errors import NotTaskHolder
+from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.housekeeping import Housekeeping
 from proxy.coordinator.leases import Leases, live_leased_versions
@@ -47,6 +48,7 @@ from proxy.coordinator.steps import Steps
 from proxy.coordinator.store import RECORD_TTL_S, RunStore
 from proxy.coordinator.versions import Versions
 from proxy.coordinator.workers import Workers
+from proxy.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
 from proxy.protocol.schemas import (
     CorruptReport,
     CorruptResult,
@@ -96,10 +98,12 @@ class Coordinator(Housekeeping):
         record_ttl_s: int = RECORD_TTL_S,
         fence: ProxyFence | None = None,
         require_generate_worker: bool = True,
+        num_eval_prompts: int = 0,
     ) -> None:
         """``fence``: the run's proxy lease (``proxy.coordinator.proxy_lease``), None unfenced (tests).
         ``require_generate_worker``: dispatch generate tasks only while a generate worker is alive by its
-        heartbeats (tests that never send heartbeats turn it off)."""
+        heartbeats (tests that never send heartbeats turn it off). ``num_eval_prompts``: the run's held-out
+        prompts (``[eval]``; 0: no evaluation)."""
         self.fence = fence
         self.store = RunStore(redis, run, rebuild=self.ensure_state, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
         if num_prompts < 1:
@@ -123,7 +127,10 @@ class Coordinator(Housekeeping):
         self.versions = Versions(self.store, bucket, self.sending)
         self.steps = Steps(self.store, config.async_, bucket, self.snapshots, self.metrics, self.versions)
         self.step_failures = StepFailures(self.store, config.async_, self.sending, self.versions)
-        self.retention = Retention(self.store, config.async_, bucket, self.snapshots)
+        self.evals = Evaluations(self.store, config, bucket, num_eval_prompts)
+        self.retention = Retention(
+            self.store, config.async_, bucket, self.snapshots, protected=self.evals.protected_versions
+        )
         self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
         self.require_generate_worker = require_generate_worker
         self.bucket_outage = False
@@ -142,6 +149,7 @@ class Coordinator(Housekeeping):
             dispatcher,
             config_sha256=run_manifest.config.sha256,
             prompts_sha256=run_manifest.prompts.sha256,
+            num_eval_prompts=run_manifest.num_eval_prompts,
             **kwargs,
         )
 
@@ -246,6 +254,14 @@ class Coordinator(Housekeeping):
         )
         return TaskFailureResult(cancelled=cancelled)
 
+    def eval_lease(self, worker_id: str, task_id: str) -> EvalLeaseGrant:
+        """Lease the version of an evaluate task (``evaluations``); raises EvalEnded if it is not in flight."""
+        return self.evals.lease(worker_id, task_id)
+
+    def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
+        """Keep an evaluate task's summary and release its lease; raises EvalEnded if it is not in flight."""
+        return self.evals.result(task_id, request)
+
     def heartbeat(self, report: HeartbeatRequest) -> None:
         self.heartbeats.heartbeat(report)
 
@@ -269,7 +285,11 @@ class Coordinator(Housekeeping):
         )
 
     def status(self) -> StatusResponse:
-        return status(self.store, self.config, self.heartbeats)
+        answer = status(self.store, self.config, self.heartbeats)
+        if self.evals.enabled:
+            answer.evals_pending = self.evals.pending_count()
+            answer.eval_latest = self.evals.latest()
+        return answer
 
     def gauges(self) -> StateGauges:
         """What ``/metrics`` exports: counts only (O(1) in leases and workers), unlike ``status()``."""

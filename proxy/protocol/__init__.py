@@ -4,7 +4,8 @@ Imports no redis, celery, fastapi, boto3 or torch (an import-linter contract che
 
 Modules:
     schemas    every JSON message: Celery task kwargs, HTTP request and response bodies
-    records    the records stored in the bucket for other processes: rollout header, step record
+    records    the records stored in the bucket for other processes: rollout header, step record, eval record
+    evals      the evaluate task, its lease and result messages, and the merge of chunk summaries
     queues     Celery task names and per-run queue names, each optimize worker's own queue
     errors     the error-code table (code, HTTP status, client exception) and the error body, shared by both ends
     input_bounds  limits on what a request may carry (numbers, lists, maps, valid UTF-8)

@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from proxy.protocol.errors import ErrorBody, ProxyError, ProxyUnavailable, exception_for
+from proxy.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
 from proxy.protocol.schemas import (
     CorruptReport,
     CorruptResult,
@@ -204,3 +205,14 @@ class ProxyClient:
         return CorruptResult.model_validate(
             self._request("POST", f"/v1/versions/{version}/corrupt", CorruptReport(worker_id=worker_id, key=key))
         )
+
+    # ---- evaluation during training ([eval]) ----
+
+    def eval_lease(self, task_id: str, worker_id: str) -> EvalLeaseGrant:
+        """Lease the version of evaluate task ``task_id``; raises Cancelled when its evaluation is over."""
+        request = EvalLeaseRequest(worker_id=worker_id)
+        return EvalLeaseGrant.model_validate(self._request("POST", f"/v1/evals/{task_id}/lease", request))
+
+    def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
+        """Post an evaluate task's summary (its lease is released); raises Cancelled when it is not wanted."""
+        return EvalResultAnswer.model_validate(self._request("POST", f"/v1/evals/{task_id}/result", request))

@@ -24,6 +24,8 @@ from proxy.protocol.schemas import ID_PATTERN
 
 GENERATE_TASK_NAME = "asyncgrpo.generate"
 OPTIMIZE_TASK_NAME = "asyncgrpo.optimize"
+EVALUATE_TASK_NAME = "asyncgrpo.evaluate"
+"""Sent to the run's generate queue: evaluate one version on a chunk of the held-out prompts."""
 REPAIR_TASK_NAME = "asyncgrpo.repair_version"
 """Sent only to a worker's own queue: put a corrupted object of a version back from the holder's memory."""
 

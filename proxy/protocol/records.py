@@ -1,4 +1,4 @@
-"""The records workers leave in the bucket for other processes: the rollout header and the step record.
+"""The records left in the bucket for other processes: the rollout header, the step record, the eval record.
 
 Unlike the HTTP and task messages in ``proxy.protocol.schemas``, these are stored, so they are read long
 after they were written, possibly by another version of the code: their JSON keys are the ones written
@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
+from proxy.protocol.evals import EvalExample
 from proxy.protocol.schemas import GroupRef, RejectedGroup
 
 ROLLOUT_FORMAT = 1
@@ -250,3 +251,26 @@ class StepRecord(_Stored):
     def optimizer_s(self) -> float | None:
         """Clipping and optimizer updates of the whole step: summed over its updates."""
         return sum(update.optimizer_s for update in self.updates) if self.updates else None
+
+
+class EvalRecord(_Stored):
+    """The evaluation of one version on the run's held-out prompts (``[eval]``).
+
+    Hop: merged by the proxy from the chunk summaries its generate workers posted
+    (``proxy.protocol.evals.merge_chunks``) and written to ``runs/<run>/evals/vNNNNNNNN.json``; read by
+    ``asyncgrpo status``, ``asyncgrpo plot`` and trackers, which forward ``metrics`` as ``eval/<key>``. Never
+    read for training.
+    """
+
+    run: str
+    version: int
+    evaluated_at: float
+    """Unix time (seconds) the proxy merged the record."""
+    prompts: int
+    """Eval prompts scored (the failed ones are counted in ``metrics["prompts_failed"]``)."""
+    samples_per_prompt: int
+    temperature: float
+    metrics: dict[str, float]
+    """Flat, TRL-style names: ``reward``, ``reward_std``, ``rewards/<name>/mean``, ``pass@1``, ``pass@<k>``,
+    ``completions/mean_length``, ``prompts_failed``."""
+    examples: list[EvalExample] = Field(default_factory=list)

@@ -281,6 +281,13 @@ class LeaseRecord(_Response):
     expires_at: float
 
 
+class EvalSummary(_Response):
+    """The newest evaluated version (``[eval]``) and its flat metrics, as in ``runs/<run>/evals/vNNNNNNNN.json``."""
+
+    version: int
+    metrics: dict[str, float]
+
+
 class StatusResponse(_Response):
     run: str
     current_version: int
@@ -300,6 +307,9 @@ class StatusResponse(_Response):
     workers_alive_by_role: dict[str, int]
     halted: str | None = None
     """Why the run's steps are halted (an operator must act), or None."""
+    evals_pending: int = 0
+    """Versions due for evaluation whose record is not written yet (0 without ``[eval]``)."""
+    eval_latest: EvalSummary | None = None
 
 
 # ---- a step's holder and its failures (dead trainers re-sent at once, poison steps end) ----
