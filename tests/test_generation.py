@@ -165,7 +165,22 @@ def test_bad_arguments_are_rejected(backend: TransformersBackend, tmp_path: Path
         backend.generate([""], adapter=None, samples_per_prompt=2, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
     with pytest.raises(ValueError, match="temperature"):
         backend.generate(
-            ["1="], adapter=None, samples_per_prompt=2, max_new_tokens=2, temperature=0.0, top_p=1.0, seed=0
+            ["1="], adapter=None, samples_per_prompt=2, max_new_tokens=2, temperature=-0.5, top_p=1.0, seed=0
         )
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json is missing"):
         backend.load_adapter("v9", 9, tmp_path)
+
+
+def test_temperature_zero_is_greedy(backend: TransformersBackend) -> None:
+    """Evaluation's default: every sample of a prompt is the argmax path, whatever the seed."""
+    results = [
+        backend.generate(
+            ["1=", "7="], adapter=None, samples_per_prompt=3, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=seed
+        )
+        for seed in (0, 1)
+    ]
+    paths = [[c.token_ids for r in result.results for c in r.completions] for result in results]
+    assert paths[0] == paths[1]
+    for prompt_result in results[0].results:
+        assert len({tuple(c.token_ids) for c in prompt_result.completions}) == 1
+    assert all(lp <= 0.0 for c in results[0].results[0].completions for lp in c.logprobs)

@@ -72,11 +72,13 @@ class GenerationResult:
 
 
 def check_sampling_arguments(samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
-    """The argument checks every backend's ``generate`` makes before sampling."""
+    """The argument checks every backend's ``generate`` makes before sampling. ``temperature`` 0 is greedy
+    decoding (evaluation only: ``sampling.temperature`` is always > 0); its logprobs are those of the
+    untempered distribution."""
     if samples_per_prompt < 1 or max_new_tokens < 1:
         raise ValueError(f"samples_per_prompt={samples_per_prompt} and max_new_tokens={max_new_tokens} must be >= 1")
-    if not temperature > 0.0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
+    if not temperature >= 0.0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy) and top_p={top_p} in (0, 1]")
 
 
 class UnknownAdapter(KeyError):

@@ -325,10 +325,14 @@ def sample_completions(
     sampled: list[torch.Tensor] = []
     sampled_logprobs: list[torch.Tensor] = []
     for step in range(max_new_tokens):
-        log_probs = torch.log_softmax(out.logits[:, -1, :].float() / temperature, dim=-1)
+        # temperature 0 (evaluation): greedy, the most likely token, with its untempered logprob
+        log_probs = torch.log_softmax(out.logits[:, -1, :].float() / (temperature or 1.0), dim=-1)
         if top_p < 1.0:
             log_probs = _nucleus(log_probs, top_p)
-        next_tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
+        if temperature == 0.0:
+            next_tokens = log_probs.argmax(dim=-1)
+        else:
+            next_tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
         next_tokens = torch.where(finished, torch.full_like(next_tokens, pad_token_id), next_tokens)
         sampled.append(next_tokens)
         sampled_logprobs.append(log_probs.gather(1, next_tokens.unsqueeze(1)).squeeze(1))

@@ -17,7 +17,7 @@ import structlog
 
 from proxy.protocol.client import ProxyClient
 from proxy.run.config import RunConfig
-from proxy.run.store import load_run
+from proxy.run.store import load_eval_prompts, load_run
 from proxy.storage.bucket import Bucket, open_bucket
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.prefetch import AdapterPrefetcher
@@ -32,6 +32,8 @@ class RunContext:
     run: str
     config: RunConfig
     prompts: list[dict[str, Any]]
+    eval_prompts: list[dict[str, Any]] = field(default_factory=list)
+    """The held-out prompts of ``[eval]`` (empty without evaluation)."""
 
 
 @dataclass
@@ -57,8 +59,9 @@ class WorkerRuntime:
     def run_context(self, run: str) -> RunContext:
         context = self.runs.get(run)
         if context is None:
-            config, prompts, _ = load_run(self.bucket, run)
-            context = RunContext(run=run, config=config, prompts=prompts)
+            config, prompts, manifest = load_run(self.bucket, run)
+            eval_prompts = load_eval_prompts(self.bucket, run, manifest)
+            context = RunContext(run=run, config=config, prompts=prompts, eval_prompts=eval_prompts)
             self.runs[run] = context
         return context
 

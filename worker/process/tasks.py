@@ -1,5 +1,6 @@
 """The Celery tasks, kept thin: validate the JSON message, bind log context, call a plain function, return
-a small JSON result. All the work is in ``worker.generate.job`` and ``worker.optimize.job``."""
+a small JSON result. All the work is in ``worker.generate.job``, ``worker.generate.evaluate`` and
+``worker.optimize.job``."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from celery import signals
 from celery.exceptions import Reject
 
 from proxy.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
+from proxy.protocol.evals import EvaluateTaskMessage
 from proxy.protocol.log_setup import configure_logging
-from proxy.protocol.queues import REPAIR_TASK_NAME
+from proxy.protocol.queues import EVALUATE_TASK_NAME, REPAIR_TASK_NAME
 from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.bucket import BucketError, ObjectNotFound
 from proxy.storage.manifest import IntegrityError
+from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import run_generate_task
 from worker.optimize import held_version
 from worker.optimize.failures import step_failure_of
@@ -182,6 +185,33 @@ def generate(**payload: Any) -> dict[str, Any]:
         # attempt now; the message is acked, with no retry loop (invariant 9).
         runtime = get_runtime("generate")
         return report_task_failure(runtime.client, message.task_id, runtime.settings.worker_id, error)
+
+
+@app.task(name=EVALUATE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
+def evaluate(**payload: Any) -> dict[str, Any]:
+    """Evaluate a version on a chunk of the held-out prompts ([eval]). A task that fails for good is only
+    logged: the proxy sends it again at its deadline, and gives the version's evaluation up after a few."""
+    message = EvaluateTaskMessage.model_validate(payload)
+    _refuse_other_run("generate", message.task_id, message.run)
+
+    def body(runtime: WorkerRuntime) -> dict[str, Any]:
+        with runtime.adapter_lock:  # the prefetcher may be building them right now
+            context = runtime.run_context(message.run)
+            backend = runtime.generation_backend(context)
+            adapter_cache = runtime.adapter_cache(context)
+        result = run_evaluate_task(
+            task_id=message.task_id,
+            config=context.config,
+            eval_prompts=context.eval_prompts,
+            client=runtime.client,
+            backend=backend,
+            adapter_cache=adapter_cache,
+            worker_id=runtime.settings.worker_id,
+            backend_lock=runtime.adapter_lock,
+        )
+        return result.summary()
+
+    return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id, version=message.version)
 
 
 def _report_step_failure(runtime: WorkerRuntime, message: OptimizeTaskMessage, error: Exception) -> dict | None:

@@ -1,0 +1,76 @@
+"""The worker's side of ``[eval]``, pure parts: the pass@k estimator, a chunk's summary, the status line."""
+
+from __future__ import annotations
+
+from math import comb
+
+import pytest
+
+from proxy.protocol.schemas import EvalSummary, StatusResponse
+from proxy.run.config import RunConfig
+from worker.algo.pass_at_k import pass_at_k, reported_ks
+from worker.generate.backend import Completion, GenerationResult, PromptResult
+from worker.generate.evaluate import summarize
+from worker.tools.status import eval_line
+
+
+def test_pass_at_k_is_the_unbiased_estimator() -> None:
+    assert pass_at_k(1, 1, 1) == 1.0 and pass_at_k(1, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 4) == 1.0  # every draw of all 4 holds the correct one
+    assert pass_at_k(10, 3, 2) == pytest.approx(1 - comb(7, 2) / comb(10, 2))
+    assert pass_at_k(5, 0, 5) == 0.0
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(2, 1, 3)
+    assert reported_ks(1) == [1] and reported_ks(8) == [1, 8]
+
+
+def _result(texts_per_prompt: list[list[str]]) -> GenerationResult:
+    results = [
+        PromptResult(
+            prompt=f"{index}=",
+            prompt_token_ids=[index],
+            completions=[Completion([1] * len(text), [-0.1] * len(text), "length", text) for text in texts],
+        )
+        for index, texts in enumerate(texts_per_prompt)
+    ]
+    return GenerationResult(results=results, adapter="v0")
+
+
+def test_summary_sums_rewards_pass_at_k_and_keeps_examples() -> None:
+    config = RunConfig.model_validate({"eval": {"every_versions": 1, "samples_per_prompt": 2, "examples": 1}})
+    prompts = [{"prompt": "3=", "answer": "3"}, {"prompt": "5=", "answer": "5"}]
+    # prompt 3: one perfect completion of two; prompt 5: none (repeat_digit scores the share of the digit)
+    summary = summarize(_result([["333", "312"], ["123", "000"]]), prompts, config, failed=1)
+    assert summary.prompts == 2 and summary.prompts_failed == 1 and summary.completions == 4
+    assert summary.reward_sum == pytest.approx(1.0 + 1 / 3 + 0.0 + 0.0)
+    assert summary.reward_sums == {"repeat_digit": pytest.approx(summary.reward_sum)}
+    assert summary.pass_at_k_sums == {"1": pytest.approx(0.5), "2": pytest.approx(1.0)}
+    assert summary.completion_tokens == 12
+    assert [(e.prompt, e.completion, e.answer) for e in summary.examples] == [("3=", "333", "3")]
+
+
+def test_status_line_shows_the_newest_eval() -> None:
+    status = StatusResponse.model_validate(
+        {
+            "run": "r",
+            "current_version": 4,
+            "final_version": 4,
+            "finished": True,
+            "step_inflight": None,
+            "epoch": 0,
+            "epoch_pos": 0,
+            "groups_buffered": 0,
+            "groups_inflight": 0,
+            "groups_requeued": 0,
+            "tasks_inflight": 0,
+            "counters": {},
+            "rejected_by_reason": {},
+            "leases": [],
+            "workers_alive_by_role": {},
+            "evals_pending": 1,
+        }
+    )
+    assert eval_line(status) == "none yet; 1 version(s) pending"
+    status.eval_latest = EvalSummary(version=2, metrics={"reward": 0.5, "pass@4": 0.75, "pass@1": 0.25})
+    assert eval_line(status) == "v2: reward 0.5, pass@1 0.25, pass@4 0.75; 1 version(s) pending"

@@ -1,0 +1,189 @@
+"""One evaluate task (``[eval]``) as a plain function: lease the version, sample the held-out prompts of the task,
+score them, post the chunk's summary to the proxy.
+
+It runs on a generate worker between its generate tasks, with the same backend, adapter cache and backend lock,
+so an old version is loaded like any other. Sampling uses the eval settings (``eval.samples_per_prompt``,
+``eval.temperature``, 0 being greedy; ``eval.max_completion_length``), scoring the eval rewards (the run's when
+``eval.rewards`` is empty). The summary is sums (``proxy.protocol.evals.EvalChunkSummary``): the proxy merges
+a version's chunks and writes its record. Nothing is written to the bucket and nothing reaches a rollout.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from proxy.protocol.client import ProxyClient
+from proxy.protocol.errors import Cancelled, ProxyError
+from proxy.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
+from proxy.run.config import RunConfig
+from proxy.storage import bucket_keys
+from proxy.storage.manifest import IntegrityError
+from worker.algo.pass_at_k import pass_at_k, reported_ks
+from worker.algo.rewards import RewardFailed, score_completions
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.backend import GenerationBackend, GenerationResult
+from worker.generate.job import LeaseKeeper, report_corrupt_object
+
+log = structlog.get_logger()
+
+
+@dataclass
+class EvaluateResult:
+    """What one evaluate task did; the Celery task logs and returns its ``summary()``."""
+
+    task_id: str
+    status: str  # recorded | ended (the proxy no longer wanted it)
+    version: int = -1
+    prompts: int = 0
+    prompts_failed: int = 0
+    chunks_left: int | None = None
+    reward_mean: float | None = None
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "status": self.status,
+            "version": self.version,
+            "prompts": self.prompts,
+            "prompts_failed": self.prompts_failed,
+            "chunks_left": self.chunks_left,
+            "reward_mean": self.reward_mean,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def run_evaluate_task(
+    *,
+    task_id: str,
+    config: RunConfig,
+    eval_prompts: list[dict[str, Any]],
+    client: ProxyClient,
+    backend: GenerationBackend,
+    adapter_cache: AdapterCache,
+    worker_id: str,
+    backend_lock: AbstractContextManager[object] | None = None,
+) -> EvaluateResult:
+    """Evaluate the version the proxy leases for ``task_id`` on its slice of ``eval_prompts``."""
+    started = time.perf_counter()
+    try:
+        grant = client.eval_lease(task_id, worker_id)
+    except Cancelled as error:
+        log.info("generate.eval_skipped", task_id=task_id, reason=str(error))
+        return EvaluateResult(task_id, "ended")
+    prompts = eval_prompts[grant.prompt_start : grant.prompt_start + grant.prompt_count]
+    cfg = config.eval
+    with LeaseKeeper(client, grant.lease_id, grant.ttl_s), backend_lock or nullcontext():
+        try:
+            adapter_dir = adapter_cache.get(grant.version, grant.manifest_sha256)
+        except IntegrityError as error:
+            report_corrupt_object(client, grant.version, worker_id, error)
+            raise
+        adapter = bucket_keys.adapter_name(grant.version)
+        backend.load_adapter(adapter, grant.version, adapter_dir)
+        usable = _usable(prompts, backend, config.model.max_prompt_length)
+        result = None
+        if usable:
+            result = backend.generate(
+                [record["prompt"] for record in usable],
+                adapter=adapter,
+                samples_per_prompt=cfg.samples_per_prompt,
+                max_new_tokens=cfg.max_completion_length or config.sampling.max_completion_length,
+                temperature=cfg.temperature,
+                top_p=1.0,
+                seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),
+            )
+    summary = summarize(result, usable, config, failed=len(prompts) - len(usable))
+    request = EvalResultRequest(worker_id=worker_id, lease_id=grant.lease_id, summary=summary)
+    try:
+        answer = client.eval_result(task_id, request)
+    except Cancelled as error:
+        # Recorded by another copy of the task, or given up meanwhile; the proxy released nothing.
+        log.info("generate.eval_result_refused", task_id=task_id, reason=str(error))
+        _release_quietly(client, grant.lease_id)
+        return EvaluateResult(task_id, "ended", grant.version)
+    reward_mean = summary.reward_sum / summary.completions if summary.completions else None
+    return EvaluateResult(
+        task_id,
+        "recorded",
+        grant.version,
+        prompts=summary.prompts,
+        prompts_failed=summary.prompts_failed,
+        chunks_left=answer.chunks_left,
+        reward_mean=reward_mean,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _usable(prompts: list[dict[str, Any]], backend: GenerationBackend, limit: int) -> list[dict[str, Any]]:
+    """The prompts that can be sampled: not empty in tokens and within ``model.max_prompt_length``."""
+    if not prompts:
+        return []
+    lengths = [len(ids) for ids in backend.tokenize([record["prompt"] for record in prompts])]
+    return [record for record, length in zip(prompts, lengths, strict=True) if 0 < length <= limit]
+
+
+def summarize(
+    result: GenerationResult | None, prompts: list[dict[str, Any]], config: RunConfig, *, failed: int = 0
+) -> EvalChunkSummary:
+    """Score each prompt's completions on its own (a reward that fails counts the prompt as failed) and sum
+    the rewards, per-prompt pass@k and completion lengths; keep the first ``eval.examples`` examples."""
+    cfg = config.eval
+    rewards = list(cfg.rewards) or list(config.rewards)
+    ks = reported_ks(cfg.samples_per_prompt)
+    totals: list[float] = []
+    reward_sums: dict[str, float] = {}
+    pass_sums = {str(k): 0.0 for k in ks}
+    scored = tokens = 0
+    examples: list[EvalExample] = []
+    for record, prompt_result in zip(prompts, result.results if result else [], strict=True):
+        completions = prompt_result.completions
+        texts = [completion.text for completion in completions]
+        try:
+            values, per_reward = score_completions(
+                rewards, [record["prompt"]] * len(texts), texts, [record.get("answer")] * len(texts)
+            )
+        except RewardFailed as error:
+            log.warning("generate.eval_prompt_unscored", prompt=record["prompt"][:80], error=str(error))
+            failed += 1
+            continue
+        scored += 1
+        totals.extend(values)
+        tokens += sum(len(completion.token_ids) for completion in completions)
+        for name, scores in per_reward.items():
+            reward_sums[name] = reward_sums.get(name, 0.0) + sum(scores)
+        correct = sum(value >= cfg.pass_threshold for value in values)
+        for k in ks:
+            pass_sums[str(k)] += pass_at_k(len(values), correct, k)
+        if len(examples) < cfg.examples:
+            examples.append(
+                EvalExample(
+                    prompt=record["prompt"][:EXAMPLE_CHARS],
+                    completion=texts[0][:EXAMPLE_CHARS],
+                    answer=None if record.get("answer") is None else str(record["answer"])[:EXAMPLE_CHARS],
+                    reward=values[0],
+                )
+            )
+    return EvalChunkSummary(
+        prompts=scored,
+        prompts_failed=failed,
+        completions=len(totals),
+        reward_sum=sum(totals),
+        reward_square_sum=sum(value * value for value in totals),
+        reward_sums=reward_sums,
+        pass_at_k_sums=pass_sums if scored else {},
+        completion_tokens=tokens,
+        examples=examples,
+    )
+
+
+def _release_quietly(client: ProxyClient, lease_id: str) -> None:
+    try:
+        client.release(lease_id)
+    except ProxyError as error:  # the lease's TTL is the backstop
+        log.info("generate.lease_release_failed", lease_id=lease_id, error=str(error))
