@@ -6,7 +6,7 @@ Modules:
     demo           `asyncgrpo demo`: `asyncgrpo local` on the embedded tiny-model config
     local_cluster  runs Redis, the proxy and workers as local processes (local runs and tests)
     status         `asyncgrpo status`
-    step_records   reads step records back from the bucket
+    step_records   reads step and eval records back from the bucket
     plot           `asyncgrpo plot`
     export         `asyncgrpo export`
 """

@@ -1,20 +1,22 @@
-"""``asyncgrpo plot``: one PNG of a run's reward, ratio, staleness and throughput against the step.
+"""``asyncgrpo plot``: one PNG of a run's reward, ratio, staleness and throughput against the step, and with
+``[eval]`` a panel of the eval reward and pass@k against the version.
 
-Built from the step records in the bucket (``runs/<run>/metrics/``), so it works on a finished run, a live
-one, or a copy of its bucket, without the proxy. Needs the ``plot`` extra (matplotlib); draws with the Agg
-backend, so no display is needed.
+Built from the step and eval records in the bucket (``runs/<run>/metrics/``, ``runs/<run>/evals/``), so it
+works on a finished run, a live one, or a copy of its bucket, without the proxy. Needs the ``plot`` extra
+(matplotlib); draws with the Agg backend, so no display is needed.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from proxy.protocol.records import StepRecord
+from proxy.protocol.records import EvalRecord, StepRecord
 from proxy.storage.bucket import Bucket
-from worker.tools.step_records import load_step_records
+from worker.tools.step_records import load_eval_records, load_step_records
 
 log = structlog.get_logger()
 
@@ -48,10 +50,10 @@ def _throughput_series(records: list[StepRecord]) -> tuple[list[float], list[flo
     return compute, wall
 
 
-def plot_records(records: list[StepRecord], out: Path, title: str = "") -> Path:
-    """Draw ``records`` (step records, any order) into the PNG ``out``; returns ``out``."""
-    if not records:
-        raise PlotError("there are no step records to plot yet; wait for the first published step")
+EVAL_PANEL_TITLE = "eval on held-out prompts, per version"
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -59,11 +61,37 @@ def plot_records(records: list[StepRecord], out: Path, title: str = "") -> Path:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise PlotError("plotting needs matplotlib: pip install 'asyncgrpo[plot]'") from error
+    return plt
 
+
+def plot_records(
+    records: list[StepRecord], out: Path, title: str = "", evals: list[EvalRecord] | None = None
+) -> Path:
+    """Draw ``records`` (step records, any order), and ``evals`` when there are any, into the PNG ``out``."""
+    plt = _pyplot()
+    figure = draw_records(records, title, evals)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png", dpi=100)
+    plt.close(figure)
+    log.info("tools.plot_written", path=str(out), steps=len(records), evals=len(evals or []))
+    return out
+
+
+def draw_records(records: list[StepRecord], title: str = "", evals: list[EvalRecord] | None = None) -> Any:
+    """The matplotlib figure ``plot_records`` saves: four panels against the step, a fifth for ``evals``."""
+    if not records:
+        raise PlotError("there are no step records to plot yet; wait for the first published step")
+    plt = _pyplot()
     records = sorted(records, key=lambda r: r.step)
     steps = [r.step for r in records]
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    reward_ax, ratio_ax, staleness_ax, throughput_ax = axes.flat
+    layout = [["reward", "ratio"], ["staleness", "throughput"]] + ([["eval", "eval"]] if evals else [])
+    figure, panels = plt.subplot_mosaic(layout, figsize=(12, 4 * len(layout)))
+    reward_ax, ratio_ax, staleness_ax, throughput_ax = (
+        panels[name] for name in ("reward", "ratio", "staleness", "throughput")
+    )
+    for ax in (ratio_ax, staleness_ax, throughput_ax):
+        ax.sharex(reward_ax)
 
     reward_mean = [_value(r.reward_mean) for r in records]
     reward_std = [_value(r.reward_std) for r in records]
@@ -102,21 +130,30 @@ def plot_records(records: list[StepRecord], out: Path, title: str = "") -> Path:
     throughput_ax.set_title("trained tokens per second")
     throughput_ax.legend(loc="best", fontsize="small")
 
-    for ax in axes.flat:
+    if evals:
+        _draw_evals(panels["eval"], evals)
+    for ax in panels.values():
         ax.grid(True, alpha=0.3)
     figure.suptitle(title or "asyncgrpo run")
     figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, format="png", dpi=100)
-    plt.close(figure)
-    log.info("tools.plot_written", path=str(out), steps=len(records))
-    return out
+    return figure
+
+
+def _draw_evals(ax: Any, evals: list[EvalRecord]) -> None:
+    evals = sorted(evals, key=lambda record: record.version)
+    versions = [record.version for record in evals]
+    ax.plot(versions, [_value(r.metrics.get("reward")) for r in evals], marker="o", label="eval reward")
+    keys = sorted({key for r in evals for key in r.metrics if key.startswith("pass@")}, key=lambda k: int(k[5:]))
+    for key in keys:
+        ax.plot(versions, [_value(r.metrics.get(key)) for r in evals], marker=".", linestyle="--", label=key)
+    ax.set_xlabel("version")
+    ax.set_title(EVAL_PANEL_TITLE)
+    ax.legend(loc="best", fontsize="small")
 
 
 def plot_run(bucket: Bucket, run: str, out: Path) -> Path:
-    """Plot every step record of ``run`` into ``out``."""
+    """Plot every step record of ``run``, and its eval records if it has any, into ``out``."""
     records = load_step_records(bucket, run)
     if not records:
         raise PlotError(f"run {run!r} has no step records in {bucket!r} yet; wait for the first published step")
-    return plot_records(records, out, title=f"asyncgrpo run {run}")
+    return plot_records(records, out, title=f"asyncgrpo run {run}", evals=load_eval_records(bucket, run))

@@ -128,7 +128,21 @@ def _run_table(snapshot: StatusSnapshot) -> Table:
     )
     for reason, count in sorted(status.rejected_by_reason.items()):
         table.add_row("  rejected", f"{count} × {reason}")
+    if status.eval_latest is not None or status.evals_pending:
+        table.add_row("eval", eval_line(status))
     return table
+
+
+def eval_line(status: StatusResponse) -> str:
+    """The newest evaluation ([eval]): its version, reward and pass@k, and how many versions wait for one."""
+    pending = f"{status.evals_pending} version(s) pending"
+    latest = status.eval_latest
+    if latest is None:
+        return f"none yet; {pending}"
+    figures = [f"reward {_fmt(latest.metrics['reward'])}"] if "reward" in latest.metrics else []
+    passes = sorted((key for key in latest.metrics if key.startswith("pass@")), key=lambda key: int(key[5:]))
+    figures += [f"{key} {_fmt(latest.metrics[key])}" for key in passes]
+    return f"v{latest.version}: {', '.join(figures) or 'no scored prompt'}; {pending}"
 
 
 def _trend_table(snapshot: StatusSnapshot) -> RenderableType:

@@ -3,7 +3,8 @@
 The optimize worker copies each published version's step record there (the original sits in the version's
 folder, covered by its manifest, until the version is collected). These copies feed ``asyncgrpo status``
 and ``asyncgrpo plot``: display only, never training, so they are read as they are, each parsed as a
-``proxy.protocol.records.StepRecord``.
+``proxy.protocol.records.StepRecord``. Likewise the eval records of ``[eval]``
+(``runs/<run>/evals/vNNNNNNNN.json``, ``EvalRecord``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import structlog
 from pydantic import ValidationError
 
-from proxy.protocol.records import StepRecord
+from proxy.protocol.records import EvalRecord, StepRecord
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, ObjectNotFound
 
@@ -55,3 +56,19 @@ def load_step_records(bucket: Bucket, run: str, *, last: int | None = None) -> l
         except ValidationError as error:
             log.warning("tools.step_record_skipped", key=key, error=str(error))
     return records
+
+
+def load_eval_records(bucket: Bucket, run: str) -> list[EvalRecord]:
+    """The run's eval records in version order ([] for a run without ``[eval]``); an unparsable one is skipped
+    with a warning naming its key."""
+    records = []
+    for key in bucket.list(bucket_keys.evals_prefix(run)):
+        if bucket_keys.version_from_eval_key(key) is None:
+            continue
+        try:
+            records.append(EvalRecord.model_validate_json(bucket.get(key)))
+        except ObjectNotFound:
+            continue
+        except ValidationError as error:
+            log.warning("tools.eval_record_skipped", key=key, error=str(error))
+    return sorted(records, key=lambda record: record.version)
