@@ -87,7 +87,9 @@ def evaluate_all(coord: Coordinator, version: int, reward: float = 0.5, worker: 
         except EvalEnded:
             continue  # a re-sent copy of a task already answered
         assert grant.version == version and grant.prompt_count == message["prompt_count"]
-        request = EvalResultRequest(worker_id=worker, lease_id=grant.lease_id, summary=summary(grant.prompt_count, reward))
+        request = EvalResultRequest(
+            worker_id=worker, lease_id=grant.lease_id, summary=summary(grant.prompt_count, reward)
+        )
         coord.eval_result(message["task_id"], request)
 
 
@@ -150,7 +152,9 @@ def test_due_versions_are_evaluated_once_and_recorded(redis_client: Redis, bucke
     assert [m["version"] for m in coord.dispatcher.evaluate[3:]] == [2, 2, 2]
 
 
-def test_a_pending_eval_keeps_its_version_until_recorded(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+def test_a_pending_eval_keeps_its_version_until_recorded(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
     coord = start_run(make(redis_client, bucket, clock))
     submitted: set[str] = set()
     for _ in range(4):  # v4; v0's evaluation never answered
