@@ -38,7 +38,9 @@ def _result(texts_per_prompt: list[list[str]]) -> GenerationResult:
 
 
 def test_summary_sums_rewards_pass_at_k_and_keeps_examples() -> None:
-    config = RunConfig.model_validate({"eval": {"every_versions": 1, "samples_per_prompt": 2, "examples": 1}})
+    config = RunConfig.model_validate(
+        {"eval": {"every_versions": 1, "samples_per_prompt": 2, "temperature": 1.0, "examples": 1}}
+    )
     prompts = [{"prompt": "3=", "answer": "3"}, {"prompt": "5=", "answer": "5"}]
     # prompt 3: one perfect completion of two; prompt 5: none (repeat_digit scores the share of the digit)
     summary = summarize(_result([["333", "312"], ["123", "000"]]), prompts, config, failed=1)

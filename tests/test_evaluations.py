@@ -116,6 +116,14 @@ def test_due_versions_every_k_and_the_final_one() -> None:
     assert prompt_chunks(5, 2) == [(0, 2), (2, 2), (4, 1)]
 
 
+def test_greedy_eval_takes_one_sample_per_prompt() -> None:
+    from proxy.run.config import ConfigError, parse_run_config
+
+    with pytest.raises(ConfigError, match=r"eval: .*eval\.samples_per_prompt = 1"):
+        parse_run_config({"eval": {"every_versions": 1, "samples_per_prompt": 4}})
+    assert parse_run_config({"eval": {"samples_per_prompt": 4, "temperature": 0.7}}).eval.samples_per_prompt == 4
+
+
 def test_merge_chunks_weights_by_completions_and_prompts() -> None:
     metrics, examples, prompts = merge_chunks([summary(3, 1.0), summary(1, 0.0)], examples=1)
     assert prompts == 4 and len(examples) == 1
@@ -242,3 +250,35 @@ def test_http_routes_and_metrics(redis_client: Redis, bucket: Bucket, clock: Man
         assert "asyncgrpo_evals_pending 0.0" in scrape
         assert "asyncgrpo_eval_tasks_done_total 3.0" in scrape
         assert http.get("/v1/status", headers=auth).json()["eval_latest"]["version"] == 0
+
+
+# ---- run create: the held-out prompts ----
+
+
+def test_run_create_freezes_held_out_prompts(tmp_path: Path) -> None:
+    from proxy.run.config import ConfigError
+    from proxy.run.store import create_run, load_eval_prompts, load_run
+
+    bucket = file_bucket(tmp_path)
+    base = '[dataset]\nnum_prompts = 8\n[[rewards]]\nname = "exact_match"\n'
+    path = tmp_path / "eval.toml"
+    path.write_text(base + "[eval]\nevery_versions = 2\n[eval.dataset]\nnum_prompts = 6\n")
+    create_run(path, "with-eval", bucket)
+    _, prompts, manifest = load_run(bucket, "with-eval")
+    held_out = load_eval_prompts(bucket, "with-eval", manifest)
+    assert len(held_out) == manifest.num_eval_prompts == 6
+    assert held_out != prompts[:6]  # another seed than the training prompts
+
+    plain = tmp_path / "plain.toml"
+    plain.write_text(base)
+    create_run(plain, "no-eval", bucket)
+    _, _, manifest = load_run(bucket, "no-eval")
+    assert manifest.eval_prompts is None and load_eval_prompts(bucket, "no-eval", manifest) == []
+    assert bucket.head(bucket_keys.eval_prompts_key("no-eval")) is None
+
+    (tmp_path / "held_out.jsonl").write_text('{"prompt": "4="}\n')
+    no_answers = tmp_path / "bad.toml"
+    eval_table = '[eval]\nevery_versions = 1\n[eval.dataset]\npath = "held_out.jsonl"\nanswer_column = ""\n'
+    no_answers.write_text(base + eval_table)
+    with pytest.raises(ConfigError, match=r"eval\.rewards\.0\.name='exact_match'.*eval\.dataset\.answer_column"):
+        create_run(no_answers, "bad-eval", bucket)

@@ -281,6 +281,17 @@ class EvalConfig(_Section):
     @classmethod
     def _rewards_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
         return _each_reward_once(value, "eval.rewards")
+
+    @model_validator(mode="after")
+    def _greedy_samples_once(self) -> EvalConfig:
+        if self.temperature == 0.0 and self.samples_per_prompt > 1:
+            raise ValueError(
+                f"eval.temperature = 0 is greedy: its eval.samples_per_prompt={self.samples_per_prompt} completions "
+                "would all be the same; set eval.samples_per_prompt = 1, or a temperature above 0 for pass@k"
+            )
+        return self
+
+
 class RunConfig(_Section):
     """A whole run. Sections map to TOML tables: ``[model]``, ``[lora]``, ``[dataset]``, ``[[rewards]]``,
     ``[sampling]``, ``[optimizer]``, ``[loss]``, ``[async]``, ``[eval]``, ``[tracking]``."""
