@@ -28,6 +28,7 @@ from worker.algo.rewards import RewardFailed, score_completions
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend, GenerationResult
 from worker.generate.job import LeaseKeeper, report_corrupt_object
+from worker.generate.prompt_format import fed_prompts
 
 log = structlog.get_logger()
 
@@ -86,7 +87,10 @@ def run_evaluate_task(
             raise
         adapter = bucket_keys.adapter_name(grant.version)
         backend.load_adapter(adapter, grant.version, adapter_dir)
-        usable = _usable(prompts, backend, config.model.max_prompt_length)
+        # The text fed is the chat-templated one when [eval.dataset] asks for it, as for training prompts.
+        fed = fed_prompts(prompts, range(len(prompts)), cfg.dataset, backend.tokenizer)
+        fed_records = [{**record, "prompt": fed.texts[index]} for index, record in enumerate(prompts)]
+        usable = _usable(fed_records, backend, config.model.max_prompt_length, fed.add_special_tokens)
         result = None
         if usable:
             result = backend.generate(
@@ -97,6 +101,7 @@ def run_evaluate_task(
                 temperature=cfg.temperature,
                 top_p=1.0,
                 seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),
+                add_special_tokens=fed.add_special_tokens,
             )
     summary = summarize(result, usable, config, failed=len(prompts) - len(usable))
     request = EvalResultRequest(worker_id=worker_id, lease_id=grant.lease_id, summary=summary)
@@ -120,11 +125,14 @@ def run_evaluate_task(
     )
 
 
-def _usable(prompts: list[dict[str, Any]], backend: GenerationBackend, limit: int) -> list[dict[str, Any]]:
+def _usable(
+    prompts: list[dict[str, Any]], backend: GenerationBackend, limit: int, add_special_tokens: bool
+) -> list[dict[str, Any]]:
     """The prompts that can be sampled: not empty in tokens and within ``model.max_prompt_length``."""
     if not prompts:
         return []
-    lengths = [len(ids) for ids in backend.tokenize([record["prompt"] for record in prompts])]
+    texts = [record["prompt"] for record in prompts]
+    lengths = [len(ids) for ids in backend.tokenize(texts, add_special_tokens=add_special_tokens)]
     return [record for record, length in zip(prompts, lengths, strict=True) if 0 < length <= limit]
 
 
