@@ -22,7 +22,7 @@ from proxy.coordinator.evaluations import due_versions, prompt_chunks
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.evals import EvalChunkSummary, EvalExample, EvalResultRequest, merge_chunks
 from proxy.protocol.records import EvalRecord
-from proxy.protocol.schemas import HeartbeatRequest
+from proxy.protocol.schemas import HeartbeatRequest, TaskFailureReport
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket
@@ -196,6 +196,38 @@ def test_lost_tasks_are_sent_again_then_given_up(redis_client: Redis, bucket: Bu
     assert record(coord, 0) is None
     with pytest.raises(EvalEnded):
         coord.eval_lease("gen-1", "eval-r1-v0-1")
+
+
+def test_a_reported_failure_sends_the_task_again_at_once(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    # With default timeouts a failing evaluate task costs one tick, not generate_task_timeout_s (600 s).
+    coord = start_run(make(redis_client, bucket, clock))
+    sent = len(coord.dispatcher.evaluate)
+    coord.heartbeat(HeartbeatRequest(worker_id="gen-1", role="generate", hostname="h", pid=1, state="busy"))
+    coord.eval_lease("gen-1", "eval-r1-v0-0")
+    failure = TaskFailureReport(worker_id="gen-2", reason="boom", detail="RuntimeError()")
+    assert coord.report_task_failure("eval-r1-v0-0", failure).cancelled is False  # not its holder
+    coord.tick()
+    assert len(coord.dispatcher.evaluate) == sent
+    failure = TaskFailureReport(worker_id="gen-1", reason="boom", detail="RuntimeError()")
+    assert coord.report_task_failure("eval-r1-v0-0", failure).cancelled is True
+    clock.advance(1)
+    coord.tick()
+    assert [m["task_id"] for m in coord.dispatcher.evaluate[sent:]] == ["eval-r1-v0-0"]
+    assert coord.status().counters["eval_tasks_resent"] == 1
+    # Reported failures count attempts like lost tasks: at the limit the version's evaluation is given up.
+    sends = 2
+    while coord.status().counters.get("eval_versions_failed", 0) == 0:
+        assert sends <= coord.config.async_.max_group_attempts
+        coord.eval_lease("gen-1", "eval-r1-v0-0")
+        coord.report_task_failure("eval-r1-v0-0", failure)
+        clock.advance(1)
+        coord.tick()
+        sends += 1
+    assert sends == coord.config.async_.max_group_attempts + 1  # given up at the limit, not before
+    with pytest.raises(EvalEnded):
+        coord.eval_lease("gen-1", "eval-r1-v0-0")
 
 
 def test_restart_and_rebuild_never_evaluate_twice(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:

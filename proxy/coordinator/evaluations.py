@@ -260,6 +260,18 @@ class Evaluations:
         )
         return EvalResultAnswer(version=int(reply["version"]), chunks_left=int(reply["chunks_left"]))
 
+    def fail(self, task_id: str, worker_id: str) -> bool:
+        """The worker holding ``task_id`` reports it failed for good: make it due now, so the next tick sends it
+        again (counting an attempt, and giving the version up at the limit) instead of at its deadline. False if
+        the task is not in flight or another worker holds it."""
+        raw = self.store.redis.hget(self.store.keys.evals, f"t:{task_id}")
+        if raw is None or json.loads(raw).get("worker") != worker_id:
+            return False
+        # XX: only while still in flight (a result or a give-up in between removed it).
+        inflight = self.store.keys.evals_inflight
+        self.store.redis.zadd(inflight, {task_id: self.store.clock_ms()}, xx=True)
+        return self.store.redis.zscore(inflight, task_id) is not None
+
     # ---- views: retention, status, metrics ----
 
     def _cursor(self) -> int:

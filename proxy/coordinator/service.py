@@ -242,7 +242,13 @@ class Coordinator(Housekeeping):
         return result
 
     def report_task_failure(self, task_id: str, report: TaskFailureReport) -> TaskFailureResult:
-        """A worker's generate task failed for good: cancel it now and count the attempt (invariant 9)."""
+        """A worker's generate task failed for good: cancel it now and count the attempt (invariant 9). An
+        evaluate task is sent again at the next tick instead of at its deadline."""
+        if self.evals.fail(task_id, report.worker_id):
+            log.warning(
+                "proxy.eval_failure_reported", task_id=task_id, worker_id=report.worker_id, reason=report.reason
+            )
+            return TaskFailureResult(cancelled=True)
         cancelled = self.tasks.fail(task_id, report.worker_id, report.reason, prompt_at_fault=report.prompt_at_fault)
         log.warning(
             "proxy.task_failure_reported",

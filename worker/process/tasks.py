@@ -189,8 +189,8 @@ def generate(**payload: Any) -> dict[str, Any]:
 
 @app.task(name=EVALUATE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def evaluate(**payload: Any) -> dict[str, Any]:
-    """Evaluate a version on a chunk of the held-out prompts ([eval]). A task that fails for good is only
-    logged: the proxy sends it again at its deadline, and gives the version's evaluation up after a few."""
+    """Evaluate a version on a chunk of the held-out prompts ([eval]). A task that fails for good is reported:
+    the proxy sends it again at once, and gives the version's evaluation up after a few attempts."""
     message = EvaluateTaskMessage.model_validate(payload)
     _refuse_other_run("generate", message.task_id, message.run)
 
@@ -211,7 +211,14 @@ def evaluate(**payload: Any) -> dict[str, Any]:
         )
         return result.summary()
 
-    return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id, version=message.version)
+    try:
+        context = {"run": message.run, "task_id": message.task_id, "version": message.version}
+        return _run("generate", message.task_id, body, **context)
+    except (Reject, *TRANSIENT_ERRORS):
+        raise
+    except Exception as error:
+        runtime = get_runtime("generate")
+        return report_task_failure(runtime.client, message.task_id, runtime.settings.worker_id, error)
 
 
 def _report_step_failure(runtime: WorkerRuntime, message: OptimizeTaskMessage, error: Exception) -> dict | None:
