@@ -23,7 +23,6 @@ library is not installed is left out at start-up with a warning naming its extra
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -49,18 +48,6 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 300.0
 RECORD_ATTEMPTS = 5
 STOP_TIMEOUT_S = 10.0
-
-_EVAL_FILE = re.compile(r"/evals/v(\d{8})\.json$")
-
-
-def _evals_prefix(run: str) -> str:
-    """``runs/<run>/evals/``: one eval record per evaluated version, ``v00000042.json``."""
-    return bucket_keys.run_prefix(run) + "evals/"
-
-
-def _eval_key(run: str, version: int) -> str:
-    return f"{_evals_prefix(run)}v{version:08d}.json"
-
 
 class TrackerMetrics:
     """The forwarder's Prometheus series, in the proxy's registry."""
@@ -208,14 +195,14 @@ class TrackerFollower:
             fields = self.redis.hkeys(self.keys.tracking)
             self._evals_sent = {int(field[len(prefix) :]) for field in fields if field.startswith(prefix)}
         versions = []
-        for key in self.bucket.list(_evals_prefix(self.run)):
-            match = _EVAL_FILE.search(key)
-            if match and int(match.group(1)) <= cursor and int(match.group(1)) not in self._evals_sent:
-                versions.append(int(match.group(1)))
+        for key in self.bucket.list(bucket_keys.evals_prefix(self.run)):
+            version = bucket_keys.version_from_eval_key(key)
+            if version is not None and version <= cursor and version not in self._evals_sent:
+                versions.append(version)
         return sorted(versions)
 
     def _eval_record(self, version: int) -> dict[str, Any] | None:
-        key = _eval_key(self.run, version)
+        key = bucket_keys.eval_key(self.run, version)
         try:
             record = json.loads(self.bucket.get(key))
         except (ObjectNotFound, ValueError) as error:
