@@ -49,15 +49,24 @@ groups_per_task = 2
 groups_per_step = 4
 queue_maxsize = 8
 generate_task_timeout_s = 120
+
+[eval]
+every_versions = {eval_every}
+
+[eval.dataset]
+generator = "repeat_digit"
+num_prompts = 6
 """
 
 
-def write_config(folder: Path, *, steps: int, samples_per_prompt: int = 4, name: str = RUN) -> Path:
+def write_config(
+    folder: Path, *, steps: int, samples_per_prompt: int = 4, name: str = RUN, eval_every: int = 0
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     prompts = "".join(json.dumps({"prompt": f"{i % 10}="}) + "\n" for i in range(64))
     (folder / "prompts.jsonl").write_text(prompts)
     path = folder / f"{name}.toml"
-    path.write_text(CONFIG_TOML.format(steps=steps, samples_per_prompt=samples_per_prompt))
+    path.write_text(CONFIG_TOML.format(steps=steps, samples_per_prompt=samples_per_prompt, eval_every=eval_every))
     return path
 
 
@@ -154,7 +163,7 @@ def test_torch_threads_split_the_cores_unless_set(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.slow
 def test_local_runs_a_config_of_its_own_to_the_end(tmp_path: Path) -> None:
-    done = run_local_json(tmp_path, write_config(tmp_path / "cfg", steps=3), timeout_s=300)
+    done = run_local_json(tmp_path, write_config(tmp_path / "cfg", steps=3, eval_every=2), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1, f"stdout must hold the JSON line only: {lines}"
@@ -162,6 +171,13 @@ def test_local_runs_a_config_of_its_own_to_the_end(tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["versions_published"] == 4
     assert summary["samples_trained"] == 3 * 4 * 4  # 3 steps x 4 groups x G=4
     assert summary["max_staleness_trained"] <= 2
+    # The summary waits for the final version's evaluation: versions 0, 2 and the final 3 are evaluated.
+    assert summary["eval_version"] == 3 and summary["eval_reward"] is not None
+    assert sorted(path.name for path in (tmp_path / "work").rglob("evals/v*.json")) == [
+        "v00000000.json",
+        "v00000002.json",
+        "v00000003.json",
+    ]
     # Redis, the proxy, one optimize worker and the default two generate workers, each with its log.
     expected = ["generate-2.log", "generate-3.log", "optimize-1.log", "proxy.log", "redis.log"]
     assert spawned_children(tmp_path / "work") == expected

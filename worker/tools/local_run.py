@@ -90,15 +90,19 @@ def summarize(
         "groups_dropped_stale": groups_stale,
         "mean_rescore_ratio": round(sum(r.rescore_ratio or 0.0 for r in records) / max(1, len(records)), 6),
         "flagged_rollouts": sum(len(r.flagged_rollouts) for r in records),
+        # The newest evaluation ([eval]); None when the run evaluates nothing.
+        "eval_version": status.eval_latest.version if status.eval_latest else None,
+        "eval_reward": round(status.eval_latest.metrics["reward"], 4)
+        if status.eval_latest and "reward" in status.eval_latest.metrics
+        else None,
         "wall_s": round(wall_s, 1),
     }
 
 
 def run_done(status: StatusResponse, records: list[StepRecord]) -> bool:
-    """Whether the run is over and the summary may be written: the proxy says it finished and every step's
-    record is in the bucket. Anything else a run must finish before its summary (pending evaluations) is
-    checked here."""
-    return status.finished and len(records) >= status.final_version
+    """Whether the run is over and the summary may be written: the proxy says it finished, every step's record
+    is in the bucket, and no evaluation ([eval]) is due (the final version's included)."""
+    return status.finished and len(records) >= status.final_version and status.evals_pending == 0
 
 
 def progress_table(
