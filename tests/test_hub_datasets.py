@@ -176,3 +176,30 @@ def test_a_generator_beside_a_file_or_hub_source_is_ignored_as_in_runs_stored_be
     stored = DatasetConfig.model_validate({"path": "prompts.jsonl", "generator": "repeat_digit"})
     assert (stored.path, stored.generator) == ("prompts.jsonl", None)
     assert DatasetConfig.model_validate({"hub_id": "a/b", "generator": "repeat_digit"}).generator is None
+
+
+def test_the_gpu_recipe_reads_its_hub_dataset_and_held_out_split(tmp_path: Path) -> None:
+    # examples/gpu-qwen2.5-math-1.5b.toml as shipped, with its Hub id pointed at a local copy in MATH-lighteval's
+    # shape: the training prompts come from `train`, the eval's from the first 500 rows of `test`.
+    from proxy.run.store import load_eval_prompts
+
+    def rows(split: str, count: int) -> dict[str, list[str]]:
+        problems = [f"{split} problem {i}: what is {i}+{i}?" for i in range(count)]
+        solutions = [f"Add them: $\\boxed{{{2 * i}}}$." for i in range(count)]
+        return {"problem": problems, "solution": solutions, "level": ["Level 1"] * count, "type": ["Algebra"] * count}
+
+    folder = tmp_path / "math-lighteval"
+    splits = {split: datasets.Dataset.from_dict(rows(split, count)) for split, count in (("train", 7), ("test", 510))}
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    recipe = (Path(__file__).resolve().parent.parent / "examples" / "gpu-qwen2.5-math-1.5b.toml").read_text()
+    assert recipe.count('hub_id = "DigitalLearningGmbH/MATH-lighteval"') == 2
+    config = tmp_path / "recipe.toml"
+    config.write_text(recipe.replace("DigitalLearningGmbH/MATH-lighteval", str(folder)))
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    create_run(config, "qwen-math", bucket)
+    run_config, prompts, manifest = load_run(bucket, "qwen-math")
+    assert [record["prompt"] for record in prompts] == rows("train", 7)["problem"]
+    assert prompts[3]["answer"] == "Add them: $\\boxed{6}$."
+    assert run_config.dataset.chat_templated and run_config.eval.every_versions > 0
+    held_out = load_eval_prompts(bucket, "qwen-math", manifest)
+    assert [record["prompt"] for record in held_out] == rows("test", 510)["problem"][:500]
