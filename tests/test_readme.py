@@ -53,3 +53,29 @@ def test_every_environment_variable_named_in_the_code_is_a_setting() -> None:
     table = env_reference()
     missing = sorted(name for name in names if f"`{name}`" not in table)
     assert not missing, f"declare these in a settings class (proxy/protocol/settings.py or a role's): {missing}"
+
+
+def test_the_from_trl_section_names_only_config_fields_and_metrics_that_exist() -> None:
+    section = README[README.index("## From TRL") : README.index("## Layout")]
+    fields = set(re.findall(r"^\| `([\w.]+)` \|", reference(), flags=re.MULTILINE))
+    tables = {row.split(".")[0] for row in fields if "." in row}
+    mapping = section[: section.index("Metrics keep TRL's names")]
+    named = set()
+    for row in mapping.splitlines()[4:]:
+        if row.startswith("|"):
+            ours = row.split(" | ")[-1]
+            named |= {name for name in re.findall(r"`([a-z_]+\.[a-z_]+)`", ours) if name.split(".")[0] in tables}
+    assert named, "the mapping table names no config field"
+    assert named - fields == set(), "README's From TRL names config fields that do not exist"
+    # A bare field after a dotted one in the same cell (`optimizer.learning_rate`, `lr_schedule`) is checked too.
+    for row in mapping.splitlines()[4:]:
+        cells = row.split(" | ")
+        dotted = re.findall(r"`([a-z_]+)\.[a-z_]+`", cells[-1]) if row.startswith("|") else []
+        for bare in re.findall(r"`([a-z_0-9]+)`", cells[-1]) if dotted else []:
+            if bare not in {"true", "false", "constant", "linear", "cosine"}:
+                assert any(field.endswith("." + bare) or field == bare for field in fields), bare
+    metrics = set(re.findall(r"`(asyncgrpo_[a-z_]+)", section))
+    code = "".join(path.read_text() for path in (ROOT / "worker").rglob("*.py")) + "".join(
+        path.read_text() for path in (ROOT / "proxy").rglob("*.py")
+    )
+    assert metrics and {name for name in metrics if f'"{name}' not in code} == set()
