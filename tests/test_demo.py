@@ -58,6 +58,7 @@ def test_short_demo_prints_one_json_summary(tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["versions_published"] == 4
     assert summary["samples_trained"] == 3 * 8 * 8  # 3 steps x 8 groups x G=8
     assert summary["max_staleness_trained"] <= 2
+    assert summary["eval_version"] == 3  # the demo evaluates its final version (and 0) before it stops
 
 
 def test_the_asynchronous_system_learns(tmp_path: Path) -> None:
@@ -71,6 +72,7 @@ def test_the_asynchronous_system_learns(tmp_path: Path) -> None:
     assert summary["max_staleness_trained"] <= 2
     assert summary["flagged_rollouts"] == 0
     assert summary["reward_last10"] >= summary["reward_first10"] + 0.2, summary
+    assert summary["eval_version"] == 150 and summary["eval_reward"] is not None
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

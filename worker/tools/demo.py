@@ -43,6 +43,14 @@ groups_per_task = 4
 groups_per_step = 8
 queue_maxsize = 16
 generate_task_timeout_s = 120
+
+[eval]
+# Greedy reward on 64 held-out prompts at versions 0, 50, 100, ... and the final one.
+every_versions = 50
+
+[eval.dataset]
+generator = "repeat_digit"
+num_prompts = 64
 """
 
 
