@@ -17,7 +17,7 @@ from redis import Redis
 
 from proxy.api.app import create_app
 from proxy.coordinator.dispatch import RecordingDispatcher
-from proxy.coordinator.errors import EvalEnded
+from proxy.coordinator.errors import EvalEnded, NotTaskHolder
 from proxy.coordinator.evaluations import due_versions, prompt_chunks
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.evals import EvalChunkSummary, EvalExample, EvalResultRequest, merge_chunks
@@ -228,6 +228,23 @@ def test_a_reported_failure_sends_the_task_again_at_once(
     assert sends == coord.config.async_.max_group_attempts + 1  # given up at the limit, not before
     with pytest.raises(EvalEnded):
         coord.eval_lease("gen-1", "eval-r1-v0-0")
+
+
+def test_a_result_is_bound_to_the_senders_lease_of_the_task(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    # As for rollouts: a result under no lease, another worker's lease or another task's lease changes nothing.
+    coord = start_run(make(redis_client, bucket, clock))
+    first = coord.eval_lease("gen-1", "eval-r1-v0-0")
+    other = coord.eval_lease("gen-2", "eval-r1-v0-1")
+    before = {key: redis_client.dump(key) for key in sorted(redis_client.keys("*"))}
+    for worker, lease_id in (("gen-2", first.lease_id), ("gen-1", other.lease_id), ("gen-1", "0" * 32)):
+        request = EvalResultRequest(worker_id=worker, lease_id=lease_id, summary=summary(2, 0.5))
+        with pytest.raises(NotTaskHolder):
+            coord.eval_result("eval-r1-v0-0", request)
+    assert {key: redis_client.dump(key) for key in sorted(redis_client.keys("*"))} == before
+    request = EvalResultRequest(worker_id="gen-1", lease_id=first.lease_id, summary=summary(2, 0.5))
+    assert coord.eval_result("eval-r1-v0-0", request).chunks_left == 2
 
 
 def test_restart_and_rebuild_never_evaluate_twice(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:

@@ -30,7 +30,7 @@ ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/versions/{version}"): ("not_found",),
     ("POST", "/v1/versions/{version}/corrupt"): ("not_found",),
     ("POST", "/v1/evals/{task_id}/lease"): ("cancelled",),
-    ("POST", "/v1/evals/{task_id}/result"): ("cancelled",),
+    ("POST", "/v1/evals/{task_id}/result"): ("cancelled", "not_holder"),
 }
 """Refusals particular to a route, by error code (``proxy.protocol.errors``)."""
 

@@ -8,7 +8,7 @@ and ``/v1/leases/{lease_id}/renew`` renews it.
 
 from __future__ import annotations
 
-from proxy.coordinator.errors import EvalEnded, StateMissing
+from proxy.coordinator.errors import EvalEnded, NotTaskHolder, StateMissing
 from proxy.coordinator.lua_script import NO_STATE, LuaScript, Refusal
 
 _NO_STATE = {NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r} even after a rebuild")}
@@ -37,9 +37,13 @@ GRANT_EVAL_LEASE = LuaScript(
 FINISH_EVAL_CHUNK = LuaScript(
     name="finish_eval_chunk",
     keys=("counters", "leases", "evals", "evals_inflight"),
-    argv=("task_id", "lease_id", "summary_json"),
+    argv=("task_id", "lease_id", "summary_json", "worker_id"),
     ok={"OK": ("version", "chunks_left")},
-    errors={"EVAL_ENDED": _EVAL_ENDED},
+    fields={"NOT_HOLDER": ("message",)},
+    errors={
+        "EVAL_ENDED": _EVAL_ENDED,
+        "NOT_HOLDER": Refusal(NotTaskHolder, "result of evaluate task {task_id} from {worker_id} refused: {message}"),
+    },
 )
 
 RETRY_EVALS = LuaScript(

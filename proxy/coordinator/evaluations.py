@@ -254,9 +254,13 @@ class Evaluations:
         )
 
     def result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
-        """Keep a chunk's summary and release its lease; raises EvalEnded if the task is not in flight."""
+        """Keep a chunk's summary and release its lease; raises EvalEnded if the task is not in flight, and
+        NotTaskHolder (nothing changed) if ``request.lease_id`` is not the sender's live lease of the task."""
         reply = self.store.scripts.finish_eval_chunk(
-            task_id=task_id, lease_id=request.lease_id or "", summary_json=request.summary.model_dump_json()
+            task_id=task_id,
+            lease_id=request.lease_id,
+            summary_json=request.summary.model_dump_json(),
+            worker_id=request.worker_id,
         )
         return EvalResultAnswer(version=int(reply["version"]), chunks_left=int(reply["chunks_left"]))
 

@@ -136,7 +136,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         ErrorCode("not_ready", (409,), NotReady, "no version published yet (leases)"),
         ErrorCode("conflict", (409,), Conflict, "a publish refused (CAS lost, manifest missing or mismatching)"),
         ErrorCode("not_claimed", (409,), StepGone, "the step is no longer claimed with this batch; drop the task"),
-        ErrorCode("not_holder", (409,), NotHolder, "a rollout not from the task's lease holder and leased version"),
+        ErrorCode(
+            "not_holder", (409,), NotHolder, "a rollout or eval result not bound to the sender's lease of the task"
+        ),
         ErrorCode("lease_lost", (410,), LeaseLost, "the lease expired or is unknown"),
         ErrorCode("cancelled", (410,), Cancelled, "the generate task was cancelled or is unknown; groups requeued"),
         ErrorCode("bad_request", (400, 422), BadRequest, "a submission that does not match its task, or the schema"),

@@ -80,7 +80,8 @@ class EvalResultRequest(_Request):
     """``POST /v1/evals/{task_id}/result``: the chunk's summary; the proxy records it and releases ``lease_id``."""
 
     worker_id: Id
-    lease_id: Id | None = None
+    lease_id: Id
+    """The sender's lease of the task (``POST /v1/evals/{task_id}/lease``); a result is bound to it."""
     summary: EvalChunkSummary
 
 

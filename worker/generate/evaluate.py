@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Cancelled, ProxyError
+from proxy.protocol.errors import Cancelled, NotHolder, ProxyError
 from proxy.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
@@ -107,8 +107,9 @@ def run_evaluate_task(
     request = EvalResultRequest(worker_id=worker_id, lease_id=grant.lease_id, summary=summary)
     try:
         answer = client.eval_result(task_id, request)
-    except Cancelled as error:
-        # Recorded by another copy of the task, or given up meanwhile; the proxy released nothing.
+    except (Cancelled, NotHolder) as error:
+        # Recorded by another copy of the task, or given up meanwhile, or our lease lapsed and the task went to
+        # another worker: the proxy changed nothing, and its own timeouts cover the task.
         log.info("generate.eval_result_refused", task_id=task_id, reason=str(error))
         _release_quietly(client, grant.lease_id)
         return EvaluateResult(task_id, "ended", grant.version)
