@@ -16,6 +16,11 @@ that is neither in the restored buffer nor in the restored step in flight, at th
 (their tasks are finished, cancelled by the rebuild, or unknown to it: none of them can be trained any more).
 So a flushed Redis leaks no rollout object, except one a worker writes after the rebuild for a task the
 rebuilt proxy does not know (its submission is refused). A brand-new run lists nothing.
+
+Tracker progress survives a rebuild too: the snapshot's ``tracking`` (per tracker the last step sent and the
+versions whose eval was sent) becomes the ``tracking`` hash again, so the forwarder sends nothing twice that
+the snapshot knew was sent. A snapshot written before the field existed restores none (every record is sent
+again, as before); without a snapshot there is no progress to restore.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import structlog
 
 from proxy.coordinator.adoption import Claimed, adopt_newer_versions
 from proxy.coordinator.errors import StateExists
+from proxy.coordinator.redis_keys import tracking_eval_field, tracking_step_field
 from proxy.coordinator.snapshot import load_snapshot
 from proxy.coordinator.store import RunStore
 from proxy.run.config import RunConfig
@@ -218,9 +224,20 @@ def _rebuild_ops(src: _Sources, document: dict[str, Any], latest: int | None, no
     if document.get("prompt_attempts"):  # failed-attempt counts of prompts (invariant 9)
         ops.hset(keys.prompt_attempts, document["prompt_attempts"])
     ops.rpush(keys.requeue, requeue)
+    ops.hset(keys.tracking, _tracking_fields(document.get("tracking", {}), now))
     state["incarnation"] = int(state.get("incarnation", 0)) + 1
     ops.hset(keys.state, state)
     return ops
+
+
+def _tracking_fields(tracking: dict[str, Any], now_ms: int) -> dict[str, int]:
+    """The ``tracking`` hash from the snapshot's compact form; each eval marked sent at the rebuild's time."""
+    fields: dict[str, int] = {}
+    for tracker, progress in tracking.items():
+        fields[tracking_step_field(tracker)] = int(progress["step"])
+        for version in progress["evals"]:
+            fields[tracking_eval_field(tracker, int(version))] = now_ms // 1000
+    return fields
 
 
 def restore_state(store: RunStore, bucket: Bucket, config: RunConfig) -> str:

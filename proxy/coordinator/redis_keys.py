@@ -28,6 +28,8 @@ Fixed keys:
   (``quarantined`` counts them)
 - ``tracking``   hash: what the proxy sent to each experiment tracker (``proxy.tracking.forwarder``):
   ``<tracker>:step`` -> the last step record sent, ``<tracker>:eval:<version>`` -> when that eval was sent
+  (unix seconds; a rebuild writes its own time); the snapshot carries it, compacted to the cursor and the
+  sorted versions per tracker (``tracking_step_field`` / ``tracking_eval_field`` name the fields)
 - ``evals``      hash ([eval], ``proxy.coordinator.evaluations``): ``cursor`` (the next version to consider),
   ``latest`` (JSON of the newest eval summary) and ``latest_version``; per due version not yet recorded
   ``v:<version>`` (JSON: chunks left, task ids); per evaluate task in flight ``t:<task_id>`` (JSON: version,
@@ -47,6 +49,21 @@ ROLLOUT_KIND = "rollout"
 LEASE_KIND = "lease"
 STEP_KIND = "step"
 WORKER_KIND = "worker"
+
+
+def tracking_step_field(tracker: str) -> str:
+    """The ``tracking`` hash field holding the last step sent to ``tracker``."""
+    return f"{tracker}:step"
+
+
+def tracking_eval_field(tracker: str, version: int) -> str:
+    """The ``tracking`` hash field marking the eval of ``version`` as sent to ``tracker``."""
+    return tracking_eval_prefix(tracker) + str(version)
+
+
+def tracking_eval_prefix(tracker: str) -> str:
+    """What every eval field of ``tracker`` starts with (the version follows)."""
+    return f"{tracker}:eval:"
 
 
 @dataclass(frozen=True)

@@ -306,6 +306,7 @@ SNAPSHOT_JSON = LuaScript(
         "leases",
         "rollout_retention",
         "prompt_attempts",
+        "tracking",
     ),
     argv=("header_json",),
     ok={"OK": ("document",)},

@@ -3,9 +3,12 @@
 ``runs/<run>/proxy/snapshot.json`` holds what is needed to go on (invariant 6): the current version and the
 manifest sha256 of each published version, the prompt order position, the requeue line, every admitted and
 not yet trained rollout with its groups, the step in flight, the generate tasks in flight, live leases,
-the rollout retention queue and all counters. The coordinator writes it after every change that matters,
-always before it tells a worker that a rollout was admitted and before it sends any task (so a rebuilt proxy
-never hands out work twice under one name). ``proxy.coordinator.rebuild`` reads it back into an empty Redis.
+the rollout retention queue, all counters and what each experiment tracker was sent (``tracking``: per tracker
+the last step and the sorted versions of the evals sent; absent from older snapshots, which load as before).
+The coordinator writes it after every change that matters, always before it tells a worker that a rollout was
+admitted and before it sends any task (so a rebuilt proxy never hands out work twice under one name); tracker
+progress only marks a change, which the next housekeeping tick writes. ``proxy.coordinator.rebuild`` reads
+it back into an empty Redis.
 
 Writes are group commits (``SnapshotWriter``): every change that arrives while a put is running is made
 durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.

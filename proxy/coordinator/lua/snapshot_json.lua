@@ -1,12 +1,14 @@
 -- snapshot_json: read, atomically, everything a rebuild needs (no writes) as the snapshot document's JSON.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] versions  KEYS[5] requeue  KEYS[6] buffer
--- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention  KEYS[10] prompt_attempts
+-- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention  KEYS[10] prompt_attempts  KEYS[11] tracking
 -- ARGV[1] prefix  ARGV[2] header_json (the document's other fields, an object)
 -- returns {"OK", document} | {"NO_STATE"}
 --   The JSON is made here (cjson) so that the proxy neither parses nor re-encodes the whole state per write.
 --   Hashes become objects of strings; buffer = [{task_id, rollout, groups: {group_id: group}}], inflight_tasks
 --   likewise with task; step = {record, groups} or null; leases = [{lease_id, lease}]; rollout_retention =
---   {task_id: version}; prompt_attempts = {prompt_index: failed attempts, "reason:<index>": last reason}.
+--   {task_id: version}; prompt_attempts = {prompt_index: failed attempts, "reason:<index>": last reason};
+--   tracking = {tracker: {step: last step sent, evals: [versions whose eval was sent, ascending]}} (the hash's
+--   "<tracker>:step" and "<tracker>:eval:<v>" fields, without the send times: a few bytes per eval).
 --   Arrays are joined by hand: cjson writes an empty table as {}.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local function hash(k)
@@ -58,6 +60,33 @@ for _, index in ipairs(redis.call('LRANGE', KEYS[5], 0, -1)) do requeue[#requeue
 local retention = {}
 local scored = redis.call('ZRANGE', KEYS[9], 0, -1, 'WITHSCORES')
 for i = 1, #scored, 2 do retention[scored[i]] = math.floor(tonumber(scored[i + 1])) end
+local trackers, names = {}, {}
+local fields = redis.call('HGETALL', KEYS[11])
+for i = 1, #fields, 2 do
+  local name, what = string.match(fields[i], '^([^:]+):(.+)$')
+  if name then
+    if not trackers[name] then
+      trackers[name] = {step = 0, evals = {}}
+      names[#names + 1] = name
+    end
+    local version = string.match(what, '^eval:(%d+)$')
+    if what == 'step' then
+      trackers[name].step = tonumber(fields[i + 1]) or 0
+    elseif version then
+      trackers[name].evals[#trackers[name].evals + 1] = tonumber(version)
+    end
+  end
+end
+table.sort(names)
+local tracking = {}
+for _, name in ipairs(names) do
+  local progress = trackers[name]
+  table.sort(progress.evals)
+  local evals = {}
+  for _, version in ipairs(progress.evals) do evals[#evals + 1] = string.format('%d', version) end
+  tracking[#tracking + 1] = cjson.encode(name) .. ':{"step":' .. string.format('%d', progress.step)
+    .. ',"evals":' .. array(evals) .. '}'
+end
 local header = ARGV[2]
 local document = string.sub(header, 1, -2) .. (#header > 2 and ',' or '')
   .. '"state":' .. cjson.encode(hash(KEYS[1]))
@@ -70,5 +99,6 @@ local document = string.sub(header, 1, -2) .. (#header > 2 and ',' or '')
   .. ',"step":' .. step
   .. ',"leases":' .. array(leases)
   .. ',"rollout_retention":' .. cjson.encode(retention)
-  .. ',"prompt_attempts":' .. cjson.encode(hash(KEYS[10])) .. '}'
+  .. ',"prompt_attempts":' .. cjson.encode(hash(KEYS[10]))
+  .. ',"tracking":{' .. table.concat(tracking, ',') .. '}}'
 return {'OK', document}
