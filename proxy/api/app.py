@@ -332,6 +332,7 @@ def serve(
         bucket=bucket,
         registry=coordinator.metrics.registry,
         keep_going=lambda: fence.lost is None,
+        on_progress=coordinator.store.mark_changed,  # the next tick snapshots it: it survives an empty Redis
     )
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)

@@ -12,6 +12,14 @@ each eval sent), so a restarted or stand-by proxy goes on where the last one sto
 (a record is marked sent right after the tracker accepted it; a proxy killed in between sends it again). Only
 the proxy holding the run's lease forwards: the threads stop once it is lost.
 
+The progress survives an empty Redis: each advance calls ``on_progress`` (the server's: the coordinator's
+``store.mark_changed``), so the next housekeeping tick (``tick_s``) puts it in the snapshot, and a rebuild
+restores it (``proxy.coordinator.rebuild``). A tracker gets again at most what it was sent after the last
+snapshot put before Redis emptied: one tick's worth, more only while the bucket refuses snapshots. While Redis
+holds no state for the run a follower sends nothing (it would start again from step 1) and waits for the
+rebuild; a running follower never moves its cursor back (it keeps the highest step it sent and writes it
+over an older restored one).
+
 A tracker never stops the run. Every exception from it (start, log, finish) is logged as
 ``proxy.tracker_failed`` with the tracker's name and counted in ``asyncgrpo_tracker_errors_total{tracker}``;
 the follower retries after a backoff doubling from 1 s to 5 min. A record the tracker refused
@@ -33,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 from redis import Redis
 
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_keys import RunKeys, tracking_eval_field, tracking_eval_prefix, tracking_step_field
 from proxy.protocol.records import StepRecord
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
@@ -76,8 +84,10 @@ class TrackerFollower:
         run: str,
         metrics: TrackerMetrics,
         keep_going: Callable[[], bool] = lambda: True,
+        on_progress: Callable[[], object] = lambda: None,
         poll_s: float = POLL_S,
     ) -> None:
+        """``on_progress``: called after each record marked sent (the server: mark a snapshot change)."""
         self.tracker = tracker
         self.redis = redis
         self.bucket = bucket
@@ -85,7 +95,9 @@ class TrackerFollower:
         self.keys = RunKeys(run)
         self.metrics = metrics
         self.keep_going = keep_going
+        self.on_progress = on_progress
         self.poll_s = poll_s
+        self._sent_through = 0  # the highest step this follower sent: a restored older cursor never wins
         self.started = False
         self.backoff_s = 0.0
         self._attempts: dict[str, int] = {}
@@ -128,8 +140,13 @@ class TrackerFollower:
             self.started = self._call("start", self.tracker.start)
             if not self.started:
                 return 0
+        if not self.redis.exists(self.keys.state):
+            return 0  # Redis emptied: the rebuild restores the progress; until then the cursor would read 0
         sent = 0
-        cursor = self.cursor()
+        stored = self._stored_cursor()
+        cursor = max(stored, self._sent_through)
+        if cursor > stored:  # a rebuild restored an older snapshot's cursor
+            self._mark_step(cursor)
         self.metrics.step.labels(self.tracker.name).set(cursor)
         while not self._stop.is_set():
             step = cursor + 1
@@ -144,7 +161,7 @@ class TrackerFollower:
             else:
                 log.warning("proxy.tracker_step_missing", tracker=self.tracker.name, step=step)
             cursor = step
-            self.redis.hset(self.keys.tracking, self._cursor_field, cursor)
+            self._mark_step(cursor)
             self.metrics.step.labels(self.tracker.name).set(cursor)
         for version in self._evals_to_send(cursor):
             if self._stop.is_set():
@@ -156,8 +173,9 @@ class TrackerFollower:
                 ):
                     return sent
                 sent += 1
-            self.redis.hset(self.keys.tracking, f"{self.tracker.name}:eval:{version}", int(time.time()))
+            self.redis.hset(self.keys.tracking, tracking_eval_field(self.tracker.name, version), int(time.time()))
             self._evals_sent.add(version)  # type: ignore[union-attr]
+            self.on_progress()
         return sent
 
     def finish(self) -> None:
@@ -167,13 +185,14 @@ class TrackerFollower:
 
     # ---- progress and records ----
 
-    @property
-    def _cursor_field(self) -> str:
-        return f"{self.tracker.name}:step"
+    def _stored_cursor(self) -> int:
+        """The last step sent to this tracker, as Redis has it (0: none; version 0 has no record)."""
+        return int(self.redis.hget(self.keys.tracking, tracking_step_field(self.tracker.name)) or 0)
 
-    def cursor(self) -> int:
-        """The last step sent to this tracker (0: none; version 0 trained nothing and has no record)."""
-        return int(self.redis.hget(self.keys.tracking, self._cursor_field) or 0)
+    def _mark_step(self, step: int) -> None:
+        self.redis.hset(self.keys.tracking, tracking_step_field(self.tracker.name), step)
+        self._sent_through = max(self._sent_through, step)
+        self.on_progress()
 
     def _current_version(self) -> int:
         return int(self.redis.hget(self.keys.state, "current_version") or 0)
@@ -191,7 +210,7 @@ class TrackerFollower:
     def _evals_to_send(self, cursor: int) -> list[int]:
         """Evaluated versions whose step was sent (so an eval never precedes its step), not sent yet."""
         if self._evals_sent is None:
-            prefix = f"{self.tracker.name}:eval:"
+            prefix = tracking_eval_prefix(self.tracker.name)
             fields = self.redis.hkeys(self.keys.tracking)
             self._evals_sent = {int(field[len(prefix) :]) for field in fields if field.startswith(prefix)}
         versions = []
@@ -288,16 +307,25 @@ def start_forwarding(
     bucket: Bucket,
     registry: CollectorRegistry,
     keep_going: Callable[[], bool] = lambda: True,
+    on_progress: Callable[[], object] = lambda: None,
     trackers: list[Tracker] | None = None,
     poll_s: float = POLL_S,
 ) -> Forwarder:
-    """Start one follower per tracker of ``tracking.report_to`` (``trackers``: these instead, for tests)."""
+    """Start one follower per tracker of ``tracking.report_to`` (``trackers``: these instead, for tests);
+    ``on_progress``: called after each record marked sent (the server marks a snapshot change)."""
     metrics = TrackerMetrics(registry)
     if trackers is None:
         trackers = build_trackers(config, run, metrics)
     followers = [
         TrackerFollower(
-            tracker, redis=redis, bucket=bucket, run=run, metrics=metrics, keep_going=keep_going, poll_s=poll_s
+            tracker,
+            redis=redis,
+            bucket=bucket,
+            run=run,
+            metrics=metrics,
+            keep_going=keep_going,
+            on_progress=on_progress,
+            poll_s=poll_s,
         )
         for tracker in trackers
     ]
