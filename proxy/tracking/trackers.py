@@ -87,30 +87,32 @@ class TrackioTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    """Weights & Biases: the run's id is its name, resumed with ``resume="allow"``."""
+    """Weights & Biases: the run's id is its name, resumed with ``resume="allow"``; x axis ``train/global_step``."""
 
     name = "wandb"
     module = "wandb"
-    EVAL_STEP = "eval/step"
+    STEP = "train/global_step"
+    """The x axis of every metric, as transformers' WandbCallback (which TRL logs through) defines it."""
 
     def start(self) -> None:
-        self._run = self._library().init(
+        wandb = self._library()
+        self._run = wandb.init(
             project=self.run.project,
             name=self.run.name,
             id=self.run.name,
             resume="allow",
             config=self.run.config,
+            # wandb would copy the process's stdout and stderr into the run: the proxy's logs, not the training's.
+            settings=wandb.Settings(console="off"),
         )
-        # wandb drops a log at a step below its current one, and an eval result arrives after later steps:
-        # eval metrics are plotted against their own x axis, the version they evaluated.
-        self._run.define_metric(self.EVAL_STEP)
-        self._run.define_metric("eval/*", step_metric=self.EVAL_STEP)
+        # Not wandb's own step (``log(step=)``): an eval result arrives after later steps were logged, and a
+        # row logged below wandb's step is dropped, while one without a step takes the next, so two evals in a
+        # row made wandb drop the next training step. wandb numbers its rows; we plot against our step.
+        self._run.define_metric(self.STEP)
+        self._run.define_metric("*", step_metric=self.STEP, step_sync=True)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._run.log(metrics, step=step)
-
-    def log_eval(self, metrics: dict[str, float], step: int) -> None:
-        self._run.log({**metrics, self.EVAL_STEP: step})
+        self._run.log({**metrics, self.STEP: step})
 
     def finish(self) -> None:
         self._run.finish()
