@@ -1,5 +1,6 @@
 """Experiment trackers (proxy.tracking): TRL names, the adapters, and the forwarder against real Redis, a
-file:// bucket and real trackio; a tracker that raises is counted and retried and holds nothing up."""
+file:// bucket and real trackio; a tracker that raises is counted and retried and holds nothing up. wandb and
+mlflow, real and offline: tests/test_tracker_libraries.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 import typing
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,13 +25,14 @@ from proxy.storage.bucket import Bucket, open_bucket
 from proxy.tracking import forwarder as forwarder_module
 from proxy.tracking.forwarder import TrackerFollower, TrackerMetrics, build_trackers, start_forwarding
 from proxy.tracking.metric_names import eval_metrics, step_metrics
-from proxy.tracking.trackers import TRACKERS, MlflowTracker, Tracker, TrackerRun, WandbTracker, flat_params
+from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun
 from tests.tracker_doubles import trackio_config, trackio_dir, trackio_logs
 
 RUN = "r1"
 
 
-def _record(step: int, **changes: Any) -> StepRecord:
+def step_record(step: int, **changes: Any) -> StepRecord:
+    """A published step record of run ``RUN`` (also used by tests/test_tracker_libraries.py)."""
     data = {
         "run": RUN, "step": step, "version": step, "base_version": step - 1, "worker_id": "opt-1",
         "published_at": 1.7e9, "samples": 4, "groups": 1, "tokens": 18, "reward_mean": 0.25 * step,
@@ -55,7 +56,7 @@ def _record(step: int, **changes: Any) -> StepRecord:
 
 
 def test_a_step_record_is_sent_under_trl_names_and_missing_values_are_left_out() -> None:
-    metrics = step_metrics(_record(2, entropy=None))
+    metrics = step_metrics(step_record(2, entropy=None))
     assert metrics == {
         "reward": 0.5, "reward_std": 0.5, "rewards/repeat_digit/mean": 0.5, "rewards/repeat_digit/std": 0.5,
         "kl": 0.002, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.01, "clip_ratio/region_mean": 0.02,
@@ -106,77 +107,7 @@ def test_every_choice_of_report_to_has_an_adapter() -> None:
     assert set(choices) == set(TRACKERS)
 
 
-# ---- the wandb and mlflow adapters, over stand-in modules (the libraries are not installed here) ----
-
-
-class _Recorder(SimpleNamespace):
-    def __init__(self) -> None:
-        super().__init__(calls=[])
-
-    def record(self, call: str, /, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append((call, args, kwargs))
-
-
-def test_wandb_adapter_resumes_by_id_and_plots_evals_against_their_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _Recorder()
-    run = SimpleNamespace(
-        define_metric=lambda *a, **k: calls.record("define_metric", *a, **k),
-        log=lambda *a, **k: calls.record("log", *a, **k),
-        finish=lambda: calls.record("finish"),
-    )
-    fake = SimpleNamespace(init=lambda **k: calls.record("init", **k) or run)
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    assert WandbTracker.installed()
-    tracker = WandbTracker(TrackerRun(project="p", name="my-run", config={"seed": 1}))
-    tracker.start()
-    tracker.log({"reward": 0.5}, 3)
-    tracker.log_eval({"eval/pass@1": 0.25}, 2)
-    tracker.finish()
-    assert calls.calls == [
-        ("init", (), {"project": "p", "name": "my-run", "id": "my-run", "resume": "allow", "config": {"seed": 1}}),
-        ("define_metric", ("eval/step",), {}),
-        ("define_metric", ("eval/*",), {"step_metric": "eval/step"}),
-        ("log", ({"reward": 0.5},), {"step": 3}),
-        ("log", ({"eval/pass@1": 0.25, "eval/step": 2},), {}),
-        ("finish", (), {}),
-    ]
-
-
-def test_mlflow_adapter_logs_params_once_and_finds_its_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _Recorder()
-    found: list[Any] = []
-    fake = SimpleNamespace(
-        active_run=lambda: None,
-        set_experiment=lambda name: calls.record("set_experiment", name),
-        search_runs=lambda **k: calls.record("search_runs", **k) or list(found),
-        start_run=lambda **k: calls.record("start_run", **k),
-        log_params=lambda params: calls.record("log_params", params),
-        log_dict=lambda data, path: calls.record("log_dict", data, path),
-        log_metrics=lambda metrics, step: calls.record("log_metrics", metrics, step=step),
-        end_run=lambda: calls.record("end_run"),
-    )
-    monkeypatch.setitem(sys.modules, "mlflow", fake)
-    config = {"seed": 1, "optimizer": {"learning_rate": 0.002}, "tracking": {"report_to": ["mlflow"]}}
-    tracker = MlflowTracker(TrackerRun(project="p", name="my-run", config=config))
-    tracker.start()
-    tracker.log({"eval/pass@1": 0.25, "reward": 1.0}, 2)
-    tracker.finish()
-    search = {"experiment_names": ["p"], "filter_string": "tags.asyncgrpo_run = 'my-run'", "output_format": "list"}
-    assert calls.calls == [
-        ("set_experiment", ("p",), {}),
-        ("search_runs", (), search),
-        ("start_run", (), {"run_name": "my-run", "tags": {"asyncgrpo_run": "my-run"}}),
-        ("log_params", ({"seed": "1", "optimizer.learning_rate": "0.002", "tracking.report_to": "['mlflow']"},), {}),
-        ("log_dict", (config, "run_config.json"), {}),
-        ("log_metrics", ({"eval/pass_1": 0.25, "reward": 1.0},), {"step": 2}),
-        ("end_run", (), {}),
-    ]
-    calls.calls.clear()
-    found.append(SimpleNamespace(info=SimpleNamespace(run_id="abc123")))
-    tracker.start()  # a restarted proxy: the same mlflow run, params not written again
-    assert calls.calls[-1] == ("start_run", (), {"run_id": "abc123"})
-    assert not any(name == "log_params" for name, _, _ in calls.calls)
-    assert flat_params({"a": {"b": {"c": 1}}, "d": None}) == {"a.b.c": "1", "d": "None"}
+# ---- a tracker library not installed (the real wandb and mlflow: tests/test_tracker_libraries.py) ----
 
 
 def test_a_tracker_whose_library_is_missing_is_left_out_with_its_extra_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,7 +126,7 @@ def test_a_tracker_whose_library_is_missing_is_left_out_with_its_extra_named(mon
 
 def _publish(redis_client: redis.Redis, bucket: Bucket, step: int) -> None:
     """What a publish leaves for the forwarder: the step record in metrics/, the current version in Redis."""
-    bucket.put(bucket_keys.metrics_key(RUN, step), _record(step).model_dump_json().encode())
+    bucket.put(bucket_keys.metrics_key(RUN, step), step_record(step).model_dump_json().encode())
     redis_client.hset(RunKeys(RUN).state, "current_version", step)
 
 

@@ -1,18 +1,25 @@
-"""Trackers for tests: real trackio in a temporary directory, and stand-ins for the libraries not installed.
+"""Trackers for tests: real trackio in a temporary directory, what real wandb and mlflow stored read back, and a
+wandb stand-in that raises.
 
 trackio reads ``TRACKIO_DIR`` once, at import: ``trackio_dir()`` points it at one temporary directory for the
 whole test session before the first import (each test logs to a project of its own), and the end-to-end test
-hands the same directory to the proxy it starts. ``FAKE_WANDB`` is a ``wandb`` package whose ``init``
-raises, put on a real proxy's PYTHONPATH to show that a tracker that fails does not stop the run.
+hands the same directory to the proxy it starts. wandb in offline mode writes each run to a ``.wandb`` log
+that has no public reader: ``wandb_offline_runs`` reads it into wandb's own record type. ``FAKE_WANDB`` is a
+``wandb`` package whose ``init`` raises, put on a real proxy's PYTHONPATH to show that a tracker that fails
+does not stop the run.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,74 @@ def trackio_config(project: str, run: str) -> dict[str, Any] | None:
     from trackio.sqlite_storage import SQLiteStorage
 
     return SQLiteStorage.get_run_config(project, run)
+
+
+@dataclass
+class WandbOfflineRun:
+    """One offline run directory's log: the run (id, config), its metric definitions, history rows, and the
+    kinds of record it holds (``output_raw``: the process's console)."""
+
+    run_id: str
+    start_time: datetime
+    config: dict[str, Any]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    record_kinds: set[str] = field(default_factory=set)
+
+
+_BLOCK = 32 * 1024  # the LevelDB log format wandb writes: 32 KiB blocks of 7-byte-headed chunks
+_FULL, _LAST = 1, 4
+
+
+def _wandb_records(path: Path) -> list[Any]:
+    from google.protobuf.json_format import MessageToDict
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a wandb log"
+    records, chunks, position = [], b"", 7  # after the file header: ':W&B', magic, version
+    while position + 7 <= len(data):
+        left_in_block = _BLOCK - position % _BLOCK
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if left_in_block < 7 or (length == 0 and kind == 0):  # a block's zero-filled tail
+            position += left_in_block
+            continue
+        chunks += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (_FULL, _LAST):
+            record = Record()
+            record.ParseFromString(chunks)
+            records.append(MessageToDict(record, preserving_proto_field_name=True))
+            chunks = b""
+    return records
+
+
+def wandb_offline_runs(wandb_dir: Path) -> list[WandbOfflineRun]:
+    """Every offline run under ``WANDB_DIR``, oldest first, as wandb logged it (values JSON-decoded)."""
+    runs = []
+    for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        run: WandbOfflineRun | None = None
+        records = _wandb_records(path)
+        for record in records:
+            if "run" in record:
+                updates = record["run"].get("config", {}).get("update", [])
+                config = {_key(item): json.loads(item["value_json"]) for item in updates}
+                run = WandbOfflineRun(
+                    record["run"]["run_id"], datetime.fromisoformat(record["run"]["start_time"]), config
+                )
+            elif "metric" in record and run is not None:
+                run.metrics.append(record["metric"])
+            elif "history" in record and run is not None:
+                items = record["history"]["item"]
+                run.history.append({_key(item): json.loads(item["value_json"]) for item in items})
+        assert run is not None, f"{path} holds no run record"
+        run.record_kinds = {kind for record in records for kind in record}
+        runs.append(run)
+    return sorted(runs, key=lambda run: run.start_time)
+
+
+def _key(item: dict[str, Any]) -> str:
+    return item.get("key") or "/".join(item["nested_key"])
 
 
 FAKE_WANDB = '''\
