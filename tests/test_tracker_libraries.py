@@ -8,10 +8,7 @@ adapters that raise; and a library not installed (tests/test_tracking.py)."""
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,12 +17,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.run.config import RunConfig, TrackingConfig
-from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
 from proxy.tracking.forwarder import Forwarder, start_forwarding
 from proxy.tracking.trackers import RUN_TAG, MlflowTracker, WandbTracker, flat_params
-from tests.test_tracking import RUN, step_record
-from tests.tracker_doubles import wandb_offline_runs
+from tests.tracker_doubles import RUN, publish_step, put_eval, wait_until, wandb_offline_runs
 
 # The dev extra installs both; found, not imported, here: their imports take seconds, paid only by the tests.
 pytestmark = pytest.mark.skipif(
@@ -36,25 +31,6 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def bucket(tmp_path: Path) -> Bucket:
     return open_bucket(f"file://{tmp_path / 'bucket'}")
-
-
-def _publish(redis_client: redis.Redis, bucket: Bucket, *steps: int) -> None:
-    """What a publish leaves for the forwarder: the step record in metrics/, the current version in Redis."""
-    for step in steps:
-        bucket.put(bucket_keys.metrics_key(RUN, step), step_record(step).model_dump_json().encode())
-        redis_client.hset(RunKeys(RUN).state, "current_version", step)
-
-
-def _put_eval(bucket: Bucket, version: int, pass_at_1: float) -> None:
-    record = {"version": version, "metrics": {"pass@1": pass_at_1, "reward": pass_at_1}}
-    bucket.put(bucket_keys.eval_key(RUN, version), json.dumps(record).encode())
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _forward_two_sessions(tracker: str, config: RunConfig, redis_client: redis.Redis, bucket: Bucket) -> None:
@@ -71,17 +47,17 @@ def _forward_two_sessions(tracker: str, config: RunConfig, redis_client: redis.R
             config, RUN, redis=redis_client, bucket=bucket, registry=registry, poll_s=0.05
         )
 
-    _publish(redis_client, bucket, 1, 2, 3)
-    _put_eval(bucket, 0, 0.125)
-    _put_eval(bucket, 2, 0.5)
+    publish_step(redis_client, bucket, 1, 2, 3)
+    put_eval(bucket, 0, {"pass@1": 0.125, "reward": 0.125})
+    put_eval(bucket, 2, {"pass@1": 0.5, "reward": 0.5})
     registry, forwarder = start()
-    _wait(lambda: redis_client.hexists(keys.tracking, f"{tracker}:eval:2"), "steps 1-3 and both evals sent")
-    _publish(redis_client, bucket, 4)
-    _wait(lambda: cursor() == 4, "step 4 sent")
+    wait_until(lambda: redis_client.hexists(keys.tracking, f"{tracker}:eval:2"), "steps 1-3 and both evals sent")
+    publish_step(redis_client, bucket, 4)
+    wait_until(lambda: cursor() == 4, "step 4 sent")
     forwarder.stop()
-    _publish(redis_client, bucket, 5)
+    publish_step(redis_client, bucket, 5)
     registry, forwarder = start()
-    _wait(lambda: cursor() == 5, "step 5 sent by the restarted forwarder")
+    wait_until(lambda: cursor() == 5, "step 5 sent by the restarted forwarder")
     forwarder.stop()
     assert registry.get_sample_value("asyncgrpo_tracker_errors_total", {"tracker": tracker}) == 0
 

@@ -4,7 +4,6 @@ mlflow, real and offline: tests/test_tracker_libraries.py."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import typing
@@ -18,39 +17,22 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.protocol.records import StepRecord
 from proxy.run.config import ConfigError, RunConfig, TrackingConfig, parse_run_config
-from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, open_bucket
 from proxy.tracking import forwarder as forwarder_module
 from proxy.tracking.forwarder import TrackerFollower, TrackerMetrics, build_trackers, start_forwarding
 from proxy.tracking.metric_names import eval_metrics, step_metrics
 from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun
-from tests.tracker_doubles import trackio_config, trackio_dir, trackio_logs
-
-RUN = "r1"
-
-
-def step_record(step: int, **changes: Any) -> StepRecord:
-    """A published step record of run ``RUN`` (also used by tests/test_tracker_libraries.py)."""
-    data = {
-        "run": RUN, "step": step, "version": step, "base_version": step - 1, "worker_id": "opt-1",
-        "published_at": 1.7e9, "samples": 4, "groups": 1, "tokens": 18, "reward_mean": 0.25 * step,
-        "reward_std": 0.5, "rewards_by_name": {"repeat_digit": 0.25 * step, "format": None},
-        "rewards_std_by_name": {"repeat_digit": 0.5, "format": None}, "completion_length_mean": 4.5,
-        "truncated_fraction": 0.25, "staleness": [1], "max_staleness": 1, "ratio": 1.0, "rescore_ratio": 0.999,
-        "kl": 0.002, "entropy": 1.25, "clip_low": 0.0, "clip_high": 0.01, "clip_region": 0.02, "loss": 0.1,
-        "grad_norm": 0.5, "lr": 1e-3,
-        "updates": [{"update": 2 * step - 1, "loss": 0.1, "ratio": 1.0, "kl": 0.002, "clip_low": 0.0,
-                     "clip_high": 0.01, "clip_region": 0.02, "entropy": 1.25, "grad_norm": 0.5, "lr": 1e-3,
-                     "tokens": 18, "sequences": 4, "micro_batches": 1, "forward_backward_s": 0.2,
-                     "optimizer_s": 0.01}],
-        "rollouts": [{"task_id": "t1", "version": step - 1, "worker_id": "gen-1", "ratio": 1.0,
-                      "group_ids": ["t1.0"], "prompt_indices": [4], "samples": 4}],
-        "flagged_rollouts": [], "timings": {"fetch_s": 0.01, "step_s": 0.9},
-    }  # fmt: skip
-    return StepRecord.model_validate({**data, **changes})
-
+from tests.tracker_doubles import (
+    RUN,
+    publish_step,
+    put_eval,
+    step_record,
+    trackio_config,
+    trackio_dir,
+    trackio_logs,
+    wait_until,
+)
 
 # ---- names ----
 
@@ -124,24 +106,6 @@ def test_a_tracker_whose_library_is_missing_is_left_out_with_its_extra_named(mon
 # ---- the forwarder: real Redis, a file:// bucket, real trackio ----
 
 
-def _publish(redis_client: redis.Redis, bucket: Bucket, step: int) -> None:
-    """What a publish leaves for the forwarder: the step record in metrics/, the current version in Redis."""
-    bucket.put(bucket_keys.metrics_key(RUN, step), step_record(step).model_dump_json().encode())
-    redis_client.hset(RunKeys(RUN).state, "current_version", step)
-
-
-def _put_eval(bucket: Bucket, version: int, metrics: dict[str, float]) -> None:
-    key = f"{bucket_keys.run_prefix(RUN)}evals/v{version:08d}.json"
-    bucket.put(key, json.dumps({"version": version, "metrics": metrics}).encode())
-
-
-def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _cursor(redis_client: redis.Redis, tracker: str) -> int:
     return int(redis_client.hget(RunKeys(RUN).tracking, f"{tracker}:step") or 0)
 
@@ -158,10 +122,10 @@ def test_trackio_receives_steps_and_evals_in_order_once_across_a_restart(
     project = f"test-{uuid.uuid4().hex[:8]}"
     config = RunConfig(tracking=TrackingConfig(report_to=["trackio"], project=project))
     for step in (1, 2, 3):
-        _publish(redis_client, bucket, step)
-    _put_eval(bucket, 0, {"pass@1": 0.125})
-    _put_eval(bucket, 2, {"pass@1": 0.5})
-    _put_eval(bucket, 9, {"pass@1": 0.9})  # a version whose step is not sent yet: waits for it
+        publish_step(redis_client, bucket, step)
+    put_eval(bucket, 0, {"pass@1": 0.125})
+    put_eval(bucket, 2, {"pass@1": 0.5})
+    put_eval(bucket, 9, {"pass@1": 0.9})  # a version whose step is not sent yet: waits for it
 
     def start() -> Any:
         registry = CollectorRegistry()
@@ -170,16 +134,16 @@ def test_trackio_receives_steps_and_evals_in_order_once_across_a_restart(
         )
 
     registry, forwarder = start()
-    _wait(lambda: _cursor(redis_client, "trackio") == 3, "steps 1-3 sent")
-    _wait(lambda: redis_client.hexists(RunKeys(RUN).tracking, "trackio:eval:2"), "eval of version 2 sent")
+    wait_until(lambda: _cursor(redis_client, "trackio") == 3, "steps 1-3 sent")
+    wait_until(lambda: redis_client.hexists(RunKeys(RUN).tracking, "trackio:eval:2"), "eval of version 2 sent")
     forwarder.stop()  # finishes the trackio run: its queue is flushed to the database
     assert registry.get_sample_value("asyncgrpo_tracker_step", {"tracker": "trackio"}) == 3
     assert registry.get_sample_value("asyncgrpo_tracker_errors_total", {"tracker": "trackio"}) == 0
 
     # A restarted proxy: the same trackio run goes on from step 4, nothing sent twice.
-    _publish(redis_client, bucket, 4)
+    publish_step(redis_client, bucket, 4)
     registry, forwarder = start()
-    _wait(lambda: _cursor(redis_client, "trackio") == 4, "step 4 sent")
+    wait_until(lambda: _cursor(redis_client, "trackio") == 4, "step 4 sent")
     forwarder.stop()
 
     rows = trackio_logs(project, RUN)
@@ -237,7 +201,7 @@ def test_a_failing_tracker_is_counted_retried_and_holds_nothing_up(
     project = f"test-{uuid.uuid4().hex[:8]}"
     config = RunConfig(tracking=TrackingConfig(report_to=["trackio"], project=project))
     for step in (1, 2, 3):
-        _publish(redis_client, bucket, step)
+        publish_step(redis_client, bucket, step)
     registry = CollectorRegistry()
     metrics = TrackerMetrics(registry)
     flaky, hung = _FlakyTracker(), _HungTracker()
@@ -248,7 +212,7 @@ def test_a_failing_tracker_is_counted_retried_and_holds_nothing_up(
     ]
     with structlog.testing.capture_logs() as logs:
         forwarder = forwarder_module.Forwarder(followers).start()
-        _wait(lambda: _cursor(redis_client, "flaky") == 3 and _cursor(redis_client, "trackio") == 3, "steps sent")
+        wait_until(lambda: _cursor(redis_client, "flaky") == 3 and _cursor(redis_client, "trackio") == 3, "steps sent")
         assert all(follower.alive() for follower in followers)
         started = time.monotonic()
         forwarder.stop(timeout_s=1)

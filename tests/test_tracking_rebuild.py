@@ -26,10 +26,8 @@ from proxy.storage.bucket import Bucket
 from proxy.tracking.forwarder import Forwarder, TrackerFollower, TrackerMetrics, start_forwarding
 from proxy.tracking.trackers import Tracker, TrackerRun
 from tests.proxy_harness import ManualClock, advance_version, file_bucket, make_coordinator, publish_next
-from tests.test_tracking import _put_eval, _record, _wait
-from tests.tracker_doubles import trackio_dir, trackio_logs
+from tests.tracker_doubles import RUN, put_eval, step_record, trackio_dir, trackio_logs, wait_until
 
-RUN = "r1"
 POLL_S = 0.05
 
 
@@ -41,7 +39,7 @@ def bucket(tmp_path: Path) -> Bucket:
 def _publish_with_record(coord: Coordinator, submitted: set[str]) -> int:
     """Publish the next version and leave its step record in metrics/ (fake versions carry none to copy)."""
     version = advance_version(coord, submitted)
-    coord.bucket.put(bucket_keys.metrics_key(RUN, version), _record(version).model_dump_json().encode())
+    coord.bucket.put(bucket_keys.metrics_key(RUN, version), step_record(version).model_dump_json().encode())
     return version
 
 
@@ -68,8 +66,8 @@ def test_trackio_gets_nothing_twice_after_redis_is_flushed_and_rebuilt(
     publish_next(coord)  # version 0: no record
     for _ in range(3):
         _publish_with_record(coord, submitted)
-    _put_eval(bucket, 0, {"pass@1": 0.125})
-    _put_eval(bucket, 2, {"pass@1": 0.5})
+    put_eval(bucket, 0, {"pass@1": 0.125})
+    put_eval(bucket, 2, {"pass@1": 0.5})
 
     def start(owner: Coordinator) -> Forwarder:
         return start_forwarding(
@@ -85,8 +83,8 @@ def test_trackio_gets_nothing_twice_after_redis_is_flushed_and_rebuilt(
     first = start(coord)
     second: Forwarder | None = None
     try:
-        _wait(lambda: _tracking(redis_client, coord).get("trackio:step") == "3", "steps 1-3 sent")
-        _wait(lambda: "trackio:eval:2" in _tracking(redis_client, coord), "eval of version 2 sent")
+        wait_until(lambda: _tracking(redis_client, coord).get("trackio:step") == "3", "steps 1-3 sent")
+        wait_until(lambda: "trackio:eval:2" in _tracking(redis_client, coord), "eval of version 2 sent")
         assert coord.write_snapshot(), "the forwarder's progress marked a snapshot change"
         snapshot = load_snapshot(bucket, RUN)
         assert snapshot is not None and snapshot["tracking"] == {"trackio": {"step": 3, "evals": [0, 2]}}
@@ -104,8 +102,8 @@ def test_trackio_gets_nothing_twice_after_redis_is_flushed_and_rebuilt(
         # A new proxy's forwarder goes on from the restored progress: only version 4 and its eval go out.
         second = start(fresh)
         _publish_with_record(fresh, submitted)
-        _put_eval(bucket, 4, {"pass@1": 0.75})
-        _wait(lambda: "trackio:eval:4" in _tracking(redis_client, fresh), "step 4 and its eval sent")
+        put_eval(bucket, 4, {"pass@1": 0.75})
+        wait_until(lambda: "trackio:eval:4" in _tracking(redis_client, fresh), "step 4 and its eval sent")
     finally:  # stopping finishes the trackio run (its rows are flushed); a failed check leaves no thread behind
         first.stop()
         if second is not None:

@@ -18,10 +18,19 @@ import shutil
 import struct
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import redis
+
+from proxy.coordinator.redis_keys import RunKeys
+from proxy.protocol.records import StepRecord
+from proxy.storage import bucket_keys
+from proxy.storage.bucket import Bucket
 
 _SESSION_DIR: list[Path] = []
 
@@ -136,3 +145,48 @@ def write_fake_wandb(folder: Path) -> Path:
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(FAKE_WANDB)
     return folder
+
+
+# ---- what a run leaves for the forwarder: step records, eval records, the current version ----
+
+RUN = "r1"
+
+
+def step_record(step: int, **changes: Any) -> StepRecord:
+    """A published step record of run ``RUN`` (also used by tests/test_tracker_libraries.py)."""
+    data = {
+        "run": RUN, "step": step, "version": step, "base_version": step - 1, "worker_id": "opt-1",
+        "published_at": 1.7e9, "samples": 4, "groups": 1, "tokens": 18, "reward_mean": 0.25 * step,
+        "reward_std": 0.5, "rewards_by_name": {"repeat_digit": 0.25 * step, "format": None},
+        "rewards_std_by_name": {"repeat_digit": 0.5, "format": None}, "completion_length_mean": 4.5,
+        "truncated_fraction": 0.25, "staleness": [1], "max_staleness": 1, "ratio": 1.0, "rescore_ratio": 0.999,
+        "kl": 0.002, "entropy": 1.25, "clip_low": 0.0, "clip_high": 0.01, "clip_region": 0.02, "loss": 0.1,
+        "grad_norm": 0.5, "lr": 1e-3,
+        "updates": [{"update": 2 * step - 1, "loss": 0.1, "ratio": 1.0, "kl": 0.002, "clip_low": 0.0,
+                     "clip_high": 0.01, "clip_region": 0.02, "entropy": 1.25, "grad_norm": 0.5, "lr": 1e-3,
+                     "tokens": 18, "sequences": 4, "micro_batches": 1, "forward_backward_s": 0.2,
+                     "optimizer_s": 0.01}],
+        "rollouts": [{"task_id": "t1", "version": step - 1, "worker_id": "gen-1", "ratio": 1.0,
+                      "group_ids": ["t1.0"], "prompt_indices": [4], "samples": 4}],
+        "flagged_rollouts": [], "timings": {"fetch_s": 0.01, "step_s": 0.9},
+    }  # fmt: skip
+    return StepRecord.model_validate({**data, **changes})
+
+
+def publish_step(redis_client: redis.Redis, bucket: Bucket, *steps: int) -> None:
+    """What a publish leaves for the forwarder: the step record in metrics/, the current version in Redis."""
+    for step in steps:
+        bucket.put(bucket_keys.metrics_key(RUN, step), step_record(step).model_dump_json().encode())
+        redis_client.hset(RunKeys(RUN).state, "current_version", step)
+
+
+def put_eval(bucket: Bucket, version: int, metrics: dict[str, float]) -> None:
+    """The eval record the proxy writes for ``version`` (only its ``metrics`` reach a tracker)."""
+    bucket.put(bucket_keys.eval_key(RUN, version), json.dumps({"version": version, "metrics": metrics}).encode())
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
