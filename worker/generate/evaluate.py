@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Cancelled, NotHolder, ProxyError
+from proxy.protocol.errors import Cancelled, NotHolder
 from proxy.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
 from proxy.run.config import RunConfig
 from proxy.storage import bucket_keys
@@ -27,7 +27,7 @@ from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend, GenerationResult
-from worker.generate.job import LeaseKeeper, report_corrupt_object
+from worker.generate.job import LeaseKeeper, release_quietly, report_corrupt_object
 from worker.generate.prompt_format import fed_prompts
 
 log = structlog.get_logger()
@@ -111,7 +111,7 @@ def run_evaluate_task(
         # Recorded by another copy of the task, or given up meanwhile, or our lease lapsed and the task went to
         # another worker: the proxy changed nothing, and its own timeouts cover the task.
         log.info("generate.eval_result_refused", task_id=task_id, reason=str(error))
-        _release_quietly(client, grant.lease_id)
+        release_quietly(client, grant.lease_id)
         return EvaluateResult(task_id, "ended", grant.version)
     reward_mean = summary.reward_sum / summary.completions if summary.completions else None
     return EvaluateResult(
@@ -189,10 +189,3 @@ def summarize(
         completion_tokens=tokens,
         examples=examples,
     )
-
-
-def _release_quietly(client: ProxyClient, lease_id: str) -> None:
-    try:
-        client.release(lease_id)
-    except ProxyError as error:  # the lease's TTL is the backstop
-        log.info("generate.lease_release_failed", lease_id=lease_id, error=str(error))

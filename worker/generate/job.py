@@ -364,7 +364,7 @@ def _submit(
         log.warning("generate.rollout_not_holder", task_id=task_id, error=str(error))
         status = "not_holder"
         if lease_id is not None:
-            _release_quietly(client, lease_id)
+            release_quietly(client, lease_id)
     timings = timings.model_copy(update={"task_s": time.perf_counter() - started})
     return GenerateResult(
         task_id=task_id,
@@ -379,7 +379,7 @@ def _submit(
     )
 
 
-def _release_quietly(client: ProxyClient, lease_id: str) -> None:
+def release_quietly(client: ProxyClient, lease_id: str) -> None:
     try:
         client.release(lease_id)
     except ProxyError as error:  # the lease's TTL is the backstop

@@ -22,6 +22,8 @@ from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, Rep
 from proxy.protocol.staleness import StaleRolloutError
 from proxy.storage.bucket import BucketError, ObjectNotFound
 from proxy.storage.manifest import IntegrityError
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import run_generate_task
 from worker.optimize import held_version
@@ -30,7 +32,7 @@ from worker.optimize.job import OptimizeResult, run_initialize, run_optimize_ste
 from worker.process import metrics as worker_metrics
 from worker.process import preemption, result_metrics
 from worker.process.celery_app import app
-from worker.process.runtime import WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
+from worker.process.runtime import RunContext, WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
 from worker.process.settings import load_worker_settings
 from worker.process.task_failure import report_task_failure
 
@@ -154,10 +156,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        with runtime.adapter_lock:  # the prefetcher may be building them right now
-            context = runtime.run_context(message.run)
-            backend = runtime.generation_backend(context)
-            adapter_cache = runtime.adapter_cache(context)
+        context, backend, adapter_cache = _generation_parts(runtime, message.run)
         settings = runtime.settings
         worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
         result = run_generate_task(
@@ -176,15 +175,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         result_metrics.observe_generate_task(result)
         return result.summary()
 
-    try:
-        return _run("generate", message.task_id, body, run=message.run, task_id=message.task_id)
-    except (Reject, *TRANSIENT_ERRORS):
-        raise  # back to the queue (preemption) or retried (proxy restarting, bucket briefly away)
-    except Exception as error:
-        # Failed for good (already logged and counted by _task_scope): the proxy cancels it and counts the
-        # attempt now; the message is acked, with no retry loop (invariant 9).
-        runtime = get_runtime("generate")
-        return report_task_failure(runtime.client, message.task_id, runtime.settings.worker_id, error)
+    return _run_generate_role(message.task_id, body, run=message.run, task_id=message.task_id)
 
 
 @app.task(name=EVALUATE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
@@ -195,10 +186,7 @@ def evaluate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        with runtime.adapter_lock:  # the prefetcher may be building them right now
-            context = runtime.run_context(message.run)
-            backend = runtime.generation_backend(context)
-            adapter_cache = runtime.adapter_cache(context)
+        context, backend, adapter_cache = _generation_parts(runtime, message.run)
         result = run_evaluate_task(
             task_id=message.task_id,
             config=context.config,
@@ -211,14 +199,29 @@ def evaluate(**payload: Any) -> dict[str, Any]:
         )
         return result.summary()
 
+    return _run_generate_role(
+        message.task_id, body, run=message.run, task_id=message.task_id, version=message.version
+    )
+
+
+def _generation_parts(runtime: WorkerRuntime, run: str) -> tuple[RunContext, GenerationBackend, AdapterCache]:
+    """The run's context, backend and adapter cache, built on first use."""
+    with runtime.adapter_lock:  # the prefetcher may be building them right now
+        context = runtime.run_context(run)
+        return context, runtime.generation_backend(context), runtime.adapter_cache(context)
+
+
+def _run_generate_role(task_id: str, body: Callable[[WorkerRuntime], dict[str, Any]], **context: Any) -> dict:
+    """A generate or evaluate task: preemption and transient failures go back to Celery; a failure for good is
+    reported, so the proxy sends the work again or counts the attempt now, and the message is acked with no
+    retry loop (invariant 9)."""
     try:
-        context = {"run": message.run, "task_id": message.task_id, "version": message.version}
-        return _run("generate", message.task_id, body, **context)
+        return _run("generate", task_id, body, **context)
     except (Reject, *TRANSIENT_ERRORS):
-        raise
-    except Exception as error:
+        raise  # back to the queue (preemption) or retried (proxy restarting, bucket briefly away)
+    except Exception as error:  # already logged and counted by _task_scope
         runtime = get_runtime("generate")
-        return report_task_failure(runtime.client, message.task_id, runtime.settings.worker_id, error)
+        return report_task_failure(runtime.client, task_id, runtime.settings.worker_id, error)
 
 
 def _report_step_failure(runtime: WorkerRuntime, message: OptimizeTaskMessage, error: Exception) -> dict | None:
