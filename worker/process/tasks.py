@@ -175,7 +175,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         result_metrics.observe_generate_task(result)
         return result.summary()
 
-    return _run_generate_role(message.task_id, body, run=message.run, task_id=message.task_id)
+    return _run_generate_role(body, run=message.run, task_id=message.task_id)
 
 
 @app.task(name=EVALUATE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
@@ -199,9 +199,7 @@ def evaluate(**payload: Any) -> dict[str, Any]:
         )
         return result.summary()
 
-    return _run_generate_role(
-        message.task_id, body, run=message.run, task_id=message.task_id, version=message.version
-    )
+    return _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
 
 
 def _generation_parts(runtime: WorkerRuntime, run: str) -> tuple[RunContext, GenerationBackend, AdapterCache]:
@@ -211,12 +209,12 @@ def _generation_parts(runtime: WorkerRuntime, run: str) -> tuple[RunContext, Gen
         return context, runtime.generation_backend(context), runtime.adapter_cache(context)
 
 
-def _run_generate_role(task_id: str, body: Callable[[WorkerRuntime], dict[str, Any]], **context: Any) -> dict:
+def _run_generate_role(body: Callable[[WorkerRuntime], dict[str, Any]], *, task_id: str, **context: Any) -> dict:
     """A generate or evaluate task: preemption and transient failures go back to Celery; a failure for good is
     reported, so the proxy sends the work again or counts the attempt now, and the message is acked with no
     retry loop (invariant 9)."""
     try:
-        return _run("generate", task_id, body, **context)
+        return _run("generate", task_id, body, task_id=task_id, **context)
     except (Reject, *TRANSIENT_ERRORS):
         raise  # back to the queue (preemption) or retried (proxy restarting, bucket briefly away)
     except Exception as error:  # already logged and counted by _task_scope
