@@ -151,7 +151,10 @@ def test_gpu_recipe_validates_and_matches_the_reference_run() -> None:
     assert config.async_.max_staleness == 4
     assert [reward.name for reward in config.rewards] == ["math_verify"]
     assert config.sampling.backend == "vllm"
-    assert config.dataset.path is not None and config.dataset.path.endswith((".jsonl", ".parquet"))
+    # A Hub dataset, nothing to build by hand; a held-out split for evaluation, templated like training.
+    assert (config.dataset.hub_id, config.dataset.split) == ("DigitalLearningGmbH/MATH-lighteval", "train")
+    assert (config.eval.dataset.hub_id, config.eval.dataset.split) == ("DigitalLearningGmbH/MATH-lighteval", "test")
+    assert config.dataset.chat_templated and config.eval.dataset.chat_templated and config.eval.every_versions > 0
     settings = vllm_engine_settings(config)
     assert (settings["max_loras"], settings["max_model_len"]) == (6, 4096)
     assert round_up_lora_rank(settings["max_lora_rank"], VLLM_RANKS) == 1

@@ -134,6 +134,11 @@ FAKE_WANDB = '''\
 """A wandb stand-in whose every call raises, as a tracker with a wrong key or no network would."""
 
 
+class Settings:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
 def init(**kwargs):
     raise RuntimeError("fake wandb: init refused")
 '''
