@@ -101,3 +101,27 @@ def test_a_second_call_keeps_the_first_stream(monkeypatch: pytest.MonkeyPatch) -
     assert replaced.getvalue() == ""
     (line,) = json_lines(first)
     assert line["worker"] == "w-7" and line["event"] == "worker ready"
+
+
+@pytest.mark.parametrize("log_format", ["json", "console"])
+def test_a_logged_traceback_names_the_error_but_not_the_frames_locals(
+    monkeypatch: pytest.MonkeyPatch, log_format: str
+) -> None:
+    # A request handler's locals hold the bearer token and the request body: they never reach the log.
+    monkeypatch.delenv("ASYNCGRPO_LOG_FORMAT", raising=False)
+    stream = io.StringIO()
+    configure_logging(stream=stream, log_format=log_format, role="proxy")
+
+    secret, private = "-".join(["secret", "token", "0123456789abcdef"]), " ".join(["private", "prompt"])
+
+    def handler(token: str) -> None:
+        body = {"prompt": private}
+        raise ValueError(f"bad body with {len(body)} keys")
+
+    try:
+        handler(secret)  # the source lines a traceback shows name the variables, not their values
+    except ValueError as error:
+        structlog.get_logger().error("proxy.request_failed", exc_info=error)
+    text = stream.getvalue()
+    assert "ValueError" in text and "bad body with 1 keys" in text and "handler" in text
+    assert secret not in text and private not in text

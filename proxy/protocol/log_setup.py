@@ -20,6 +20,7 @@ import sys
 from typing import IO, Any
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 from proxy.protocol.settings import LogSettings
@@ -112,11 +113,13 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer(sort_keys=False, default=str)
         final: list[Processor] = [
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.dict_tracebacks,
+            # Tracebacks without the frames' local variables: those hold bearer tokens, request bodies and
+            # prompts, and walking them (structlog's default) costs a request handler its time.
+            structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
             renderer,
         ]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        renderer = structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
         final = [structlog.processors.StackInfoRenderer(), renderer]
 
     formatter = structlog.stdlib.ProcessorFormatter(
