@@ -1,5 +1,7 @@
 """Fixtures live in role-named plugin modules; this file loads them, and sets how this process logs."""
 
+import sys
+
 import structlog
 
 pytest_plugins = [
@@ -10,11 +12,15 @@ pytest_plugins = [
     "tests.e2e_harness",
 ]
 
-# Proxies served inside the test process log through structlog's default console renderer; like the real
-# processes (proxy.protocol.log_setup), it prints tracebacks without walking every frame's locals.
+# Proxies served inside the test process log from their server threads. structlog's default logger writes to
+# whatever sys.stdout is when it logs, which pytest and schemathesis swap for a capture stream per test and
+# per subtest and then close: a server thread writing into a stream the main thread is closing crashed the
+# interpreter. The process's own stderr stays open (pytest still captures it at the file descriptor), and
+# tracebacks leave out the frames' locals, as in the real processes (proxy.protocol.log_setup).
 structlog.configure(
     processors=[
         *structlog.get_config()["processors"][:-1],
-        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
-    ]
+        structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback),
+    ],
+    logger_factory=structlog.PrintLoggerFactory(sys.__stderr__),
 )
