@@ -95,6 +95,26 @@ def test_run_stops_at_its_final_version(redis_client: Redis, tmp_path: Path) -> 
     assert len(coord.dispatcher.generate) == sent_before and coord.current_version() == 2
 
 
+def test_no_step_is_claimed_from_the_final_version_even_past_the_ticks_own_check(
+    redis_client: Redis, tmp_path: Path
+) -> None:
+    # The tick reads "not finished", a publish of the final version lands from a request thread, then the tick
+    # claims: the claim itself must refuse (a clean-clone CI run trained step 9 of an 8-step run this way).
+    config = small_config().model_copy(
+        update={"optimizer": small_config().optimizer.model_copy(update={"total_steps": 2})}
+    )
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config)
+    started(coord)
+    submitted: set[str] = set()
+    assert advance_version(coord, submitted) == 1
+    assert advance_version(coord, submitted) == 2
+    submit_pending(coord, submitted)
+    submit_pending(coord, submitted)
+    assert coord.status().groups_buffered >= config.async_.groups_per_step  # a full step's worth is waiting
+    assert coord.claim_step() is None  # what the tick calls after its own check
+    assert coord.status().step_inflight is None and coord.current_version() == 2
+
+
 def test_prompt_order_is_a_seeded_permutation_per_epoch(redis_client: Redis, tmp_path: Path) -> None:
     config = small_config(seed=7, groups_per_task=2, groups_per_step=2, queue_maxsize=12, adaptive_inflight=False)
     coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, num_prompts=5)

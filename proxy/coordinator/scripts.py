@@ -165,7 +165,7 @@ SUBMIT_ROLLOUT = LuaScript(
 CLAIM_STEP = LuaScript(
     name="claim_step",
     keys=("state", "counters", "requeue", "buffer", "rollout_retention"),
-    argv=("now_ms", "groups_needed", "max_staleness", "record_ttl_s", "track"),
+    argv=("now_ms", "groups_needed", "max_staleness", "record_ttl_s", "track", "final_version"),
     ok={"OK": ("step", "base_version", "rollouts_json", "claimed", "dropped")},
     fields={"NOT_READY": ("why", "dropped")},
     errors={"NOT_READY": Refusal(StepNotReady, "no step claimed: {why}", passed=("dropped",)), **_NO_STATE},

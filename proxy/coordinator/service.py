@@ -125,7 +125,9 @@ class Coordinator(Housekeeping):
         self.heartbeats = Workers(self.store, worker_alive_s)
         self.sending = StepSending(self.store, config.async_, worker_alive_s)
         self.versions = Versions(self.store, bucket, self.sending)
-        self.steps = Steps(self.store, config.async_, bucket, self.snapshots, self.metrics, self.versions)
+        self.steps = Steps(
+            self.store, config.async_, bucket, self.snapshots, self.metrics, self.versions, config.final_version
+        )
         self.step_failures = StepFailures(self.store, config.async_, self.sending, self.versions)
         self.evals = Evaluations(self.store, config, bucket, num_eval_prompts)
         self.retention = Retention(

@@ -51,8 +51,10 @@ class Steps:
         snapshots: SnapshotWriter,
         metrics: ProxyMetrics,
         versions: Versions,
+        final_version: int,
     ) -> None:
         self.versions = versions
+        self.final_version = final_version  # no step is claimed from it: the run ends there
         self.store = store
         self.config = async_config
         self.bucket = bucket
@@ -72,6 +74,7 @@ class Steps:
                 max_staleness=cfg.max_staleness,
                 record_ttl_s=store.record_ttl_s,
                 track=track_flag(cfg),
+                final_version=self.final_version,
             )
         except StepNotReady as not_ready:
             if not_ready.dropped:

@@ -3,6 +3,8 @@
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] buffer  KEYS[5] rollout_retention
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] groups_needed  ARGV[4] max_staleness  ARGV[5] record_ttl_s
 -- ARGV[6] track: rollouts for retention ("1") or keep them all ("0")
+-- ARGV[7] final_version: the run ends there, so no step is claimed from it (checked here, atomically with the
+--   claim: a publish may land between the caller's own check and this script)
 -- returns {"OK", step, base_version, rollouts_json, claimed, dropped}
 --   claimed = "version:admitted_ms:groups,..." per claimed rollout
 --   | {"NOT_READY", why, dropped} | {"NO_STATE"}
@@ -17,6 +19,7 @@ if current < 0 then
   redis.call('HINCRBY', KEYS[2], 'steps_claimed', 1)
   return {'OK', 0, -1, '[]', '', 0}
 end
+if current >= tonumber(ARGV[7]) then return {'NOT_READY', 'the run reached its final version', 0} end
 local dropped = 0
 for _, tid in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
   local rk = key(ROLLOUT, tid)
