@@ -9,6 +9,7 @@ from typing import Any
 from redis import Redis
 
 from proxy.coordinator.dispatch import RecordingDispatcher
+from proxy.coordinator.proxy_lease import ProxyFence
 from proxy.coordinator.service import Coordinator
 from proxy.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
 from proxy.run.config import RunConfig
@@ -50,8 +51,10 @@ def make_coordinator(
     clock: ManualClock | None = None,
     dispatcher: RecordingDispatcher | None = None,
     require_generate_worker: bool = False,
+    fence: ProxyFence | None = None,
 ) -> Coordinator:
-    """``require_generate_worker`` off by default: these tests send no heartbeats."""
+    """``require_generate_worker`` off by default: these tests send no heartbeats. ``fence``: the proxy
+    lease this coordinator holds (unfenced by default)."""
     return Coordinator(
         redis_client,
         bucket,
@@ -63,6 +66,7 @@ def make_coordinator(
         config_sha256="0" * 64,
         prompts_sha256="1" * 64,
         require_generate_worker=require_generate_worker,
+        fence=fence,
     )
 
 

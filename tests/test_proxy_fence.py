@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from redis import Redis
 
+from proxy.api.app import create_app
 from proxy.api.fencing import ProxyStartupError, check_conditional_writes, check_eviction_policy, take_lease
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.proxy_lease import FenceLost, ProxyFence, ProxyLeaseHeld
@@ -24,6 +26,7 @@ from proxy.coordinator.snapshot import SnapshotCorrupt, load_snapshot, snapshot_
 from proxy.storage import bucket_keys
 from proxy.storage.bucket import Bucket, ObjectExists
 from proxy.storage.manifest import write_version
+from tests.fixtures_coordinator import API_TOKEN
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, small_config, submission
 from tests.test_rebuild import busy_run, claim_step_3, restart
@@ -82,6 +85,26 @@ def test_snapshot_write_refused_after_losing_the_lease(redis_client: Redis, buck
         coord.write_snapshot(force=True)
     assert bucket.get(SNAPSHOT) == before, "the old proxy's write never reached the bucket"
     assert coord.fence is not None and coord.fence.lost is not None
+
+
+def test_a_deposed_proxy_refuses_changes_but_answers_reads_and_unknown_methods(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    """Once a stand-by holds the run, the old proxy answers every change 503 (the client retries, reaching the
+    new one), reads as before, and a method no route takes 405 like any proxy (it answered 503 before)."""
+    coord = fenced(redis_client, bucket, clock)
+    coord.tick()
+    redis_client.delete(coord.keys.proxy_lease)
+    ProxyFence(redis_client, "r1").acquire()  # a stand-by took over
+    with pytest.raises(FenceLost):
+        coord.fence.confirm()  # type: ignore[union-attr]
+    auth = {"Authorization": f"Bearer {API_TOKEN}"}
+    with TestClient(create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_lease=lambda: None)) as http:
+        lease = http.post("/v1/leases", json={"worker_id": "gen-1", "task_id": "t-1"}, headers=auth)
+        assert lease.status_code == 503 and lease.json()["error"] == "unavailable"
+        assert "lost the run's lease" in lease.json()["detail"]
+        assert http.get("/v1/status", headers=auth).status_code == 200
+        assert http.request("TRACE", "/v1/status", headers=auth).status_code == 405
 
 
 def test_snapshot_of_a_higher_epoch_is_never_overwritten(

@@ -142,11 +142,15 @@ def start_checks(redis: Redis, bucket: Bucket, run: str, settings: ProxySettings
     return fence
 
 
+CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
 def lease_guard(fence: ProxyFence | None, refuse: Callable[[str], Response]) -> Callable[..., Any]:
     """An HTTP middleware: once the lease is lost, every state-changing request is refused (``refuse``)."""
 
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if fence is not None and fence.lost is not None and request.method not in ("GET", "HEAD"):
+        # Only the methods of state-changing routes: any other one is routed on, to be answered 405 or 404.
+        if fence is not None and fence.lost is not None and request.method in CHANGING_METHODS:
             return refuse(f"this proxy lost the run's lease to {fence.lost.describe()}; retry shortly")
         return await call_next(request)
 

@@ -27,6 +27,7 @@ import json
 
 import structlog
 
+from proxy.coordinator.errors import BadStepFailure
 from proxy.coordinator.halt import clear_halt, halt, halted_reason
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.rollouts import normalise_reason
@@ -65,7 +66,14 @@ class StepFailures:
         return StepStartResult(step=step)
 
     def report(self, step: int, report: StepFailureReport) -> StepFailureResult:
+        """Apply a failure report; raises BadStepFailure for one that cannot match the step (nothing changed)."""
         store = self.store
+        if report.kind == "base" and step == 0:
+            # Step 0 makes version 0 from the base model: there is no adapter version it could fail to load.
+            raise BadStepFailure(
+                "step 0 initialises version 0 and has no base version to load; report kind 'step' for a failed "
+                "initialisation"
+            )
         reason = normalise_reason(report.reason)
         if report.kind == "upload":
             self.versions.remove_foreign_upload(step)
