@@ -142,7 +142,7 @@ def test_no_state_rebuilds_once_then_raises(redis_client: Redis) -> None:
     store = RunStore(redis_client, "r1", rebuild=lambda: rebuilds.append(1), clock_ms=lambda: 1000)
     with pytest.raises(StateMissing, match="even after a rebuild"):
         store.scripts.grant_lease(
-            now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1", task_id="t1", task_prefix="gen-r1-"
+            now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1", task_id="t1", task_prefix="gen-r1-", incarnation=""
         )
     assert rebuilds == [1]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.protocol.incarnation import process_incarnation
 from proxy.protocol.schemas import (
     GroupRef,
     LeaseGrant,
@@ -105,7 +106,7 @@ def test_generate_sends_typed_messages_that_match_its_rollout(
     first = generate()
     assert first.status == "admitted" and not first.reused_rollout
     assert first.groups == 2 and first.samples == 4 and first.timings.task_s is not None
-    assert proxy.leases == [LeaseRequest(worker_id="gen-1", task_id=TASK)]
+    assert proxy.leases == [LeaseRequest(worker_id="gen-1", task_id=TASK, incarnation=process_incarnation())]
 
     submitted = proxy.submissions[0]
     data = bucket.get(submitted.key)

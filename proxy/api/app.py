@@ -195,7 +195,7 @@ def create_app(
 
     @app.post("/v1/leases", response_model=LeaseGrant)
     def grant_lease(request: LeaseRequest) -> LeaseGrant:
-        return coordinator.lease(request.worker_id, request.task_id)
+        return coordinator.lease(request.worker_id, request.task_id, request.incarnation or "")
 
     @app.post("/v1/leases/{lease_id}/renew", response_model=LeaseGrant)
     def renew_lease(lease_id: LeaseId, _: Annotated[RenewRequest | None, Body()] = None) -> LeaseGrant:
@@ -254,7 +254,8 @@ def create_app(
 
     @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
     def heartbeat(report: HeartbeatRequest) -> HeartbeatResult:
-        coordinator.heartbeat(report)
+        if coordinator.heartbeat(report):
+            poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
         return HeartbeatResult()
 
     install_eval_routes(app, coordinator, poke)  # POST /v1/evals/{task_id}/lease and .../result

@@ -28,7 +28,7 @@ def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[
 
     @app.post("/v1/evals/{task_id}/lease", response_model=EvalLeaseGrant)
     def grant_eval_lease(task_id: TaskId, request: EvalLeaseRequest) -> EvalLeaseGrant:
-        return coordinator.eval_lease(request.worker_id, task_id)
+        return coordinator.eval_lease(request.worker_id, task_id, request.incarnation or "")
 
     @app.post("/v1/evals/{task_id}/result", response_model=EvalResultAnswer)
     def record_eval_result(task_id: TaskId, request: EvalResultRequest) -> EvalResultAnswer:

@@ -29,7 +29,7 @@ SCHEDULE_EVAL = LuaScript(
 GRANT_EVAL_LEASE = LuaScript(
     name="grant_eval_lease",
     keys=("state", "counters", "leases", "versions", "evals", "evals_inflight"),
-    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id", "deadline_ms"),
+    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id", "deadline_ms", "incarnation"),
     ok={"OK": ("version", "manifest_sha256", "expires_ms", "prompt_start", "prompt_count")},
     errors={"EVAL_ENDED": _EVAL_ENDED, **_NO_STATE},
 )

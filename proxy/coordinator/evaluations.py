@@ -226,7 +226,7 @@ class Evaluations:
 
     # ---- requests ----
 
-    def lease(self, worker_id: str, task_id: str) -> EvalLeaseGrant:
+    def lease(self, worker_id: str, task_id: str, incarnation: str = "") -> EvalLeaseGrant:
         """Lease the task's version for ``worker_id``; raises EvalEnded if it is not in flight."""
         store = self.store
         now = store.clock_ms()
@@ -239,6 +239,7 @@ class Evaluations:
             worker_id=worker_id,
             task_id=task_id,
             deadline_ms=now + self._timeout_ms,
+            incarnation=incarnation,
         )
         version = int(reply["version"])
         return EvalLeaseGrant(

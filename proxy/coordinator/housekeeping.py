@@ -19,6 +19,7 @@ from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.halt import halted_reason
+from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.pacing import InflightPacer
 from proxy.coordinator.steps import Steps
 from proxy.coordinator.store import RunStore
@@ -84,6 +85,7 @@ class Housekeeping:
     evals: Evaluations
     heartbeats: Workers
     pacer: InflightPacer
+    metrics: ProxyMetrics
     accounting: WaitingAccount
     require_generate_worker: bool
     bucket_outage: bool
@@ -111,8 +113,11 @@ class Housekeeping:
         # Generate tasks wait for version 0 (nothing can be leased before), for the bucket to take snapshots
         # again after an outage, and for a generate worker to be alive (no queue grows that nobody consumes).
         if not finished and self.store.current_version() >= 0 and not self.bucket_outage and self._generate_consumed():
+            # Ghosts (leased tasks nobody renews) are left out of pacing: dispatch never stops for them.
+            unattended = self.tasks.unattended_groups()
+            self.metrics.groups_unattended.set(unattended)
             while len(new_tasks) < MAX_TASKS_PER_TICK:
-                message = self.tasks.dispatch_one()
+                message = self.tasks.dispatch_one(unattended)
                 if message is None:
                     break
                 new_tasks.append(message)

@@ -64,7 +64,7 @@ class Leases:
             expires_at=expires_ms / 1000.0,
         )
 
-    def grant(self, worker_id: str, task_id: str) -> LeaseGrant:
+    def grant(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
         """Lease the current version for a task in flight; raises NoVersionYet before the init step published
         version 0, TaskEnded for a task of this run that is cancelled, done or forgotten."""
         lease_id = uuid.uuid4().hex
@@ -76,6 +76,7 @@ class Leases:
             worker_id=worker_id,
             task_id=task_id,
             task_prefix=task_id_prefix(self.store.run),
+            incarnation=incarnation,
         )
         version = int(reply["version"])
         if version > self._first_use_marked:

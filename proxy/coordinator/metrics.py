@@ -39,6 +39,18 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "rollouts_stale": ("asyncgrpo_rollouts_stale", "Rollouts dropped as too stale (at submit or claim)."),
     "groups_stale": ("asyncgrpo_stale_drops", "Prompt groups dropped as too stale and requeued."),
     "tasks_cancelled": ("asyncgrpo_generate_tasks_cancelled", "Generate tasks presumed lost."),
+    "tasks_worker_lost": (
+        "asyncgrpo_generate_tasks_worker_lost",
+        "Generate tasks cancelled because their worker was lost: heartbeats stopped, or it restarted.",
+    ),
+    "tasks_worker_restarted": (
+        "asyncgrpo_generate_tasks_worker_restarted",
+        "Generate tasks cancelled because their worker id came back in a new incarnation (restarted).",
+    ),
+    "worker_restarts": (
+        "asyncgrpo_worker_restarts",
+        "New incarnations heard under a known worker id: a unit restarted its worker under the same id.",
+    ),
     "groups_cancelled": ("asyncgrpo_groups_cancelled", "Groups of lost tasks, requeued."),
     "steps_claimed": ("asyncgrpo_steps_claimed", "Optimizer steps claimed."),
     "groups_claimed": ("asyncgrpo_groups_claimed", "Prompt groups claimed for steps."),
@@ -307,6 +319,12 @@ class ProxyMetrics:
             "asyncgrpo_inflight_limit_groups",
             "In-flight + buffered groups the proxy allows now: paced from the measured trainer step and generate "
             "task times (async.adaptive_inflight), never above async.queue_maxsize.",
+            registry=self.registry,
+        )
+        self.groups_unattended = Gauge(
+            "asyncgrpo_groups_unattended",
+            "Groups of in-flight generate tasks that no worker renews a lease of (a worker vanished without being "
+            "found dead or restarted); pacing does not count them, and they end at their deadline.",
             registry=self.registry,
         )
         for code in HTTP_ERROR_CODES:

@@ -197,7 +197,7 @@ PUBLISH_VERSION = LuaScript(
 START_STEP = LuaScript(
     name="start_step",
     keys=("state",),
-    argv=("now_ms", "step", "worker_id", "base_version", "task_ids_json"),
+    argv=("now_ms", "step", "worker_id", "base_version", "task_ids_json", "incarnation"),
     ok={"OK": ()},
     errors={
         "NOT_CLAIMED": Refusal(
@@ -234,7 +234,7 @@ _LEASE_FIELDS = ("version", "manifest_sha256", "expires_ms")
 GRANT_LEASE = LuaScript(
     name="grant_lease",
     keys=("state", "counters", "leases", "versions"),
-    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id", "task_prefix"),
+    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id", "task_prefix", "incarnation"),
     ok={"OK": _LEASE_FIELDS},
     fields={"TASK_ENDED": ("task_state",)},
     errors={
@@ -268,11 +268,15 @@ RELEASE_LEASE = LuaScript(
 
 EXPIRE_LEASES = LuaScript(name="expire_leases", keys=("counters", "leases"), argv=("now_ms",), ok={"OK": ("expired",)})
 
+UNATTENDED_GROUPS = LuaScript(
+    name="unattended_groups", keys=("tasks_inflight", "leases"), argv=("now_ms",), ok={"OK": ("groups", "tasks")}
+)
+
 RECORD_HEARTBEAT = LuaScript(
     name="record_heartbeat",
-    keys=("workers", "workers_generate", "workers_optimize"),
-    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s", "role"),
-    ok={"OK": ("forgotten",)},
+    keys=("workers", "workers_generate", "workers_optimize", "counters", "leases"),
+    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s", "role", "incarnation"),
+    ok={"OK": ("forgotten", "restarted", "leases_ended")},
 )
 
 ADD_COUNTER = LuaScript(
@@ -346,6 +350,7 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
     RENEW_LEASE,
     RELEASE_LEASE,
     EXPIRE_LEASES,
+    UNATTENDED_GROUPS,
     RECORD_HEARTBEAT,
     ADD_COUNTER,
     RESTORE_STATE,
@@ -379,6 +384,7 @@ class Scripts:
         self.renew_lease = bind(RENEW_LEASE)
         self.release_lease = bind(RELEASE_LEASE)
         self.expire_leases = bind(EXPIRE_LEASES)
+        self.unattended_groups = bind(UNATTENDED_GROUPS)
         self.record_heartbeat = bind(RECORD_HEARTBEAT)
         self.add_counter = bind(ADD_COUNTER)
         self.restore_state = bind(RESTORE_STATE)

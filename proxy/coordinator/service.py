@@ -200,8 +200,9 @@ class Coordinator(Housekeeping):
 
     # ---- requests (the HTTP API) ----
 
-    def lease(self, worker_id: str, task_id: str) -> LeaseGrant:
-        grant = self.leases.grant(worker_id, task_id)
+    def lease(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
+        """``incarnation``: of the worker process; a newer one of ``worker_id`` ends the task (``workers``)."""
+        grant = self.leases.grant(worker_id, task_id, incarnation)
         self.pacer.leased(task_id)
         return grant
 
@@ -262,16 +263,18 @@ class Coordinator(Housekeeping):
         )
         return TaskFailureResult(cancelled=cancelled)
 
-    def eval_lease(self, worker_id: str, task_id: str) -> EvalLeaseGrant:
+    def eval_lease(self, worker_id: str, task_id: str, incarnation: str = "") -> EvalLeaseGrant:
         """Lease the version of an evaluate task (``evaluations``); raises EvalEnded if it is not in flight."""
-        return self.evals.lease(worker_id, task_id)
+        return self.evals.lease(worker_id, task_id, incarnation)
 
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
         """Keep an evaluate task's summary and release its lease; raises EvalEnded if it is not in flight."""
         return self.evals.result(task_id, request)
 
-    def heartbeat(self, report: HeartbeatRequest) -> None:
-        self.heartbeats.heartbeat(report)
+    def heartbeat(self, report: HeartbeatRequest) -> bool:
+        """Record a heartbeat; True if it came from a restarted worker (a new incarnation of its id), whose old
+        incarnation's work the next ``tick()`` ends."""
+        return self.heartbeats.heartbeat(report)
 
     def version_info(self, version: int) -> VersionInfo:
         """The manifest sha256 recorded when ``version`` was published; raises VersionNotFound."""

@@ -61,6 +61,7 @@ class StepFailures:
             worker_id=request.worker_id,
             base_version=request.base_version,
             task_ids_json=json.dumps(request.task_ids),
+            incarnation=request.incarnation or "",
         )
         log.info("proxy.step_started", step=step, worker=request.worker_id)
         return StepStartResult(step=step)

@@ -8,8 +8,10 @@ one is alive.
 
 When: at once when claimed; at once again when a failure report asks for it (``proxy.coordinator.
 step_failures``); at once when its holder (the worker that started it, ``POST /v1/steps/{S}/start``) is not
-heard from within ``worker_alive_s``, or when the worker whose own queue it went to dies before starting it;
-and after ``async.optimize_task_timeout_s`` in any case. A dead holder's late publish is harmless: publishing
+heard from within ``worker_alive_s`` or is heard from in a new incarnation (restarted under its id, see
+``proxy.coordinator.workers``), or when the worker whose own queue it went to dies or restarts before starting
+it; and after ``async.optimize_task_timeout_s`` in any case. A restarted worker has lost what it held in memory,
+so it is no longer trusted to hold the version it published. A dead holder's late publish is harmless: publishing
 is a CAS. Every message carries a Celery ``expires`` of the re-send timeout, so an old copy the broker
 redelivers after its visibility timeout is dropped unrun; a copy that does run finds its step published or
 its batch changed (``start_step`` refuses it) and ends at once.
@@ -37,7 +39,7 @@ log = structlog.get_logger()
 @dataclass(frozen=True)
 class DueStep:
     """The in-flight step, due to be sent, and why: ``claimed`` (first send), ``requested`` (after a failure
-    report), ``holder_dead``, ``target_dead`` or ``timeout``."""
+    report), ``holder_dead``, ``holder_restarted``, ``target_dead``, ``target_restarted`` or ``timeout``."""
 
     message: OptimizeTaskMessage
     reason: str
@@ -86,11 +88,29 @@ class StepSending:
             out[worker_id] = json.loads(report).get("info", {}) if report else {}
         return out
 
+    def restarted_since(self, worker_id: str, since_ms: int) -> bool:
+        """A new incarnation of ``worker_id`` was heard after ``since_ms``: the process of then is gone."""
+        restarts, incarnation_ms = self.store.redis.hmget(
+            self.store.keys.worker(worker_id), ["restarts", "incarnation_ms"]
+        )
+        return int(restarts or 0) > 0 and int(incarnation_ms or 0) > since_ms
+
+    def restarted(self, worker_id: str, incarnation: str | None) -> bool:
+        """``worker_id`` was heard from in another incarnation than ``incarnation`` (None or "": unknown)."""
+        if not incarnation:
+            return False
+        latest = self.store.redis.hget(self.store.keys.worker(worker_id), "incarnation")
+        return latest is not None and latest != incarnation
+
     def publisher_of(self, version: int) -> str | None:
-        """The worker that published ``version`` (its step record keeps it until the record's TTL)."""
+        """The worker that published ``version`` and still runs in the process that did (its step record keeps
+        it until the record's TTL)."""
         if version < 0:
             return None
-        return self.store.redis.hget(self.store.keys.step(version), "worker_id")
+        worker_id, published_ms = self.store.redis.hmget(self.store.keys.step(version), ["worker_id", "published_ms"])
+        if worker_id is None or self.restarted_since(worker_id, int(published_ms or 0)):
+            return None
+        return worker_id
 
     def holders_of(self, version: int, alive: dict[str, dict]) -> list[str]:
         """Live workers holding ``version`` in memory, best first: its publisher, then by heartbeat."""
@@ -132,9 +152,15 @@ class StepSending:
         elif now - sent_ms > self.config.optimize_task_timeout_s * 1000:
             reason = "timeout"
         elif record.get("holder"):
-            if not self.silent(record["holder"], int(record.get("started_ms", sent_ms))):
+            if self.restarted(record["holder"], record.get("holder_incarnation")):
+                reason = "holder_restarted"
+            elif self.silent(record["holder"], int(record.get("started_ms", sent_ms))):
+                reason = "holder_dead"
+            else:
                 return None
-            reason = "holder_dead"
+        elif record.get("target") and self.restarted_since(record["target"], sent_ms):
+            # Its old process may have taken the message (unacked until the broker's visibility timeout).
+            reason = "target_restarted"
         elif record.get("target") and self.silent(record["target"], sent_ms):
             reason = "target_dead"
         else:
@@ -154,8 +180,10 @@ class StepSending:
             return None
         message = due.message
         avoid = failed_workers(due.record)
-        if due.reason == "holder_dead":
+        if due.reason in ("holder_dead", "holder_restarted"):
             avoid.add(due.record["holder"])
+        if due.reason == "target_restarted":
+            avoid.add(due.record["target"])
         target = self.route(message.base_version, avoid)
         queue = worker_queue(message.run, target) if target else None
         try:

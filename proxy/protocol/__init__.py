@@ -11,6 +11,7 @@ Modules:
     input_bounds  limits on what a request may carry (numbers, lists, maps, valid UTF-8)
     client     the workers' HTTP client of the proxy: bounded retries, one exception per error code
     staleness  the staleness rule, used at admit, at claim and by the trainer
+    incarnation  this process's incarnation, which tells a restarted worker from the process it replaced
     settings   the environment settings every process shares (`ASYNCGRPO_*`), on pydantic-settings
     log_setup  one structlog configuration per process (JSON or console)
 """

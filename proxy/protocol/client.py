@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from proxy.protocol.errors import ErrorBody, ProxyError, ProxyUnavailable, exception_for
 from proxy.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
+from proxy.protocol.incarnation import process_incarnation
 from proxy.protocol.schemas import (
     CorruptReport,
     CorruptResult,
@@ -210,7 +211,7 @@ class ProxyClient:
 
     def eval_lease(self, task_id: str, worker_id: str) -> EvalLeaseGrant:
         """Lease the version of evaluate task ``task_id``; raises Cancelled when its evaluation is over."""
-        request = EvalLeaseRequest(worker_id=worker_id)
+        request = EvalLeaseRequest(worker_id=worker_id, incarnation=process_incarnation())
         return EvalLeaseGrant.model_validate(self._request("POST", f"/v1/evals/{task_id}/lease", request))
 
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:

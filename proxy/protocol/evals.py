@@ -14,7 +14,7 @@ import math
 from pydantic import Field
 
 from proxy.protocol.input_bounds import MAX_INT, MAX_MAP_ENTRIES
-from proxy.protocol.schemas import Count, Id, LeaseGrant, Name, _Request, _Response
+from proxy.protocol.schemas import Count, Id, Incarnation, LeaseGrant, Name, _Request, _Response
 
 MAX_EXAMPLES = 64
 """Example completions one chunk may carry (``eval.examples`` is at most this)."""
@@ -41,6 +41,8 @@ class EvalLeaseRequest(_Request):
     generate task's lease (``/v1/leases/{lease_id}``)."""
 
     worker_id: Id
+    incarnation: Incarnation | None = None
+    """Binds the task to this process: a new incarnation of ``worker_id`` has it sent again at once."""
 
 
 class EvalLeaseGrant(LeaseGrant):

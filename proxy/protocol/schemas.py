@@ -30,6 +30,9 @@ Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 """Versions, steps, pids, sample counts: bounded so Lua's doubles and every JSON reader hold them exactly."""
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+Incarnation = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+"""The sending worker process's incarnation (``proxy.protocol.incarnation``); None from a client that sends
+none, whose restart under the same worker id the proxy then sees only when its heartbeats stop."""
 Figure = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)] | float | None
 
 
@@ -106,6 +109,8 @@ class OptimizeTaskMessage(_Request):
 class LeaseRequest(_Request):
     worker_id: Id
     task_id: Id
+    incarnation: Incarnation | None = None
+    """Binds the task to this process: a new incarnation of ``worker_id`` ends it at once."""
 
 
 class RenewRequest(_Request):
@@ -157,6 +162,9 @@ class HeartbeatRequest(_Request):
     role: Literal["generate", "optimize"]
     hostname: str = Field(min_length=1, max_length=255, pattern=LABEL_PATTERN)
     pid: Count
+    incarnation: Incarnation | None = None
+    """A new one for a known ``worker_id`` (its unit restarted it) ends the old incarnation's tasks, leases and
+    step at once."""
     state: str = Field(min_length=1, max_length=64, pattern=LABEL_PATTERN)
     versions_cached: list[Count] = Field(default_factory=list, max_length=1024)
     current_task: Id | None = None
@@ -259,6 +267,9 @@ class WorkerRecord(_Response):
     role: str
     hostname: str
     pid: int
+    incarnation: str | None = None
+    restarts: int = 0
+    """New incarnations heard under this worker id (restarts by its unit) while the proxy remembered it."""
     state: str
     versions_cached: list[int]
     current_task: str | None
@@ -326,6 +337,8 @@ class StepStartRequest(_Request):
     base_version: int = Field(ge=-1, le=MAX_INT)
     task_ids: list[Id] = Field(default_factory=list, max_length=MAX_LIST)
     """The rollouts of the worker's message, in order."""
+    incarnation: Incarnation | None = None
+    """Binds the step to this process: a new incarnation of ``worker_id`` has the step re-sent at once."""
 
 
 class StepStartResult(_Response):

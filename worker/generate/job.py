@@ -17,6 +17,7 @@ import structlog
 
 from proxy.protocol.client import ProxyClient
 from proxy.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
+from proxy.protocol.incarnation import process_incarnation
 from proxy.protocol.records import GenerateTimings, RolloutExtra
 from proxy.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
 from proxy.run.config import RunConfig
@@ -159,7 +160,7 @@ def run_generate_task(
         )
 
     try:
-        lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id))
+        lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id, incarnation=process_incarnation()))
     except Cancelled as error:
         # The proxy gave the task up (timed out, its worker lost, or a late redelivery): skip it; the message is
         # acked and its prompts are already handled.

@@ -32,6 +32,7 @@ import structlog
 
 from proxy.protocol.client import ProxyClient
 from proxy.protocol.errors import Conflict, NotFound, StepGone
+from proxy.protocol.incarnation import process_incarnation
 from proxy.protocol.records import StepRecord, StepTimings
 from proxy.protocol.schemas import PublishRequest, RolloutRef, StepStartRequest
 from proxy.protocol.staleness import check_fresh
@@ -209,7 +210,12 @@ def run_optimize_step(
 def _start(client: ProxyClient, step: int, base_version: int, task_ids: list[str], worker_id: str) -> bool:
     """Become the step's holder; False for a copy the proxy no longer wants (published, or claimed again)."""
     try:
-        client.start_step(step, StepStartRequest(worker_id=worker_id, base_version=base_version, task_ids=task_ids))
+        client.start_step(
+            step,
+            StepStartRequest(
+                worker_id=worker_id, base_version=base_version, task_ids=task_ids, incarnation=process_incarnation()
+            ),
+        )
     except StepGone as error:
         log.info("optimize.step_not_claimed", step=step, error=str(error))
         return False

@@ -16,6 +16,7 @@ import httpx
 import structlog
 
 from proxy.protocol.client import ProxyClient, ProxyError
+from proxy.protocol.incarnation import process_incarnation
 from proxy.protocol.schemas import HeartbeatRequest
 
 log = structlog.get_logger()
@@ -54,6 +55,7 @@ class Heartbeat:
                 role=self.role,
                 hostname=socket.gethostname(),
                 pid=os.getpid(),
+                incarnation=process_incarnation(),
                 state=state.get("state", "idle"),
                 versions_cached=state.get("versions_cached", []),
                 current_task=state.get("current_task"),

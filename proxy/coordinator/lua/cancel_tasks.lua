@@ -4,7 +4,7 @@
 -- KEYS[6] rejected_reasons  KEYS[7] prompt_attempts  KEYS[8] workers
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] record_ttl_s  ARGV[4] mode: "deadline" (past its deadline),
 --   "force" (at once, no attempt counted: the broker refused it), "dead" (its lease holder was last heard
---   from before alive_since_ms), "failed" (its worker reported a failure), "failed_uncounted" (a failure the
+--   from before alive_since_ms, or a newer incarnation of its worker id was heard: restarted), "failed" (its worker reported a failure), "failed_uncounted" (a failure the
 --   worker says is not its prompts' fault, e.g. an adapter it could not load: cancelled, no attempt counted)
 -- ARGV[5] track: rollouts for retention ("1") or keep them all ("0")
 -- ARGV[6] max_attempts (0: never reject)  ARGV[7] reason: the reported failure ("failed" mode)
@@ -22,16 +22,26 @@ local function matches(tk)
   if mode == 'deadline' then return num(tk, 'deadline_ms', 0) <= now end
   local holder = redis.call('HGET', tk, 'worker_id')
   if mode == 'failed' or mode == 'failed_uncounted' then return holder == false or holder == ARGV[9] end
-  -- dead: leased long enough ago that a live holder must have been heard from since
-  if not holder or num(tk, 'leased_ms', now) > alive_since then return false end
+  if not holder then return false end
+  -- dead: held by an older incarnation of its worker id (restarted under the same id, so its heartbeats never
+  -- stopped) ...
+  local of = redis.call('HGET', tk, 'incarnation')
+  if of and of ~= '' then
+    local latest = redis.call('HGET', key(WORKER, holder), 'incarnation')
+    if latest and latest ~= of then return 'restarted' end
+  end
+  -- ... or leased long enough ago that a live holder must have been heard from since
+  if num(tk, 'leased_ms', now) > alive_since then return false end
   local seen = redis.call('ZSCORE', KEYS[8], holder)
   return seen == false or tonumber(seen) < alive_since
 end
-local tasks, groups, rejected = 0, 0, 0
+local tasks, groups, rejected, restarted = 0, 0, 0, 0
 for i = 10, #ARGV do
   local tid = ARGV[i]
   local tk = key(TASK, tid)
-  if matches(tk) then
+  local why = matches(tk)
+  if why then
+    if why == 'restarted' then restarted = restarted + 1 end
     for _, gid in ipairs(cjson.decode(redis.call('HGET', tk, 'group_ids'))) do
       local gk = key(GROUP, gid)
       if redis.call('HGET', gk, 'state') == 'inflight' then
@@ -63,7 +73,7 @@ for i = 10, #ARGV do
         redis.call('HINCRBY', KEYS[1], 'groups_inflight', -1)
       end
     end
-    redis.call('HSET', tk, 'state', 'cancelled', 'ended_ms', now, 'cancelled_as', mode)
+    redis.call('HSET', tk, 'state', 'cancelled', 'ended_ms', now, 'cancelled_as', why == 'restarted' and why or mode)
     retire(tk, ttl)
     redis.call('ZREM', KEYS[4], tid)
     -- the worker may have written its rollout before it was lost
@@ -74,6 +84,9 @@ end
 redis.call('HINCRBY', KEYS[2], 'tasks_cancelled', tasks)
 redis.call('HINCRBY', KEYS[2], 'groups_cancelled', groups)
 redis.call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
-if mode == 'dead' then redis.call('HINCRBY', KEYS[2], 'tasks_worker_lost', tasks) end
+if mode == 'dead' then
+  redis.call('HINCRBY', KEYS[2], 'tasks_worker_lost', tasks)
+  redis.call('HINCRBY', KEYS[2], 'tasks_worker_restarted', restarted)
+end
 if mode == 'failed' or mode == 'failed_uncounted' then redis.call('HINCRBY', KEYS[2], 'tasks_failed', tasks) end
 return {'OK', tasks, groups, rejected}

@@ -2,7 +2,7 @@
 -- released like any lease), and record the worker as the task's holder until its new deadline.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] leases  KEYS[4] versions  KEYS[5] evals  KEYS[6] evals_inflight
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] ttl_ms  ARGV[4] lease_id  ARGV[5] worker_id  ARGV[6] task_id
--- ARGV[7] deadline_ms
+-- ARGV[7] deadline_ms  ARGV[8] incarnation: of the worker process ("" when it sent none)
 -- returns {"OK", version, manifest_sha256, expires_ms, prompt_start, prompt_count}
 --   | {"EVAL_ENDED"} (its version is evaluated or given up, or the task is unknown) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
@@ -14,11 +14,12 @@ local version = tostring(task.version)
 local expires = tonumber(ARGV[2]) + tonumber(ARGV[3])
 local lk = key(LEASE, ARGV[4])
 redis.call('HSET', lk, 'version', version, 'worker_id', ARGV[5], 'task_id', ARGV[6], 'expires_ms', expires,
-  'granted_ms', ARGV[2])
+  'granted_ms', ARGV[2], 'incarnation', ARGV[8])
 redis.call('PEXPIRE', lk, ARGV[3])
 redis.call('ZADD', KEYS[3], expires, ARGV[4])
 redis.call('HINCRBY', KEYS[2], 'leases_granted', 1)
 task.worker = ARGV[5]
+task.incarnation = ARGV[8]
 redis.call('HSET', KEYS[5], tfield, cjson.encode(task))
 redis.call('ZADD', KEYS[6], ARGV[7], ARGV[6])
 return {'OK', version, redis.call('HGET', KEYS[4], version), expires, task.start, task.count}

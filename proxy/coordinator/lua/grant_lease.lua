@@ -2,6 +2,7 @@
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] leases  KEYS[4] versions
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] ttl_ms  ARGV[4] lease_id  ARGV[5] worker_id  ARGV[6] task_id
 -- ARGV[7] task_prefix: the form of this run's task ids; an unknown id of that form was forgotten
+-- ARGV[8] incarnation: of the worker process ("" when it sent none); a new one of the worker id ends the task
 -- returns {"OK", version, manifest_sha256, expires_ms} | {"NO_VERSION"} | {"TASK_ENDED", task_state}
 --   (the task was cancelled, ended or forgotten: its work is not wanted) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
@@ -15,7 +16,7 @@ if not tstate and string.sub(ARGV[6], 1, #ARGV[7]) == ARGV[7] then return {'TASK
 local expires = tonumber(ARGV[2]) + tonumber(ARGV[3])
 local lk = key(LEASE, ARGV[4])
 redis.call('HSET', lk, 'version', current, 'worker_id', ARGV[5], 'task_id', ARGV[6], 'expires_ms', expires,
-  'granted_ms', ARGV[2])
+  'granted_ms', ARGV[2], 'incarnation', ARGV[8])
 redis.call('PEXPIRE', lk, ARGV[3])
 redis.call('ZADD', KEYS[3], expires, ARGV[4])
 redis.call('HINCRBY', KEYS[2], 'leases_granted', 1)
@@ -31,6 +32,6 @@ if tstate then
   while #entries >= MAX_TASK_LEASES do table.remove(entries, 1) end
   entries[#entries + 1] = ARGV[4] .. ':' .. current
   redis.call('HSET', tk, 'worker_id', ARGV[5], 'leased_ms', ARGV[2], 'leased_version', current,
-    'leases', table.concat(entries, ' '))
+    'leases', table.concat(entries, ' '), 'incarnation', ARGV[8])
 end
 return {'OK', current, redis.call('HGET', KEYS[4], current), expires}

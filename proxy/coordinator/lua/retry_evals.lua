@@ -1,5 +1,5 @@
--- retry_evals: evaluate tasks past their deadline, or whose holder's heartbeats stopped, are sent again with
--- a new deadline; at max_attempts their version's evaluation is given up (its chunks forgotten, counted).
+-- retry_evals: evaluate tasks past their deadline, or whose holder's heartbeats stopped, or whose holder's
+-- worker id was heard from in a newer incarnation (restarted), are sent again with a new deadline; at max_attempts their version's evaluation is given up (its chunks forgotten, counted).
 -- KEYS[1] counters  KEYS[2] evals  KEYS[3] evals_inflight  KEYS[4] workers
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] alive_since_ms  ARGV[4] deadline_ms  ARGV[5] max_attempts
 -- returns {"OK", resend_json, failed_json} (tasks to send again: [{task_id, version, start, count}];
@@ -18,6 +18,10 @@ for i = 1, #inflight, 2 do
     if task.worker ~= '' then
       local seen = redis.call('ZSCORE', KEYS[4], task.worker)
       lost = (not seen) or tonumber(seen) < alive_since
+      if not lost and task.incarnation and task.incarnation ~= '' then
+        local latest = redis.call('HGET', key(WORKER, task.worker), 'incarnation')
+        lost = latest ~= false and latest ~= task.incarnation
+      end
     end
     if deadline <= now or lost then
       if task.attempts >= tonumber(ARGV[5]) then
@@ -34,6 +38,7 @@ for i = 1, #inflight, 2 do
       else
         task.attempts = task.attempts + 1
         task.worker = ''
+        task.incarnation = ''
         redis.call('HSET', KEYS[2], 't:' .. tid, cjson.encode(task))
         redis.call('ZADD', KEYS[3], ARGV[4], tid)
         redis.call('HINCRBY', KEYS[1], 'eval_tasks_resent', 1)
