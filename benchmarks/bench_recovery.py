@@ -11,6 +11,10 @@ an operator starts them) on the tiny model with no timeout shortened, injects on
   Seconds from the kill to the next published version (the step re-sent once the holder's heartbeats stop).
 - ``kill_generator``: kill -9 of a generate worker holding a lease. Seconds from the kill to its task being
   cancelled and its prompts requeued (``tasks_worker_lost``).
+- ``restart_generator``: kill -9 of a generate worker holding a lease, then the same worker id started again
+  5 s later (the systemd units' ``RestartSec``). Seconds from the kill to its task being cancelled.
+- ``restart_trainer``: kill -9 of the only optimize worker holding the step in flight, then the same worker id
+  started again 5 s later. Seconds from the kill to the step's version published.
 - ``corrupt_adapter``: the current version's adapter weights overwritten in the bucket while the trainer that
   published them is alive; a fresh generate worker (empty cache) then has to load that version. Seconds from
   its start to the next published version (the trainer puts the bytes back from memory).
@@ -127,6 +131,55 @@ def kill_generator(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) ->
     return time.monotonic() - killed
 
 
+RESTART_SEC = 5.0
+"""``RestartSec`` of the shipped systemd units."""
+
+
+def restart_generator(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -> float:
+    victim = cluster.start_worker("generate", name="gen-a", env=THREADS)
+    cluster.start_worker("generate", name="gen-b", env=THREADS)
+    cluster.start_worker("optimize", name="opt-1", env=THREADS)
+    _wait(cluster, lambda: _version(cluster) >= 4, 300, "version 4")
+
+    def gen_a_task() -> str | None:
+        for lease in client.zrange(keys.leases, 0, -1):
+            worker, task = client.hmget(keys.lease(lease), ["worker_id", "task_id"])
+            if worker == "gen-a":
+                return task
+        return None
+
+    task = _wait(cluster, gen_a_task, 120, "gen-a holding a lease")
+    os.kill(victim.pid, signal.SIGSTOP)
+    cluster.expect_dead(victim)
+    victim.kill_hard()
+    killed = time.monotonic()
+    time.sleep(RESTART_SEC)
+    cluster.start_worker("generate", name="gen-a", env=THREADS)
+    _wait(cluster, lambda: client.hget(keys.task(task), "state") == "cancelled", 600, f"task {task} cancelled")
+    return time.monotonic() - killed
+
+
+def restart_trainer(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -> float:
+    busy = cluster.start_worker("optimize", name="opt-1", env=THREADS)
+    for index in (1, 2):
+        cluster.start_worker("generate", name=f"gen-{index}", env=THREADS)
+    _wait(cluster, lambda: _version(cluster) >= 4, 300, "version 4")
+
+    def opt1_holds_a_step() -> int | None:
+        step = int(client.hget(keys.state, "step_inflight") or -1)
+        return step if step >= 0 and client.hget(keys.step(step), "holder") == "opt-1" else None
+
+    step = _wait(cluster, opt1_holds_a_step, 120, "opt-1 holding a step")
+    os.kill(busy.pid, signal.SIGSTOP)
+    cluster.expect_dead(busy)
+    busy.kill_hard()
+    killed = time.monotonic()
+    time.sleep(RESTART_SEC)
+    cluster.start_worker("optimize", name="opt-1", env=THREADS)
+    _wait(cluster, lambda: _version(cluster) >= step, 600, f"step {step} published")
+    return time.monotonic() - killed
+
+
 def corrupt_adapter(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -> float:
     cluster.start_worker("optimize", name="opt-1", env=THREADS)
     first = cluster.start_worker("generate", name="gen-1", env=THREADS)
@@ -147,6 +200,8 @@ def corrupt_adapter(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -
 SCENARIOS: dict[str, Callable[[LocalCluster, RunKeys, redis.Redis], float]] = {
     "kill_trainer": kill_trainer,
     "kill_generator": kill_generator,
+    "restart_generator": restart_generator,
+    "restart_trainer": restart_trainer,
     "corrupt_adapter": corrupt_adapter,
 }
 

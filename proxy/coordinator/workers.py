@@ -55,11 +55,6 @@ class Workers:
             )
         return restarted
 
-    def incarnation(self, worker_id: str) -> tuple[str | None, int]:
-        """The worker's latest incarnation and when it was first heard (ms; 0 if unknown)."""
-        latest, since = self.store.redis.hmget(self.store.keys.worker(worker_id), ["incarnation", "incarnation_ms"])
-        return latest, int(since or 0)
-
     def alive_count(self, role: str) -> int:
         """Workers of ``role`` heard from within ``alive_s`` (one ZCOUNT)."""
         store = self.store
