@@ -47,7 +47,7 @@ from proxy.storage import bucket_keys
 from proxy.storage.bucket import open_bucket
 from proxy.storage.manifest import read_manifest
 from tests.e2e_harness import wait_for
-from worker.tools.local_cluster import LocalCluster
+from worker.tools.local_cluster import ChildProcess, LocalCluster
 
 CONFIG = """\
 seed = 3
@@ -135,6 +135,18 @@ RESTART_SEC = 5.0
 """``RestartSec`` of the shipped systemd units."""
 
 
+def _kill_and_restart(cluster: LocalCluster, child: ChildProcess, role: str) -> float:
+    """kill -9 of ``child`` frozen mid-task, then its worker id started again ``RESTART_SEC`` later; the
+    kill's time (monotonic)."""
+    os.kill(child.pid, signal.SIGSTOP)
+    cluster.expect_dead(child)
+    child.kill_hard()
+    killed = time.monotonic()
+    time.sleep(RESTART_SEC)
+    cluster.start_worker(role, name=child.name, env=THREADS)
+    return killed
+
+
 def restart_generator(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -> float:
     victim = cluster.start_worker("generate", name="gen-a", env=THREADS)
     cluster.start_worker("generate", name="gen-b", env=THREADS)
@@ -149,12 +161,7 @@ def restart_generator(cluster: LocalCluster, keys: RunKeys, client: redis.Redis)
         return None
 
     task = _wait(cluster, gen_a_task, 120, "gen-a holding a lease")
-    os.kill(victim.pid, signal.SIGSTOP)
-    cluster.expect_dead(victim)
-    victim.kill_hard()
-    killed = time.monotonic()
-    time.sleep(RESTART_SEC)
-    cluster.start_worker("generate", name="gen-a", env=THREADS)
+    killed = _kill_and_restart(cluster, victim, "generate")
     _wait(cluster, lambda: client.hget(keys.task(task), "state") == "cancelled", 600, f"task {task} cancelled")
     return time.monotonic() - killed
 
@@ -170,12 +177,7 @@ def restart_trainer(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -
         return step if step >= 0 and client.hget(keys.step(step), "holder") == "opt-1" else None
 
     step = _wait(cluster, opt1_holds_a_step, 120, "opt-1 holding a step")
-    os.kill(busy.pid, signal.SIGSTOP)
-    cluster.expect_dead(busy)
-    busy.kill_hard()
-    killed = time.monotonic()
-    time.sleep(RESTART_SEC)
-    cluster.start_worker("optimize", name="opt-1", env=THREADS)
+    killed = _kill_and_restart(cluster, busy, "optimize")
     _wait(cluster, lambda: _version(cluster) >= step, 600, f"step {step} published")
     return time.monotonic() - killed
 
