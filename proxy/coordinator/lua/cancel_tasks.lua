@@ -4,8 +4,9 @@
 -- KEYS[6] rejected_reasons  KEYS[7] prompt_attempts  KEYS[8] workers
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] record_ttl_s  ARGV[4] mode: "deadline" (past its deadline),
 --   "force" (at once, no attempt counted: the broker refused it), "dead" (its lease holder was last heard
---   from before alive_since_ms, or a newer incarnation of its worker id was heard: restarted), "failed" (its worker reported a failure), "failed_uncounted" (a failure the
---   worker says is not its prompts' fault, e.g. an adapter it could not load: cancelled, no attempt counted)
+--   from before alive_since_ms, or a newer incarnation of its worker id was heard: restarted), "failed" (its
+--   worker reported a failure), "failed_uncounted" (a failure the worker says is not its prompts' fault,
+--   e.g. an adapter it could not load: cancelled, no attempt counted)
 -- ARGV[5] track: rollouts for retention ("1") or keep them all ("0")
 -- ARGV[6] max_attempts (0: never reject)  ARGV[7] reason: the reported failure ("failed" mode)
 -- ARGV[8] alive_since_ms ("dead" mode)  ARGV[9] worker_id: the reporter ("failed" mode)
@@ -25,11 +26,7 @@ local function matches(tk)
   if not holder then return false end
   -- dead: held by an older incarnation of its worker id (restarted under the same id, so its heartbeats never
   -- stopped) ...
-  local of = redis.call('HGET', tk, 'incarnation')
-  if of and of ~= '' then
-    local latest = redis.call('HGET', key(WORKER, holder), 'incarnation')
-    if latest and latest ~= of then return 'restarted' end
-  end
+  if superseded(holder, redis.call('HGET', tk, 'incarnation')) then return 'restarted' end
   -- ... or leased long enough ago that a live holder must have been heard from since
   if num(tk, 'leased_ms', now) > alive_since then return false end
   local seen = redis.call('ZSCORE', KEYS[8], holder)

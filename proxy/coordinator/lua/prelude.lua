@@ -10,6 +10,13 @@ local function num(k, field, default)
   return default
 end
 local function retire(k, ttl) redis.call('EXPIRE', k, ttl) end
+-- work bound to `incarnation` of worker `worker_id` is the dead process's: a newer one of the id was heard
+-- (its unit restarted it under the same id); false when either is unknown ("" or no record)
+local function superseded(worker_id, incarnation)
+  if not incarnation or incarnation == '' then return false end
+  local latest = redis.call('HGET', key(WORKER, worker_id), 'incarnation')
+  return latest ~= false and latest ~= incarnation
+end
 -- the rollout of task tid will never be trained (again): its object may go once `version` is old enough
 local function retain_until(zkey, track, tid, version)
   if track == '1' then redis.call('ZADD', zkey, version, tid) end

@@ -1,5 +1,6 @@
 -- retry_evals: evaluate tasks past their deadline, or whose holder's heartbeats stopped, or whose holder's
--- worker id was heard from in a newer incarnation (restarted), are sent again with a new deadline; at max_attempts their version's evaluation is given up (its chunks forgotten, counted).
+-- worker id was heard from in a newer incarnation (restarted), are sent again with a new deadline; at
+-- max_attempts their version's evaluation is given up (its chunks forgotten, counted).
 -- KEYS[1] counters  KEYS[2] evals  KEYS[3] evals_inflight  KEYS[4] workers
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] alive_since_ms  ARGV[4] deadline_ms  ARGV[5] max_attempts
 -- returns {"OK", resend_json, failed_json} (tasks to send again: [{task_id, version, start, count}];
@@ -17,11 +18,7 @@ for i = 1, #inflight, 2 do
     local lost = false
     if task.worker ~= '' then
       local seen = redis.call('ZSCORE', KEYS[4], task.worker)
-      lost = (not seen) or tonumber(seen) < alive_since
-      if not lost and task.incarnation and task.incarnation ~= '' then
-        local latest = redis.call('HGET', key(WORKER, task.worker), 'incarnation')
-        lost = latest ~= false and latest ~= task.incarnation
-      end
+      lost = (not seen) or tonumber(seen) < alive_since or superseded(task.worker, task.incarnation)
     end
     if deadline <= now or lost then
       if task.attempts >= tonumber(ARGV[5]) then
