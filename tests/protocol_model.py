@@ -171,15 +171,13 @@ class ModelState:
             self.group_prompt[gid] = group["prompt_index"]
             self.task_groups[tid].append(gid)
 
-    def check_liveness(self, needed: int, queue_maxsize: int, unattended_min: int, unattended_max: int) -> None:
-        """After a tick: a step is claimed whenever one can be; the buffer is fed up to its bound, counting no
-        group of a task nobody renews a lease of (``unattended_*``: the range the machine can tell)."""
+    def check_liveness(self, needed: int, queue_maxsize: int) -> None:
+        """After a tick: a step is claimed whenever one can be; the buffer is fed up to its bound."""
         if self.step_inflight is None and self.current >= 0:
             assert self.count("buffered") < needed
-        held = self.count("inflight") + self.count("buffered")
-        assert held - unattended_max <= queue_maxsize
+        assert self.count("inflight") + self.count("buffered") <= queue_maxsize
         if self.current >= 0 and not self.requeue and len(self.quarantined) < NUM_PROMPTS:
-            assert held - unattended_min + 2 > queue_maxsize
+            assert self.count("inflight") + self.count("buffered") + 2 > queue_maxsize
 
     def drop_stale(self, max_staleness: int) -> int:
         """Buffered rollouts too stale for the next step end as stale (at claim); returns groups dropped."""

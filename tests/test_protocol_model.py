@@ -97,10 +97,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         # the tasks of a claimed step, so a repeat of those is not checked against anything).
         self.task_leases: dict[str, set[int]] = {}
         self.task_leased_ms: dict[str, int] = {}  # gen-1 (which sends no heartbeat) last leased the task then
-        # Pacing leaves out tasks leased but with no live lease (unattended): the lease ids of each task, and
-        # the tasks whose record a rebuild restored from a snapshot that may predate their leases.
-        self.task_lease_ids: dict[str, set[str]] = {}
-        self.unsure_tasks: set[str] = set()
         self.admitted_version: dict[str, int] = {}
         self.bound: set[str] = set()
 
@@ -157,23 +153,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             m.force_cancel(message["task_id"])
         if report.rollouts_deleted:
             self._durable(leases_seen=True)  # written again before rollout objects are deleted
-        m.check_liveness(self.needed, self.config.async_.queue_maxsize, *self._unattended_groups())
-
-    def _unattended_groups(self) -> tuple[int, int]:
-        """The fewest and the most groups the coordinator can take as unattended now: in-flight tasks gen-1
-        leased, none of whose leases is surely live (one a rebuild may have kept, or a task record a rebuild
-        restored, leaves it open)."""
-        sure = unsure = 0
-        for tid in self.m.inflight_tasks():
-            ids = self.task_lease_ids.get(tid, set())
-            if not ids or ids & set(self.leases):
-                continue
-            groups = len(self.m.task_groups[tid])
-            if ids & set(self.maybe_leases) or tid in self.unsure_tasks:
-                unsure += groups
-            else:
-                sure += groups
-        return sure, sure + unsure
+        m.check_liveness(self.needed, self.config.async_.queue_maxsize)
 
     @rule()
     def tick_while_the_broker_refuses(self) -> None:
@@ -211,7 +191,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert grant.version == self.m.current
         self.leases[grant.lease_id] = (grant.version, int(grant.expires_at * 1000))
         self.task_leases.setdefault(tid, set()).add(grant.version)
-        self.task_lease_ids.setdefault(tid, set()).add(grant.lease_id)
         self.task_leased_ms[tid] = self.clock()
         return self.task_leases[tid]
 
@@ -434,7 +413,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         surely = {k: v for k, v in self.leases.items() if self.snap_leases.get(k) == v and v[1] > now}
         self.maybe_leases.update({k: v[0] for k, v in self.leases.items() if k not in surely})
         self.leases = surely
-        self.unsure_tasks |= set(self.task_lease_ids)
         assert {v for v, _ in surely.values()} <= self.coord.live_leased_versions(), "a snapshot's lease kept"
         self.bound.clear()
         self.fresh_writer = True

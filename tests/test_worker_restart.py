@@ -207,14 +207,17 @@ def test_a_restarted_workers_evaluate_task_is_sent_again_at_once(
 # ---- ghosts: tasks nobody works on never stop dispatch ----
 
 
-def test_a_task_nobody_renews_is_left_out_of_pacing(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> None:
-    """Three tasks fill the limit; one is admitted (too few groups for a step), two are leased and their leases
-    lapse while their worker still beats (hung, or lost the task): before, dispatch stopped until the tasks'
-    600 s deadline."""
-    config = small_config(queue_maxsize=6, adaptive_inflight=False)
+def test_a_task_nobody_renews_is_left_out_of_the_paced_limit_not_of_queue_maxsize(
+    redis_client: Redis, tmp_path: Path, clock: ManualClock
+) -> None:
+    """Four tasks fill the paced limit; one is admitted (too few groups for a step), two are leased and their
+    leases lapse while their worker still beats (hung, or lost the task): before, dispatch stopped until the
+    tasks' 600 s deadline. ``async.queue_maxsize`` still bounds every group, ghosts included."""
+    config = small_config(queue_maxsize=12)
     coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, clock=clock)
     start_run(coord)
-    first, second, third = coord.dispatcher.generate
+    assert coord.pacer.limit() == 8, "two versions' worth until measured, below queue_maxsize"
+    first, second, third, fourth = coord.dispatcher.generate
     beat(coord, "gen-1", "boot-100-1")
     coord.submit(submission(coord, first, 0))
     coord.lease("gen-1", second["task_id"], "boot-100-1")
@@ -229,3 +232,11 @@ def test_a_task_nobody_renews_is_left_out_of_pacing(redis_client: Redis, tmp_pat
     assert len(report.tasks_sent) == 2, "the two ghosts' room is handed out again"
     assert task_state(coord, second["task_id"])[0] == "inflight", "a late submission of a ghost is still taken"
     assert "asyncgrpo_groups_unattended 4.0" in generate_latest(coord.metrics.registry).decode()
+    # A third ghost: the paced limit would leave room, queue_maxsize does not.
+    coord.lease("gen-1", fourth["task_id"], "boot-100-1")
+    clock.advance(config.async_.lease_ttl_s + 1)
+    beat(coord, "gen-1", "boot-100-1")
+    assert coord.tasks.unattended_groups() == 6
+    assert coord.tick().tasks_sent == []
+    status = coord.status()
+    assert status.groups_inflight + status.groups_buffered == config.async_.queue_maxsize

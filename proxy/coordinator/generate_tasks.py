@@ -3,8 +3,9 @@
 The prompt order is a seeded permutation per epoch (``seed + epoch``); its position lives in Redis (``epoch``,
 ``epoch_pos``), so a restarted proxy goes on where it was. A task is dispatched only while in-flight plus
 buffered groups stay within the paced limit (``proxy.coordinator.pacing``, at most ``async.queue_maxsize``);
-groups of tasks that no worker is known to work on (leased, but no lease of theirs is live) are not counted,
-so a task whose worker vanished never holds the room the next step needs. A task not submitted by its deadline
+groups of tasks that no worker is known to work on (leased, but no lease of theirs is live) are not counted
+against the paced limit, so a task whose worker vanished does not hold the room the next step needs;
+``async.queue_maxsize`` bounds every group, unattended or not. A task not submitted by its deadline
 (``async.generate_task_timeout_s``) is presumed lost: it is cancelled and its prompts go back in line
 (invariant 4); a task the broker refused is cancelled at once (``force``).
 
@@ -88,14 +89,15 @@ class GenerateTasks:
         self.order = PromptOrder(config.seed, num_prompts)
 
     def unattended_groups(self) -> int:
-        """Groups of in-flight tasks no worker is known to work on (leased, no live lease): pacing leaves them
-        out, so a ghost task never holds the room a step needs (``lua/unattended_groups.lua``)."""
+        """Groups of in-flight tasks no worker is known to work on (leased, no live lease): the paced limit leaves
+        them out, so a ghost task does not hold the room a step needs (``lua/unattended_groups.lua``)."""
         reply = self.store.scripts.unattended_groups(now_ms=self.store.clock_ms())
         return int(reply["groups"])
 
     def dispatch_one(self, unattended: int = 0) -> GenerateTaskMessage | None:
         """Create one generate task if the buffer has room (the caller sends it); None when full. ``unattended``:
-        groups in flight that pacing does not count (``unattended_groups``)."""
+        groups in flight that the paced limit does not count (``unattended_groups``); ``async.queue_maxsize``
+        counts them all."""
         store, cfg = self.store, self.config
         for _ in range(_DISPATCH_ATTEMPTS):
             epoch_raw, pos_raw = store.redis.hmget(store.keys.state, ["epoch", "epoch_pos"])
@@ -117,7 +119,8 @@ class GenerateTasks:
                     now_ms=store.clock_ms(),
                     deadline_ms=deadline,
                     groups_per_task=cfg.groups_per_task,
-                    queue_maxsize=self.inflight_limit() + unattended,
+                    # Ghosts get their room back from pacing, never beyond the hard bound.
+                    queue_maxsize=min(cfg.queue_maxsize, self.inflight_limit() + unattended),
                     epoch=epoch,
                     epoch_pos=pos,
                     num_prompts=self.num_prompts,

@@ -113,7 +113,7 @@ class Housekeeping:
         # Generate tasks wait for version 0 (nothing can be leased before), for the bucket to take snapshots
         # again after an outage, and for a generate worker to be alive (no queue grows that nobody consumes).
         if not finished and self.store.current_version() >= 0 and not self.bucket_outage and self._generate_consumed():
-            # Ghosts (leased tasks nobody renews) are left out of pacing: dispatch never stops for them.
+            # Ghosts (leased tasks nobody renews) are left out of the paced limit, not out of queue_maxsize.
             unattended = self.tasks.unattended_groups()
             self.metrics.groups_unattended.set(unattended)
             while len(new_tasks) < MAX_TASKS_PER_TICK:

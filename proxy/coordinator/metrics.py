@@ -324,7 +324,8 @@ class ProxyMetrics:
         self.groups_unattended = Gauge(
             "asyncgrpo_groups_unattended",
             "Groups of in-flight generate tasks that no worker renews a lease of (a worker vanished without being "
-            "found dead or restarted); pacing does not count them, and they end at their deadline.",
+            "found dead or restarted); the paced limit does not count them (queue_maxsize does), and they end at their "
+            "deadline.",
             registry=self.registry,
         )
         for code in HTTP_ERROR_CODES:

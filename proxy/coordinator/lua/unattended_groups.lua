@@ -1,7 +1,8 @@
 -- unattended_groups: the groups of generate tasks in flight that no worker is known to work on: leased, and none
 -- of the task's leases is live (its holder stopped renewing for async.lease_ttl_s, though it was not found dead
--- or restarted). Pacing does not count them, so such a ghost never holds the room the next step's groups need;
--- it still ends at its deadline, and a late submission of it is admitted as usual. Reads only.
+-- or restarted). The paced limit does not count them (async.queue_maxsize still does), so such a ghost does not
+-- hold the room the next step's groups need; it still ends at its deadline, and a late submission of it is
+-- admitted as usual. Reads only.
 -- KEYS[1] tasks_inflight  KEYS[2] leases
 -- ARGV[1] prefix  ARGV[2] now_ms
 -- returns {"OK", groups, tasks}
