@@ -43,14 +43,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.fixtures_s3, from a plain clone too
 
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.log_setup import configure_logging
-from proxy.protocol.schemas import PublishRequest
-from proxy.run.config import load_run_config
-from proxy.run.store import create_run
-from proxy.storage.bucket import open_bucket
-from proxy.storage.manifest import write_version
-from worker.tools.local_cluster import ChildProcess, LocalCluster
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.log_setup import configure_logging
+from asyncgrpo.protocol.schemas import PublishRequest
+from asyncgrpo.run.config import load_run_config
+from asyncgrpo.run.creation import create_run
 
 # Rank 268 on every linear layer of the tiny model (2 layers, hidden 128) is 268 * 4096 fp32 parameters.
 CONFIG_TOML = """\
@@ -167,7 +167,7 @@ def measure(backend: str, mode: str, versions: int, rank: int, root: Path, s3: A
         if prefetch:
             feeder = cluster.start_worker("generate", name="feeder", env={"ASYNCGRPO_PREFETCH_ADAPTERS": "false"})
             child_env = {**cluster.env(), "ASYNCGRPO_WORKER_ID": "measured", **measured_env}
-            argv = [sys.executable, "-m", "worker.tools.cli", "worker", "generate", "--queues", "bench-idle"]
+            argv = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", "generate", "--queues", "bench-idle"]
             measured = cluster._spawn("measured", argv, env=child_env)
         else:
             measured = cluster.start_worker("generate", name="measured", env=measured_env)

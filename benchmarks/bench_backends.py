@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from proxy.run.config import RunConfig
+from asyncgrpo.run.config import RunConfig
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.trainer import Trainer, TrainSample, mean_ratio

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, FileBucket, open_bucket
-from proxy.storage.manifest import fetch_version, write_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, FileBucket, open_bucket
+from asyncgrpo.bucket.manifest import fetch_version, write_version
 
 ADAPTER_BYTES = 4_400_000
 

@@ -49,19 +49,19 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from proxy.protocol.records import StepRecord
-from proxy.run.config import RunConfig, load_run_config
-from proxy.run.datasets import build_dataset
-from proxy.run.store import create_run
-from proxy.storage.bucket import open_bucket
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.cli.history import load_step_records
+from asyncgrpo.cli.local_cluster import LocalCluster
+from asyncgrpo.protocol.records import StepRecord
+from asyncgrpo.run.config import RunConfig, load_run_config
+from asyncgrpo.run.creation import create_run
+from asyncgrpo.run.datasets import build_dataset
 from worker.algo.grpo import group_advantages
 from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.trainer import Trainer, TrainSample
-from worker.tools.local_cluster import LocalCluster
-from worker.tools.step_records import load_step_records
 
 
 @dataclass(frozen=True)

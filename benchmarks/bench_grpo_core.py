@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from proxy.protocol.schemas import GroupRef
-from proxy.run.config import RunConfig
-from proxy.storage.bucket import open_bucket
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import group_advantages
 from worker.algo.rewards import repeat_digit
 from worker.algo.rollout import Rollout, RolloutSample

@@ -17,17 +17,17 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from proxy.protocol.records import GenerateTimings, StepRecord, StepTimings, UpdateMetrics
-from proxy.protocol.schemas import GroupRef
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import open_bucket
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.cli.history import load_step_records
+from asyncgrpo.cli.plot import plot_run
+from asyncgrpo.protocol.records import GenerateTimings, StepRecord, StepTimings, UpdateMetrics
+from asyncgrpo.protocol.schemas import GroupRef
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
-from worker.optimize.step_record import build_step_record
+from worker.optimize.recording import build_step_record
 from worker.process import metrics as worker_metrics
 from worker.process import result_metrics
-from worker.tools.plot import plot_run
-from worker.tools.step_records import load_step_records
 
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:

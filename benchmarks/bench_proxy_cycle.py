@@ -32,15 +32,15 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.bucket.manifest import sha256_hex, write_version
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.schemas import LeaseRequest, PublishRequest, RolloutSubmission
+from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.schemas import LeaseRequest, PublishRequest, RolloutSubmission
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import open_bucket
-from proxy.storage.manifest import sha256_hex, write_version
 
 TOKEN = "bench-token"
 

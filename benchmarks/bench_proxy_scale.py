@@ -1,7 +1,7 @@
 """Many generate workers against ONE real proxy process: lease -> submit -> release cycles per second.
 
 Starts, privately: a ``redis-server``, a SeaweedFS S3 server (``--bucket s3``, the default) or a local folder
-(``--bucket file``), creates a run as ``asyncgrpo run create`` does (``proxy.run.store.create_run``), and starts
+(``--bucket file``), creates a run as ``asyncgrpo run create`` does (``asyncgrpo.run.creation.create_run``), and starts
 the proxy as an operator would (``python -m proxy`` with ``ASYNCGRPO_*`` variables, INFO logs to a file). Then
 ``--workers`` simulated generate workers (``proxy_load.py``: asyncio + httpx, spread over ``--procs`` processes
 so that the load generator is not the bottleneck) each loop: take a real ``generate`` task message the proxy
@@ -9,7 +9,7 @@ dispatched from the Celery broker list in Redis, lease the current version, subm
 task's groups, release the lease; every ``CHECK_EVERY``-th admitted rollout is looked up in the snapshot in the
 bucket right after its answer (durable before "admitted"). Each also heartbeats every ``HEARTBEAT_S``. A
 simulated optimizer takes each ``optimize`` task from the broker, writes a small real version with
-``proxy.storage.manifest.write_version`` and publishes it (``POST /v1/versions``), so the buffer drains and
+``asyncgrpo.bucket.manifest.write_version`` and publishes it (``POST /v1/versions``), so the buffer drains and
 dispatch goes on; ``/metrics`` is scraped once a second. The simulators write no rollout objects (the proxy
 never reads them), so the bucket traffic is the proxy's.
 
@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from proxy_load import KINDS, RUN, TOKEN, generate_process, publish_steps  # noqa: E402
 
-from proxy.run.store import create_run  # noqa: E402
-from proxy.storage.bucket import open_bucket  # noqa: E402
+from asyncgrpo.bucket.backends import open_bucket  # noqa: E402
+from asyncgrpo.run.creation import create_run  # noqa: E402
 from tests.fixtures_redis import free_port, start_redis_server  # noqa: E402
 
 GROUPS_PER_STEP = 128

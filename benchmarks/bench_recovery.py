@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.bucket.manifest import read_manifest
+from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
+from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.run.store import create_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import open_bucket
-from proxy.storage.manifest import read_manifest
 from tests.e2e_harness import wait_for
-from worker.tools.local_cluster import ChildProcess, LocalCluster
 
 CONFIG = """\
 seed = 3

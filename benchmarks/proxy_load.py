@@ -21,10 +21,10 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from proxy.protocol.queues import generate_queue, optimize_queue
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import write_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.protocol.queues import generate_queue, optimize_queue
 
 TOKEN = "bench-scale-token"
 RUN = "scale"

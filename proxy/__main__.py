@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import click
 
+from asyncgrpo.protocol.settings import SettingsError
 from proxy.api.settings import ProxySettings
-from proxy.protocol.settings import SettingsError
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

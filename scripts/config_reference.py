@@ -18,9 +18,9 @@ from pydantic.fields import FieldInfo
 # This checkout's proxy package, not whichever asyncgrpo happens to be installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncgrpo.protocol.settings import env_name, field_bounds, shown_default
+from asyncgrpo.run.config import RunConfig
 from proxy.api.settings import ProxySettings
-from proxy.protocol.settings import env_name, field_bounds, shown_default
-from proxy.run.config import RunConfig
 from worker.process.settings import WorkerSettings
 
 

@@ -16,7 +16,7 @@ pytest_plugins = [
 # whatever sys.stdout is when it logs, which pytest and schemathesis swap for a capture stream per test and
 # per subtest and then close: a server thread writing into a stream the main thread is closing crashed the
 # interpreter. The process's own stderr stays open (pytest still captures it at the file descriptor), and
-# tracebacks leave out the frames' locals, as in the real processes (proxy.protocol.log_setup).
+# tracebacks leave out the frames' locals, as in the real processes (asyncgrpo.protocol.log_setup).
 structlog.configure(
     processors=[
         *structlog.get_config()["processors"][:-1],

@@ -26,13 +26,13 @@ import httpx
 import pytest
 import redis
 
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.cli.history import load_step_records
+from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
+from asyncgrpo.protocol.records import StepRecord
+from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.protocol.records import StepRecord
-from proxy.run.store import create_run
-from proxy.storage.bucket import open_bucket
 from tests.fixtures_s3 import S3Endpoint
-from worker.tools.local_cluster import ChildProcess, LocalCluster
-from worker.tools.step_records import load_step_records
 
 MAX_STALENESS = 1
 SAMPLES_PER_PROMPT = 4

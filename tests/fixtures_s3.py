@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from proxy.storage.bucket import Bucket, FileBucket, S3Bucket, make_s3_client
+from asyncgrpo.bucket.backends import Bucket, FileBucket, S3Bucket, make_s3_client
 
 _STARTUP_TIMEOUT_S = 60.0
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from asyncgrpo.bucket.backends import Bucket, ObjectExists
+from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, PublishRequest, RolloutSubmission
 from proxy.coordinator.dispatch import RecordingDispatcher
-from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, PublishRequest, RolloutSubmission
-from proxy.storage.bucket import Bucket, ObjectExists
 from tests.proxy_harness import publish_request, write_fake_version
 
 NUM_PROMPTS = 7

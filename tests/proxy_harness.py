@@ -8,14 +8,14 @@ from typing import Any
 
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import sha256_hex, write_version
+from asyncgrpo.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.proxy_lease import ProxyFence
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import sha256_hex, write_version
 
 
 class ManualClock:

@@ -16,12 +16,12 @@ import pytest
 from redis import Redis
 from structlog.testing import capture_logs
 
+from asyncgrpo.bucket.manifest import IntegrityError, write_version
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.schemas import GroupRef
-from proxy.run.config import RunConfig
-from proxy.storage.manifest import IntegrityError, write_version
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
 from worker.generate.adapter_cache import AdapterCache

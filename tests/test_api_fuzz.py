@@ -32,13 +32,13 @@ from schemathesis.checks import (
     unsupported_method,
 )
 
+from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
 from proxy.api.app import create_app
 from proxy.api.fencing import take_lease
 from proxy.api.version_watch import MAX_WAIT_S
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.proxy_lease import ProxyFence
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import HeartbeatRequest, StepStartRequest
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.fixtures_redis import RedisServer
 from tests.proxy_harness import (

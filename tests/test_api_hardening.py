@@ -308,7 +308,7 @@ def test_serve_exits_on_an_unusable_token_from_the_environment(monkeypatch: pyte
 
 
 def test_readme_documents_every_error_code() -> None:
-    from proxy.protocol.errors import ERROR_CODES
+    from asyncgrpo.protocol.errors import ERROR_CODES
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Proxy HTTP API") :]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.storage.bucket import (
+from asyncgrpo.bucket.backends import (
     Bucket,
     BucketError,
     FileBucket,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import check_key
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import check_key
 
 
 def test_layout_of_one_run() -> None:

@@ -10,12 +10,19 @@ from typing import Any
 
 import pytest
 
-from proxy.protocol.schemas import GroupRef, LeaseGrant, LeaseRequest, ReleaseResult, RolloutSubmission, SubmitResult
-from proxy.run.config import DatasetConfig, RunConfig
-from proxy.run.store import create_run, load_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import write_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.protocol.schemas import (
+    GroupRef,
+    LeaseGrant,
+    LeaseRequest,
+    ReleaseResult,
+    RolloutSubmission,
+    SubmitResult,
+)
+from asyncgrpo.run.config import DatasetConfig, RunConfig
+from asyncgrpo.run.creation import create_run, load_run
 from worker.algo.rollout import decode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.job import run_generate_task

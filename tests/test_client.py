@@ -9,10 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.api.app import create_app
-from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import (
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import (
     BadRequest,
     Cancelled,
     Conflict,
@@ -24,7 +22,9 @@ from proxy.protocol.errors import (
     StaleRollout,
     Unauthorized,
 )
-from proxy.protocol.schemas import HeartbeatRequest, LeaseRequest, PublishRequest, RolloutSubmission
+from asyncgrpo.protocol.schemas import HeartbeatRequest, LeaseRequest, PublishRequest, RolloutSubmission
+from proxy.api.app import create_app
+from proxy.coordinator.service import Coordinator
 from tests.fixtures_coordinator import served
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import (

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.run.config import ConfigError, RunConfig, load_run_config, parse_run_config
+from asyncgrpo.run.config import ConfigError, RunConfig, load_run_config, parse_run_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.manifest import list_versions, write_version
+from asyncgrpo.protocol.schemas import HeartbeatRequest
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from proxy.coordinator.errors import (
     BadRollout,
     BadVersionNumber,
@@ -25,10 +29,6 @@ from proxy.coordinator.errors import (
 )
 from proxy.coordinator.rollouts import normalise_reason
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import HeartbeatRequest
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage import bucket_keys
-from proxy.storage.manifest import list_versions, write_version
 from tests.proxy_harness import (
     ManualClock,
     advance_version,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.run.config import DatasetConfig
-from proxy.run.datasets import (
+from asyncgrpo.run.config import DatasetConfig
+from asyncgrpo.run.datasets import (
     PromptFileError,
     build_dataset,
     dump_prompts_jsonl,

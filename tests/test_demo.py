@@ -28,7 +28,9 @@ SUMMARY_KEYS = {
 
 
 def demo_command(workdir: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "worker.tools.cli", "demo", "--steps", str(steps), "--workdir", str(workdir), *extra]
+    return [
+        sys.executable, "-m", "asyncgrpo.cli.main", "demo", "--steps", str(steps), "--workdir", str(workdir), *extra
+    ]
 
 
 def demo_env(tmp_path: Path) -> dict[str, str]:

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from asyncgrpo.cli.main import main as cli_main
+from asyncgrpo.protocol import log_setup
+from asyncgrpo.protocol.schemas import LeaseRecord, StatusResponse
+from asyncgrpo.protocol.settings import env_name
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits
-from proxy.protocol import log_setup
-from proxy.protocol.schemas import LeaseRecord, StatusResponse
-from proxy.protocol.settings import env_name
 from worker.process import metrics as worker_metrics
 from worker.process.settings import WorkerSettings
-from worker.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

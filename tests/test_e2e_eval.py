@@ -12,14 +12,14 @@ import httpx
 import pytest
 from rich.console import Console
 
-from proxy.protocol.client import ProxyClient
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import open_bucket
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.cli.history import load_eval_records, load_step_records
+from asyncgrpo.cli.local_cluster import LocalCluster
+from asyncgrpo.cli.plot import EVAL_PANEL_TITLE, draw_records, plot_run
+from asyncgrpo.cli.status import collect_status, render_status
+from asyncgrpo.protocol.client import ProxyClient
 from tests.e2e_harness import assert_run_invariants, metric_value, records_of, wait_for
-from worker.tools.local_cluster import LocalCluster
-from worker.tools.plot import EVAL_PANEL_TITLE, draw_records, plot_run
-from worker.tools.status import collect_status, render_status
-from worker.tools.step_records import load_eval_records, load_step_records
 
 pytestmark = pytest.mark.slow
 

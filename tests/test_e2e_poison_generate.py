@@ -11,9 +11,10 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
+from asyncgrpo.run.datasets import repeat_digit_prompts
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.run.datasets import repeat_digit_prompts
 from tests.e2e_harness import (
     assert_run_invariants,
     generate_task_unsubmitted,
@@ -23,7 +24,6 @@ from tests.e2e_harness import (
     wait_for,
 )
 from tests.poison_rewards import CRASH_DIGIT_ENV
-from worker.tools.local_cluster import ChildProcess, LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ import httpx
 import pytest
 import redis
 
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.cli.local_cluster import LocalCluster, free_port
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.storage.bucket import open_bucket
 from tests.e2e_harness import (
     assert_run_invariants,
     pause_mid_task,
@@ -25,7 +26,6 @@ from tests.e2e_harness import (
     version_reached,
     wait_for,
 )
-from worker.tools.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from proxy.coordinator.redis_keys import RunKeys
 from tests.e2e_harness import (
     assert_run_invariants,
@@ -31,7 +32,6 @@ from tests.e2e_harness import (
     version_reached,
     wait_for,
 )
-from worker.tools.local_cluster import ChildProcess, LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from asyncgrpo.cli.local_cluster import LocalCluster
 from tests.e2e_harness import assert_run_invariants, metric_value, records_of, version_reached, wait_for
 from tests.tracker_doubles import trackio_dir, trackio_logs, write_fake_wandb
-from worker.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

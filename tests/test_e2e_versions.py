@@ -11,17 +11,17 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.schemas import OptimizeTaskMessage
-from proxy.run.store import load_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import ObjectNotFound, open_bucket
-from proxy.storage.manifest import read_manifest, read_version_files
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import ObjectNotFound, open_bucket
+from asyncgrpo.bucket.manifest import read_manifest, read_version_files
+from asyncgrpo.cli.local_cluster import LocalCluster
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.schemas import OptimizeTaskMessage
+from asyncgrpo.run.creation import load_run
 from tests.e2e_harness import records_of, version_reached, wait_for
 from worker.model.policy import Policy
 from worker.optimize.job import run_optimize_step
 from worker.optimize.trainer import Trainer
-from worker.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

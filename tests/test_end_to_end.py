@@ -10,9 +10,10 @@ import httpx
 import pytest
 import redis
 
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import open_bucket
-from proxy.storage.manifest import latest_complete_version, read_manifest
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest
+from asyncgrpo.cli.local_cluster import LocalCluster, free_port
 from tests.e2e_harness import (
     MAX_STALENESS,
     SAMPLES_PER_PROMPT,
@@ -26,7 +27,6 @@ from tests.e2e_harness import (
     version_reached,
     wait_for,
 )
-from worker.tools.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 

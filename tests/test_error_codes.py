@@ -9,6 +9,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from asyncgrpo.bucket.backends import BucketError
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import ERROR_CODES, ProxyError, error_code, exception_for
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from proxy.api import refusals as api
 from proxy.coordinator.errors import (
     BadRollout,
@@ -26,10 +30,6 @@ from proxy.coordinator.errors import (
     UnknownTask,
 )
 from proxy.coordinator.metrics import HTTP_ERROR_CODES, ProxyMetrics
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import ERROR_CODES, ProxyError, error_code, exception_for
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage.bucket import BucketError
 
 # One instance of every refusal the coordinator raises (subclasses included), and the code it must get.
 REFUSALS: list[tuple[Exception, str]] = [

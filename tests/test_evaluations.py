@@ -15,17 +15,17 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.protocol.evals import EvalChunkSummary, EvalExample, EvalResultRequest, merge_chunks
+from asyncgrpo.protocol.records import EvalRecord
+from asyncgrpo.protocol.schemas import HeartbeatRequest, TaskFailureReport
+from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.errors import EvalEnded, NotTaskHolder
 from proxy.coordinator.evaluations import due_versions, prompt_chunks
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.evals import EvalChunkSummary, EvalExample, EvalResultRequest, merge_chunks
-from proxy.protocol.records import EvalRecord
-from proxy.protocol.schemas import HeartbeatRequest, TaskFailureReport
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
 from tests.proxy_harness import ManualClock, advance_version, file_bucket, start_run
 
 TOKEN = "eval-test-token"
@@ -117,7 +117,7 @@ def test_due_versions_every_k_and_the_final_one() -> None:
 
 
 def test_greedy_eval_takes_one_sample_per_prompt() -> None:
-    from proxy.run.config import ConfigError, parse_run_config
+    from asyncgrpo.run.config import ConfigError, parse_run_config
 
     with pytest.raises(ConfigError, match=r"eval: .*eval\.samples_per_prompt = 1"):
         parse_run_config({"eval": {"every_versions": 1, "samples_per_prompt": 4}})
@@ -305,8 +305,8 @@ def test_http_routes_and_metrics(redis_client: Redis, bucket: Bucket, clock: Man
 
 
 def test_run_create_freezes_held_out_prompts(tmp_path: Path) -> None:
-    from proxy.run.config import ConfigError
-    from proxy.run.store import create_run, load_eval_prompts, load_run
+    from asyncgrpo.run.config import ConfigError
+    from asyncgrpo.run.creation import create_run, load_eval_prompts, load_run
 
     bucket = file_bucket(tmp_path)
     base = '[dataset]\nnum_prompts = 8\n[[rewards]]\nname = "exact_match"\n'

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.protocol.incarnation import process_incarnation
-from proxy.protocol.schemas import (
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.protocol.incarnation import process_incarnation
+from asyncgrpo.protocol.schemas import (
     GroupRef,
     LeaseGrant,
     LeaseRequest,
@@ -18,10 +21,7 @@ from proxy.protocol.schemas import (
     RolloutSubmission,
     SubmitResult,
 )
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import write_version
+from asyncgrpo.run.config import RunConfig
 from worker.algo.rollout import decode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.job import GenerateResult, run_generate_task

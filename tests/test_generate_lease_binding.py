@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import ProxyUnavailable
+from asyncgrpo.protocol.schemas import GroupRef, RolloutSubmission, SubmitResult
+from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import ProxyUnavailable
-from proxy.protocol.schemas import GroupRef, RolloutSubmission, SubmitResult
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.manifest import write_version
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.proxy_harness import publish_request
 from worker.algo.rollout import read_rollout_header

@@ -10,13 +10,13 @@ import pytest
 from redis import Redis
 from structlog.testing import capture_logs
 
+from asyncgrpo.bucket.backends import BucketError
+from asyncgrpo.protocol.queues import generate_queue
+from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef, HeartbeatRequest, TaskFailureReport
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from proxy.coordinator.dispatch import CeleryDispatcher
 from proxy.coordinator.errors import TaskEnded
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.queues import generate_queue
-from proxy.protocol.schemas import GenerateTaskMessage, GroupRef, HeartbeatRequest, TaskFailureReport
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage.bucket import BucketError
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.protocol.schemas import GroupRef
-from proxy.run.config import RunConfig
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.config import RunConfig
 from tests.poison_rewards import NAN_DIGIT, RAISE_DIGIT
 from worker.generate.job import _score, _split_bad_prompts
 from worker.generate.prompt_format import fed_prompts

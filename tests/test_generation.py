@@ -8,7 +8,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from proxy.run.config import LoraConfig
+from asyncgrpo.run.config import LoraConfig
 from worker.generate.backend import GenerationBackend, UnknownAdapter
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy, wrap_with_lora

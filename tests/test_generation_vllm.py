@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from proxy.protocol.records import StepRecord
-from proxy.run.config import RunConfig, load_run_config
+from asyncgrpo.protocol.records import StepRecord
+from asyncgrpo.run.config import RunConfig, load_run_config
 from worker.generate.factory import (
     VLLM_ENGINE_ARGS_ENV,
     chosen_backend,
@@ -321,8 +321,8 @@ def test_versions_sample_differently_and_match_the_trainers_rescoring(
 @pytest.mark.vllm
 def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setup: VLLMSetup, tmp_path: Path) -> None:
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
-    from proxy.storage.bucket import FileBucket
-    from proxy.storage.manifest import write_version
+    from asyncgrpo.bucket.backends import FileBucket
+    from asyncgrpo.bucket.manifest import write_version
     from worker.generate.adapter_cache import AdapterCache
     from worker.generate.backend import UnknownAdapter
 
@@ -461,10 +461,10 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
     on this interpreter; returns the step records and the generate worker's log."""
     import time
 
-    from proxy.run.store import create_run
-    from proxy.storage.bucket import open_bucket
-    from worker.tools.local_cluster import LocalCluster
-    from worker.tools.step_records import load_step_records
+    from asyncgrpo.bucket.backends import open_bucket
+    from asyncgrpo.cli.history import load_step_records
+    from asyncgrpo.cli.local_cluster import LocalCluster
+    from asyncgrpo.run.creation import create_run
 
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCGRPO_HEARTBEAT_S": "0.5"}
     cluster = LocalCluster(workdir=workdir, run=f"e2e-{backend}", extra_env=threads)

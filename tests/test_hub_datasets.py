@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.run.config import ConfigError, DatasetConfig
-from proxy.run.datasets import PromptFileError, build_dataset, dump_prompts_jsonl, parse_prompts_jsonl
-from proxy.run.store import create_run, load_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.run.config import ConfigError, DatasetConfig
+from asyncgrpo.run.creation import create_run, load_run
+from asyncgrpo.run.datasets import PromptFileError, build_dataset, dump_prompts_jsonl, parse_prompts_jsonl
 
 datasets = pytest.importorskip("datasets")
 
@@ -181,7 +181,7 @@ def test_a_generator_beside_a_file_or_hub_source_is_ignored_as_in_runs_stored_be
 def test_the_gpu_recipe_reads_its_hub_dataset_and_held_out_split(tmp_path: Path) -> None:
     # examples/gpu-qwen2.5-math-1.5b.toml as shipped, with its Hub id pointed at a local copy in MATH-lighteval's
     # shape: the training prompts come from `train`, the eval's from the first 500 rows of `test`.
-    from proxy.run.store import load_eval_prompts
+    from asyncgrpo.run.creation import load_eval_prompts
 
     def rows(split: str, count: int) -> dict[str, list[str]]:
         problems = [f"{split} problem {i}: what is {i}+{i}?" for i in range(count)]

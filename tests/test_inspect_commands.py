@@ -15,10 +15,10 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 import worker.process.inspect_commands  # noqa: F401  (registers the commands, as the worker process does)
-from proxy.protocol.client import ProxyClient
-from proxy.run.config import RunConfig
-from proxy.storage.bucket import open_bucket
-from proxy.storage.manifest import write_version
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.run.config import RunConfig
 from tests.e2e_harness import stop_process_group
 from tests.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from tests.fixtures_redis import free_port
@@ -125,7 +125,7 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
         "ASYNCGRPO_CACHE": str(tmp_path / "cache"),
         "ASYNCGRPO_TORCH_THREADS": "1",  # torch's default here is every core (2 or more)
     }
-    command = [sys.executable, "-m", "worker.tools.cli", "worker", "generate"]
+    command = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", "generate"]
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)

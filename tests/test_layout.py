@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_PACKAGES = ("proxy", "worker")
+TOP_PACKAGES = ("asyncgrpo", "proxy", "worker")
 MAP_ENTRY = re.compile(r"^    (\w+)\s{2,}\S")
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.run.config import RunConfig
-from proxy.run.datasets import repeat_digit_prompts
+from asyncgrpo.run.config import RunConfig
+from asyncgrpo.run.datasets import repeat_digit_prompts
 from worker.algo.grpo import group_advantages
 from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions

@@ -15,9 +15,9 @@ import psutil
 import pytest
 import redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.cli.local_run import torch_threads_env
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.storage import bucket_keys
-from worker.tools.local_run import torch_threads_env
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "tiny-local"
@@ -82,7 +82,7 @@ def local_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def local_command(config: Path, workdir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "worker.tools.cli", "local", str(config), "--workdir", str(workdir), *extra]
+    return [sys.executable, "-m", "asyncgrpo.cli.main", "local", str(config), "--workdir", str(workdir), *extra]
 
 
 def run_local_json(tmp_path: Path, config: Path, *, timeout_s: float) -> subprocess.CompletedProcess[str]:

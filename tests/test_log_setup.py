@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from proxy.protocol.log_setup import LoggingConfigError, configure_logging
+from asyncgrpo.protocol.log_setup import LoggingConfigError, configure_logging
 
 
 class TerminalStream(io.StringIO):

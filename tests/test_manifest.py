@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, FileBucket, ObjectExists, ObjectNotFound
-from proxy.storage.manifest import (
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, FileBucket, ObjectExists, ObjectNotFound
+from asyncgrpo.bucket.manifest import (
     IntegrityError,
     delete_version,
     fetch_version,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy.protocol.schemas import GroupRef, RolloutRef
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import sha256_hex
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import sha256_hex
+from asyncgrpo.protocol.schemas import GroupRef, RolloutRef
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
 from worker.optimize.failures import RolloutUnusable, step_failure_of, validate_rollout

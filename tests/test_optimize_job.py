@@ -13,14 +13,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proxy.protocol.errors import Conflict, NotFound
-from proxy.protocol.records import StepRecord
-from proxy.protocol.schemas import CorruptResult, GroupRef, PublishRequest, RolloutRef, StepStartRequest, VersionInfo
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import IntegrityError, fetch_version, read_manifest, sha256_hex, write_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import IntegrityError, fetch_version, read_manifest, sha256_hex, write_version
+from asyncgrpo.protocol.errors import Conflict, NotFound
+from asyncgrpo.protocol.records import StepRecord
+from asyncgrpo.protocol.schemas import (
+    CorruptResult,
+    GroupRef,
+    PublishRequest,
+    RolloutRef,
+    StepStartRequest,
+    VersionInfo,
+)
+from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import group_advantages
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
 from worker.generate.transformers_backend import TransformersBackend

@@ -7,9 +7,9 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from redis import Redis
 
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.pacing import MIN_SAMPLES, InflightPacer
 from proxy.coordinator.service import Coordinator
-from proxy.run.config import AsyncConfig
 from tests.proxy_harness import (
     ManualClock,
     advance_version,

@@ -13,19 +13,19 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
 
-from proxy.protocol.records import StepRecord, StepTimings, UpdateMetrics
-from proxy.protocol.schemas import GroupRef
-from proxy.run.store import create_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
-from proxy.storage.manifest import IntegrityError, write_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.manifest import IntegrityError, write_version
+from asyncgrpo.cli.export import ADAPTER_FILES, ExportError, export_version
+from asyncgrpo.cli.main import main
+from asyncgrpo.cli.plot import PlotError, plot_run
+from asyncgrpo.protocol.records import StepRecord, StepTimings, UpdateMetrics
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.creation import create_run
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.model.policy import Policy, peft_lora_config
-from worker.optimize.step_record import build_step_record
+from worker.optimize.recording import build_step_record
 from worker.optimize.trainer import Trainer
-from worker.tools.cli import main
-from worker.tools.export import ADAPTER_FILES, ExportError, export_version
-from worker.tools.plot import PlotError, plot_run
 
 RUN = "export-run"
 CONFIG_TOML = """
@@ -57,7 +57,7 @@ def published(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     config_path.write_text(CONFIG_TOML)
     bucket = open_bucket(f"file://{root / 'bucket'}")
     create_run(config_path, RUN, bucket)
-    from proxy.run.store import load_run
+    from asyncgrpo.run.creation import load_run
 
     config, _, _ = load_run(bucket, RUN)
     trainer = Trainer.initial(Policy.load(config.model.base, device="cpu"), config)

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from redis import Redis
 
+from asyncgrpo.bucket.manifest import list_versions
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from proxy.coordinator.errors import (
     BadRollout,
     LeaseLostError,
@@ -38,8 +40,6 @@ from proxy.coordinator.errors import (
     UnknownTask,
 )
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage.manifest import list_versions
 from tests.protocol_model import (
     NUM_PROMPTS,
     SEED,

@@ -17,15 +17,15 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectExists
+from asyncgrpo.bucket.manifest import write_version
 from proxy.api.app import create_app
 from proxy.api.fencing import ProxyStartupError, check_conditional_writes, check_eviction_policy, take_lease
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.proxy_lease import FenceLost, ProxyFence, ProxyLeaseHeld
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import SnapshotCorrupt, load_snapshot, snapshot_epoch
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectExists
-from proxy.storage.manifest import write_version
 from tests.fixtures_coordinator import API_TOKEN
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, small_config, submission

@@ -18,10 +18,10 @@ import httpx
 import pytest
 from redis import Redis
 
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.run.creation import create_run
 from proxy.coordinator.proxy_lease import DEFAULT_LEASE_TTL_S, LeaseHolder
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.run.store import create_run
-from proxy.storage.bucket import open_bucket
 from tests.fixtures_redis import free_port
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
+from asyncgrpo.protocol.schemas import HeartbeatRequest
 from proxy.api.app import create_app
 from proxy.coordinator.metrics import HTTP_ERROR_CODES, StateGauges
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import HeartbeatRequest
 from tests.fixtures_coordinator import API_TOKEN
 from tests.proxy_harness import (
     ManualClock,

@@ -52,7 +52,7 @@ def test_every_environment_variable_named_in_the_code_is_a_setting() -> None:
     assert "ASYNCGRPO_TOKEN" in names
     table = env_reference()
     missing = sorted(name for name in names if f"`{name}`" not in table)
-    assert not missing, f"declare these in a settings class (proxy/protocol/settings.py or a role's): {missing}"
+    assert not missing, f"declare these in a settings class (asyncgrpo/protocol/settings.py or a role's): {missing}"
 
 
 def test_the_from_trl_section_names_only_config_fields_and_metrics_that_exist() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import structlog
 
-from proxy.protocol.records import RolloutHeader, StepRecord
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import open_bucket
-from worker.tools.step_records import load_step_records
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.cli.history import load_step_records
+from asyncgrpo.protocol.records import RolloutHeader, StepRecord
 
 # As the untyped writers wrote them (worker/optimize/job.py and worker/algo/rollout.py before the models).
 OLD_HEADER = {

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.run.config import RunConfig
-from proxy.storage.bucket_keys import ADAPTER_WEIGHTS_NAME
+from asyncgrpo.bucket.keys import ADAPTER_WEIGHTS_NAME
+from asyncgrpo.run.config import RunConfig
 from tests.train_samples import synthetic_samples
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer

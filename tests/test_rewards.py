@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from proxy.run.config import RewardConfig
+from asyncgrpo.run.config import RewardConfig
 from worker.algo.rewards import (
     BUILTIN_REWARDS,
     RewardError,
@@ -106,8 +106,8 @@ def test_score_completions_rejects_bad_rewards_and_input() -> None:
 
 
 def test_run_create_knows_the_workers_builtin_rewards() -> None:
-    """`run create` (proxy.run, which never imports worker code) checks names against the same built-ins."""
-    from proxy.run.config import BUILTIN_REWARD_NAMES, REWARDS_NEEDING_ANSWER
+    """`run create` (asyncgrpo.run, which never imports worker code) checks names against the same built-ins."""
+    from asyncgrpo.run.config import BUILTIN_REWARD_NAMES, REWARDS_NEEDING_ANSWER
 
     assert set(BUILTIN_REWARD_NAMES) == set(BUILTIN_REWARDS)
     for name, function in BUILTIN_REWARDS.items():

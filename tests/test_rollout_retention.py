@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, BucketError
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.errors import TaskCancelled
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, BucketError
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

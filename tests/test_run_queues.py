@@ -18,8 +18,8 @@ import pytest
 from celery import Celery
 from redis import Redis
 
-from proxy.coordinator.dispatch import CeleryDispatcher
-from proxy.protocol.queues import (
+from asyncgrpo.bucket.keys import check_run_name
+from asyncgrpo.protocol.queues import (
     REPAIR_TASK_NAME,
     check_queue_run,
     generate_queue,
@@ -27,9 +27,9 @@ from proxy.protocol.queues import (
     run_queue_prefix,
     worker_queue,
 )
-from proxy.protocol.schemas import GenerateTaskMessage, GroupRef, OptimizeTaskMessage, RepairTaskMessage
-from proxy.protocol.settings import SettingsError
-from proxy.storage.bucket_keys import check_run_name
+from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef, OptimizeTaskMessage, RepairTaskMessage
+from asyncgrpo.protocol.settings import SettingsError
+from proxy.coordinator.dispatch import CeleryDispatcher
 from tests.e2e_harness import stop_process_group
 from tests.fixtures_redis import free_port
 from worker.process import celery_app
@@ -127,7 +127,7 @@ def test_two_runs_on_one_redis_take_only_their_own_tasks(redis_url: str, tmp_pat
     log_path = tmp_path / "worker-b.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "worker.tools.cli", "worker", "optimize"],
+            [sys.executable, "-m", "asyncgrpo.cli.main", "worker", "optimize"],
             env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

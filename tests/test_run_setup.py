@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from proxy.run.config import ConfigError, RunConfig
-from proxy.run.datasets import PromptFileError
-from proxy.run.store import RunExistsError, RunNotFound, create_run, load_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, FileBucket
-from proxy.storage.manifest import IntegrityError, sha256_hex
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, FileBucket
+from asyncgrpo.bucket.manifest import IntegrityError, sha256_hex
+from asyncgrpo.run.config import ConfigError, RunConfig
+from asyncgrpo.run.creation import RunExistsError, RunNotFound, create_run, load_run
+from asyncgrpo.run.datasets import PromptFileError
 
 CONFIG = """\
 seed = 3
@@ -152,7 +152,7 @@ def test_load_missing_run_says_how_to_create_it(tmp_path: Path) -> None:
 
 
 def test_cli_run_create(tmp_path: Path) -> None:
-    from worker.tools.cli import main
+    from asyncgrpo.cli.main import main
 
     url = f"file://{tmp_path / 'bucket'}"
     runner = CliRunner()
@@ -169,7 +169,7 @@ def test_cli_run_create(tmp_path: Path) -> None:
 
 def test_prompts_with_unicode_line_breaks_load_back(tmp_path: Path) -> None:
     """A prompt holding U+2028, U+2029 or U+0085 is created and read back whole (the run is usable)."""
-    from worker.tools.cli import main
+    from asyncgrpo.cli.main import main
 
     prompts = [f"one{brk}two" for brk in ("\u2028", "\u2029", "\x85", "\x0b", "\x1c", "\r")]
     rows = [{"prompt": prompt, "answer": f"{i}\u2029"} for i, prompt in enumerate(prompts)]
@@ -212,7 +212,7 @@ FIXED_REWARD = '[[rewards]]\nname = "repeat_digit"\n'
 )
 def test_cli_run_create_refuses_unusable_rewards(tmp_path: Path, rewards: str, dataset: str, expected: str) -> None:
     """A reward the workers could not use is refused by `run create`, which stores nothing: the name stays free."""
-    from worker.tools.cli import main
+    from asyncgrpo.cli.main import main
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
     url = f"file://{tmp_path / 'bucket'}"

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from asyncgrpo.bucket.backends import S3Bucket, open_bucket
+from asyncgrpo.cli.main import main as cli_main
+from asyncgrpo.protocol.settings import CacheSettings, LogSettings, SettingsError, StorageSettings, env_name
 from proxy.__main__ import main as proxy_main
 from proxy.api.settings import ProxySettings
-from proxy.protocol.settings import CacheSettings, LogSettings, SettingsError, StorageSettings, env_name
-from proxy.storage.bucket import S3Bucket, open_bucket
 from worker.process import launcher
 from worker.process.settings import WorkerSettings
-from worker.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS_MODULES = {
-    "proxy/protocol/settings.py",
+    "asyncgrpo/protocol/settings.py",
     "proxy/api/settings.py",
     "worker/process/settings.py",
     "worker/generate/settings.py",
@@ -196,12 +196,14 @@ def _environment_reads(path: Path) -> list[int]:
 
 def test_only_the_settings_modules_read_the_environment() -> None:
     offenders = {}
-    for folder in ("proxy", "worker"):
+    for folder in ("asyncgrpo", "proxy", "worker"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             if relative not in SETTINGS_MODULES and (lines := _environment_reads(path)):
                 offenders[relative] = lines
-    assert not offenders, f"read these through a settings class (proxy/protocol/settings.py or a role's): {offenders}"
+    assert not offenders, (
+        f"read these through a settings class (asyncgrpo/protocol/settings.py or a role's): {offenders}"
+    )
 
 
 def test_the_command_line_takes_its_defaults_from_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,12 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, BucketError
 from proxy.api.app import create_app
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, BucketError
 from tests.fixtures_coordinator import API_TOKEN
 from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, publish_next, small_config, submission
 

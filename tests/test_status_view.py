@@ -13,19 +13,19 @@ from click.testing import CliRunner
 from redis import Redis
 from rich.console import Console
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.cli.main import main
+from asyncgrpo.cli.status import collect_status, render_status, show_status, sparkline
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.records import StepRecord, StepTimings
+from asyncgrpo.protocol.schemas import HeartbeatRequest
+from asyncgrpo.run.creation import create_run
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.records import StepRecord, StepTimings
-from proxy.protocol.schemas import HeartbeatRequest
-from proxy.run.store import create_run
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, open_bucket
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, advance_version, make_coordinator, small_config
-from worker.tools.cli import main
-from worker.tools.status import collect_status, render_status, show_status, sparkline
 
 RUN = "r1"
 CONFIG_TOML = """

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.queues import worker_queue
+from asyncgrpo.protocol.schemas import HeartbeatRequest, StepFailureReport, StepStartRequest
 from proxy.coordinator.errors import PublishConflict, StepNoLongerClaimed
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.queues import worker_queue
-from proxy.protocol.schemas import HeartbeatRequest, StepFailureReport, StepStartRequest
-from proxy.storage import bucket_keys
 from tests.proxy_harness import (
     ManualClock,
     advance_version,

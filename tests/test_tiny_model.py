@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncgrpo.cli.main import main
 from worker.model.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, ensure_tiny_model, resolve_base_model
-from worker.tools.cli import main
 
 
 def test_tokenizer_is_character_level_over_the_toy_alphabet(tiny_model_dir: Path) -> None:

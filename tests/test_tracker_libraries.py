@@ -15,9 +15,9 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.run.config import RunConfig, TrackingConfig
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.run.config import RunConfig, TrackingConfig
-from proxy.storage.bucket import Bucket, open_bucket
 from proxy.tracking.forwarder import Forwarder, start_forwarding
 from proxy.tracking.trackers import RUN_TAG, MlflowTracker, WandbTracker, flat_params
 from tests.tracker_doubles import RUN, publish_step, put_eval, wait_until, wandb_offline_runs

@@ -17,12 +17,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.run.config import RunConfig, TrackingConfig
 from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot, seal
-from proxy.run.config import RunConfig, TrackingConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
 from proxy.tracking.forwarder import Forwarder, TrackerFollower, TrackerMetrics, start_forwarding
 from proxy.tracking.trackers import Tracker, TrackerRun
 from tests.proxy_harness import ManualClock, advance_version, file_bucket, make_coordinator, publish_next

@@ -11,13 +11,13 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load as load_tensors
 
-from proxy.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
-from proxy.storage.bucket_keys import (
+from asyncgrpo.bucket.keys import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     TRAINER_STATE_JSON_NAME,
     TRAINER_STATE_TENSORS_NAME,
 )
+from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from tests.train_samples import synthetic_samples
 from worker.algo.grpo import NonFiniteError
 from worker.generate.transformers_backend import TransformersBackend

@@ -13,13 +13,13 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import BadRequest
+from asyncgrpo.protocol.schemas import LatestVersion
 from proxy.api.app import create_app
 from proxy.api.version_watch import VersionWatch
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import BadRequest
-from proxy.protocol.schemas import LatestVersion
-from proxy.storage import bucket_keys
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.proxy_harness import (
     ManualClock,

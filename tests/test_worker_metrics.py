@@ -9,12 +9,12 @@ import subprocess
 import httpx
 import pytest
 
-from proxy.protocol.records import FlaggedRollout, GenerateTimings, StepRecord, StepTimings, UpdateMetrics
-from proxy.protocol.schemas import GroupRef
+from asyncgrpo.protocol.records import FlaggedRollout, GenerateTimings, StepRecord, StepTimings, UpdateMetrics
+from asyncgrpo.protocol.schemas import GroupRef
 from tests.fixtures_redis import free_port
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
-from worker.optimize.step_record import build_step_record
+from worker.optimize.recording import build_step_record
 from worker.process import metrics as wm
 from worker.process import result_metrics
 

@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import generate_latest
 from redis import Redis
 
+from asyncgrpo.protocol.queues import worker_queue
+from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
 from proxy.coordinator.errors import TaskEnded
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.queues import worker_queue
-from proxy.protocol.schemas import HeartbeatRequest, StepStartRequest
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

@@ -27,10 +27,10 @@ from typing import Any
 
 import redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.protocol.records import StepRecord
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.protocol.records import StepRecord
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
 
 _SESSION_DIR: list[Path] = []
 

@@ -1,12 +1,12 @@
-"""The worker processes: generate and optimize Celery workers, and the operator's tools.
+"""The worker processes: generate and optimize Celery workers.
 
-Depends on `proxy` (protocol, storage, run); never the other way round.
+Never imports `proxy`: a worker meets the coordinator over HTTP, its Celery queues and the bucket, in the
+vocabulary of `asyncgrpo` (protocol, bucket, run). Import-linter contracts in pyproject.toml check it.
 
 Packages:
     process   Celery process plumbing shared by both roles: app, launcher, tasks, runtime, signals, metrics
     generate  the generate role: one task's job and the generation backends
     optimize  the optimize role: one step's job, the trainer and its state
-    algo      pure GRPO math, rewards and the rollout format: no I/O, no Celery, no bucket
+    algo      pure GRPO math, rewards and the rollout format: no broker, Redis or bucket
     model     the policy (base model + LoRA) and the tiny offline model
-    tools     the `asyncgrpo` command line and what it runs for people: demo, status, plot, export
 """

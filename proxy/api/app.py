@@ -3,7 +3,7 @@
 Every POST/DELETE needs ``Authorization: Bearer <ASYNCGRPO_TOKEN>`` (checked with ``hmac.compare_digest``
 before the body is even parsed): 401 otherwise, and nothing changes. A malformed body is a 422 and changes
 nothing. Refusals are JSON ``{"error": <code>, "detail": <sentence>, ...}``; the codes, their HTTP status and
-the client exception each one raises are the table in ``proxy.protocol.errors``. This module decides which
+the client exception each one raises are the table in ``asyncgrpo.protocol.errors``. This module decides which
 coordinator refusal is which code (``REFUSAL_CODES``); a stale refusal also carries ``version``,
 ``current_version`` and ``max_staleness``, a publish conflict its ``reason`` and ``current_version``.
 
@@ -27,23 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from proxy.api.eval_routes import install_eval_routes
-from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
-from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
-from proxy.api.openapi import install_openapi
-from proxy.api.refusals import (
-    AUTH_REFUSAL,
-    TOO_LARGE,
-    UNAVAILABLE,
-    error_body,
-    install_error_handlers,
-    refuse_unknown_query,
-)
-from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
-from proxy.api.token_policy import check_can_serve
-from proxy.api.version_watch import install_version_watch, releasing_server
-from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import (
+from asyncgrpo.protocol.schemas import (
     ID_PATTERN,
     CorruptReport,
     CorruptResult,
@@ -69,6 +53,22 @@ from proxy.protocol.schemas import (
     VersionInfo,
     WorkersResponse,
 )
+from proxy.api.eval_routes import install_eval_routes
+from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
+from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
+from proxy.api.openapi import install_openapi
+from proxy.api.refusals import (
+    AUTH_REFUSAL,
+    TOO_LARGE,
+    UNAVAILABLE,
+    error_body,
+    install_error_handlers,
+    refuse_unknown_query,
+)
+from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
+from proxy.api.token_policy import check_can_serve
+from proxy.api.version_watch import install_version_watch, releasing_server
+from proxy.coordinator.service import Coordinator
 from proxy.tracking.forwarder import start_forwarding
 
 log = structlog.get_logger()
@@ -277,9 +277,9 @@ def serve(
     import uvicorn
     from redis import Redis
 
+    from asyncgrpo.bucket.backends import open_bucket
+    from asyncgrpo.protocol.log_setup import configure_logging
     from proxy.coordinator.dispatch import CeleryDispatcher
-    from proxy.protocol.log_setup import configure_logging
-    from proxy.storage.bucket import open_bucket
 
     settings = settings or ProxySettings()
     token = settings.token_value()

@@ -12,9 +12,9 @@ from typing import Annotated
 
 from fastapi import FastAPI, Path
 
+from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
+from asyncgrpo.protocol.schemas import ID_PATTERN
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
-from proxy.protocol.schemas import ID_PATTERN
 
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
 

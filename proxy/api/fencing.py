@@ -31,11 +31,11 @@ from fastapi import Request, Response
 from redis import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.proxy_lease import FenceLost, ProxyFence, ProxyLeaseHeld
 from proxy.coordinator.snapshot import snapshot_epoch
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
 
 log = structlog.get_logger()
 

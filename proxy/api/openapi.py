@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from proxy.protocol.errors import ERROR_CODES, ErrorBody, ValidationErrorBody
+from asyncgrpo.protocol.errors import ERROR_CODES, ErrorBody, ValidationErrorBody
 
 BEARER_SCHEME = "bearerToken"
 ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -32,7 +32,7 @@ ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/evals/{task_id}/lease"): ("cancelled",),
     ("POST", "/v1/evals/{task_id}/result"): ("cancelled", "not_holder"),
 }
-"""Refusals particular to a route, by error code (``proxy.protocol.errors``)."""
+"""Refusals particular to a route, by error code (``asyncgrpo.protocol.errors``)."""
 
 
 def route_errors(route: APIRoute, *, needs_token: bool) -> dict[int, list[str]]:

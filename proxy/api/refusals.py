@@ -1,6 +1,6 @@
 """Refusals as HTTP answers: which coordinator exception is which protocol error code, and the error body.
 
-Every refusal is answered with the shared table's status (``proxy.protocol.errors``) and an ``ErrorBody``
+Every refusal is answered with the shared table's status (``asyncgrpo.protocol.errors``) and an ``ErrorBody``
 ``{"error", "detail", ...}``; each one is counted by code in ``asyncgrpo_http_errors``.
 """
 
@@ -17,6 +17,10 @@ from fastapi.routing import APIRoute
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
+from asyncgrpo.bucket.backends import BucketError
+from asyncgrpo.protocol.errors import ErrorBody, error_code
+from asyncgrpo.protocol.input_bounds import printable
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from proxy.coordinator.errors import (
     BadRollout,
     BadStepFailure,
@@ -31,10 +35,6 @@ from proxy.coordinator.errors import (
     TaskCancelled,
 )
 from proxy.coordinator.metrics import ProxyMetrics
-from proxy.protocol.errors import ErrorBody, error_code
-from proxy.protocol.input_bounds import printable
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage.bucket import BucketError
 
 log = structlog.get_logger()
 
@@ -93,7 +93,7 @@ def error_body(code: str, detail: str, *, status: int | None = None, **extra: An
     entry = error_code(code)
     status = entry.status if status is None else status
     if status not in entry.statuses:
-        raise ValueError(f"error code {code!r} is never sent with status {status}; see proxy.protocol.errors")
+        raise ValueError(f"error code {code!r} is never sent with status {status}; see asyncgrpo.protocol.errors")
     body = ErrorBody(error=code, detail=printable(detail, MAX_DETAIL_CHARS), **extra)
     return JSONResponse(status_code=status, content=jsonable_encoder(body))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from proxy.protocol.settings import CommonSettings
+from asyncgrpo.protocol.settings import CommonSettings
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

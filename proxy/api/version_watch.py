@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Query
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.schemas import LatestVersion
 from proxy.coordinator.service import Coordinator
-from proxy.protocol.schemas import LatestVersion
-from proxy.storage import bucket_keys
 
 if TYPE_CHECKING:
     import uvicorn

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.store import RunStore
-from proxy.run.config import RunConfig
 
 
 class WaitingAccount:

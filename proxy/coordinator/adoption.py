@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from proxy.storage.bucket import Bucket, ObjectNotFound
-from proxy.storage.manifest import read_manifest
+from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
+from asyncgrpo.bucket.manifest import read_manifest
 
 log = structlog.get_logger()
 

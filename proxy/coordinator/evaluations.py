@@ -31,9 +31,9 @@ from contextlib import suppress
 
 import structlog
 
-from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.store import RunStore
-from proxy.protocol.evals import (
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectExists
+from asyncgrpo.protocol.evals import (
     EvalChunkSummary,
     EvalLeaseGrant,
     EvalResultAnswer,
@@ -41,11 +41,11 @@ from proxy.protocol.evals import (
     EvaluateTaskMessage,
     merge_chunks,
 )
-from proxy.protocol.records import EvalRecord
-from proxy.protocol.schemas import EvalSummary
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, BucketError, ObjectExists
+from asyncgrpo.protocol.records import EvalRecord
+from asyncgrpo.protocol.schemas import EvalSummary
+from asyncgrpo.run.config import RunConfig
+from proxy.coordinator.dispatch import Dispatcher, DispatchError
+from proxy.coordinator.store import RunStore
 
 log = structlog.get_logger()
 

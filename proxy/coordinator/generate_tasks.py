@@ -28,13 +28,13 @@ from collections.abc import Callable
 
 import structlog
 
+from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.errors import BufferFull, EpochMoved
 from proxy.coordinator.halt import halt
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.rollouts import MAX_REJECT_REASONS, normalise_reason
 from proxy.coordinator.store import RunStore
-from proxy.protocol.schemas import GenerateTaskMessage, GroupRef
-from proxy.run.config import RunConfig
 
 log = structlog.get_logger()
 

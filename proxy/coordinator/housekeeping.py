@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from asyncgrpo.bucket.backends import BucketError
+from asyncgrpo.protocol.schemas import GenerateTaskMessage
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.accounting import WaitingAccount
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import SnapshotFailed
@@ -25,9 +28,6 @@ from proxy.coordinator.steps import Steps
 from proxy.coordinator.store import RunStore
 from proxy.coordinator.versions import Versions
 from proxy.coordinator.workers import Workers
-from proxy.protocol.schemas import GenerateTaskMessage
-from proxy.run.config import RunConfig
-from proxy.storage.bucket import BucketError
 
 log = structlog.get_logger()
 

@@ -12,11 +12,11 @@ import uuid
 
 import structlog
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.schemas import LeaseGrant
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.store import RunStore
-from proxy.protocol.schemas import LeaseGrant
-from proxy.run.config import AsyncConfig
-from proxy.storage import bucket_keys
 
 log = structlog.get_logger()
 

@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
-from proxy.protocol.errors import ERROR_CODES
-from proxy.protocol.schemas import EvalSummary, StatusResponse
+from asyncgrpo.protocol.errors import ERROR_CODES
+from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 
 log = structlog.get_logger()
 

@@ -23,7 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from proxy.run.config import AsyncConfig
+from asyncgrpo.run.config import AsyncConfig
 
 SAMPLES_KEPT = 20
 """Recent measurements of each kind the estimates are medians of."""

@@ -31,15 +31,15 @@ from typing import Any
 
 import structlog
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.adoption import Claimed, adopt_newer_versions
 from proxy.coordinator.errors import StateExists
 from proxy.coordinator.redis_keys import tracking_eval_field, tracking_step_field
 from proxy.coordinator.snapshot import load_snapshot
 from proxy.coordinator.store import RunStore
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import latest_complete_version, read_manifest
 
 log = structlog.get_logger()
 

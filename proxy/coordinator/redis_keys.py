@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.storage.bucket_keys import check_run_name
+from asyncgrpo.bucket.keys import check_run_name
 
 GROUP_KIND = "group"
 TASK_KIND = "task"

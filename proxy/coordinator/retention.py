@@ -13,14 +13,14 @@ from collections.abc import Callable
 
 import structlog
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, BucketError
+from asyncgrpo.bucket.manifest import delete_version, list_versions
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.leases import live_leased_versions
 from proxy.coordinator.snapshot import SnapshotWriter
 from proxy.coordinator.store import RunStore
-from proxy.run.config import AsyncConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, BucketError
-from proxy.storage.manifest import delete_version, list_versions
 
 log = structlog.get_logger()
 

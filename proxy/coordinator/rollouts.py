@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import re
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.schemas import RolloutSubmission, SubmitResult
+from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.snapshot import SnapshotWriter
 from proxy.coordinator.store import RunStore
-from proxy.protocol.schemas import RolloutSubmission, SubmitResult
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.run.config import AsyncConfig
-from proxy.storage import bucket_keys
 
 MAX_REJECT_REASONS = 32
 """Distinct rejection reasons kept as metric labels; further ones are counted as 'other'."""

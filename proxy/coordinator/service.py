@@ -26,30 +26,9 @@ from typing import Any
 import structlog
 from redis import Redis
 
-from proxy.coordinator.accounting import WaitingAccount
-from proxy.coordinator.dispatch import Dispatcher
-from proxy.coordinator.errors import NotTaskHolder
-from proxy.coordinator.evaluations import Evaluations
-from proxy.coordinator.generate_tasks import GenerateTasks
-from proxy.coordinator.housekeeping import Housekeeping
-from proxy.coordinator.leases import Leases, live_leased_versions
-from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
-from proxy.coordinator.pacing import InflightPacer
-from proxy.coordinator.proxy_lease import ProxyFence
-from proxy.coordinator.rebuild import restore_state
-from proxy.coordinator.redis_keys import RunKeys
-from proxy.coordinator.retention import Retention
-from proxy.coordinator.rollouts import RolloutIntake
-from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.status import gauges, group_record, run_info, status
-from proxy.coordinator.step_failures import StepFailures
-from proxy.coordinator.step_sending import StepSending
-from proxy.coordinator.steps import Steps
-from proxy.coordinator.store import RECORD_TTL_S, RunStore
-from proxy.coordinator.versions import Versions
-from proxy.coordinator.workers import Workers
-from proxy.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
-from proxy.protocol.schemas import (
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
+from asyncgrpo.protocol.schemas import (
     CorruptReport,
     CorruptResult,
     GenerateTaskMessage,
@@ -72,9 +51,30 @@ from proxy.protocol.schemas import (
     VersionInfo,
     WorkerRecord,
 )
-from proxy.run.config import RunConfig
-from proxy.run.store import load_run
-from proxy.storage.bucket import Bucket
+from asyncgrpo.run.config import RunConfig
+from asyncgrpo.run.creation import load_run
+from proxy.coordinator.accounting import WaitingAccount
+from proxy.coordinator.dispatch import Dispatcher
+from proxy.coordinator.errors import NotTaskHolder
+from proxy.coordinator.evaluations import Evaluations
+from proxy.coordinator.generate_tasks import GenerateTasks
+from proxy.coordinator.housekeeping import Housekeeping
+from proxy.coordinator.leases import Leases, live_leased_versions
+from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
+from proxy.coordinator.pacing import InflightPacer
+from proxy.coordinator.proxy_lease import ProxyFence
+from proxy.coordinator.rebuild import restore_state
+from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.retention import Retention
+from proxy.coordinator.rollouts import RolloutIntake
+from proxy.coordinator.snapshot import SnapshotWriter
+from proxy.coordinator.status import gauges, group_record, run_info, status
+from proxy.coordinator.step_failures import StepFailures
+from proxy.coordinator.step_sending import StepSending
+from proxy.coordinator.steps import Steps
+from proxy.coordinator.store import RECORD_TTL_S, RunStore
+from proxy.coordinator.versions import Versions
+from proxy.coordinator.workers import Workers
 
 log = structlog.get_logger()
 

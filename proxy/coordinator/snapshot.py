@@ -29,11 +29,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectNotFound
 from proxy.coordinator.errors import SnapshotFailed, StateMissing
 from proxy.coordinator.proxy_lease import FenceLost, LeaseHolder, ProxyFence
 from proxy.coordinator.store import RunStore
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, BucketError, ObjectNotFound
 
 SNAPSHOT_FORMAT = 2
 LEGACY_FORMATS = (1,)

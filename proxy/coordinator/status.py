@@ -6,12 +6,12 @@ from typing import Any
 
 from redis.client import Pipeline
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.schemas import LeaseRecord, RunInfo, StatusResponse
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.metrics import StateGauges
 from proxy.coordinator.store import RunStore
 from proxy.coordinator.workers import Workers
-from proxy.protocol.schemas import LeaseRecord, RunInfo, StatusResponse
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
 
 
 def run_info(store: RunStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:

@@ -27,6 +27,9 @@ import json
 
 import structlog
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.protocol.schemas import StepFailureReport, StepFailureResult, StepStartRequest, StepStartResult
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import BadStepFailure
 from proxy.coordinator.halt import clear_halt, halt, halted_reason
 from proxy.coordinator.retention import track_flag
@@ -34,9 +37,6 @@ from proxy.coordinator.rollouts import normalise_reason
 from proxy.coordinator.step_sending import StepSending
 from proxy.coordinator.store import RunStore
 from proxy.coordinator.versions import Versions
-from proxy.protocol.schemas import StepFailureReport, StepFailureResult, StepStartRequest, StepStartResult
-from proxy.run.config import AsyncConfig
-from proxy.storage import bucket_keys
 
 log = structlog.get_logger()
 

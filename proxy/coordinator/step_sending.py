@@ -1,6 +1,6 @@
 """Sending the in-flight step: where it goes, and when it is sent again (invariant 8).
 
-Where: step ``S`` goes to the own queue (``proxy.protocol.queues.worker_queue``) of a live optimize worker that
+Where: step ``S`` goes to the own queue (``asyncgrpo.protocol.queues.worker_queue``) of a live optimize worker that
 holds version ``S - 1`` in memory -- the one that published it, else one whose heartbeat reports
 ``info.trainer_version == S - 1`` -- so no trainer reloads state from the bucket; else to the run's shared queue.
 Workers that failed this step (a non-finite step, a base they could not load) are passed over while another
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from asyncgrpo.protocol.queues import worker_queue
+from asyncgrpo.protocol.schemas import OptimizeTaskMessage, RolloutRef
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import StepNoLongerClaimed
 from proxy.coordinator.halt import halted_reason
 from proxy.coordinator.store import RunStore
-from proxy.protocol.queues import worker_queue
-from proxy.protocol.schemas import OptimizeTaskMessage, RolloutRef
-from proxy.run.config import AsyncConfig
 
 log = structlog.get_logger()
 

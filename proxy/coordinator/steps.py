@@ -16,6 +16,10 @@ import json
 
 import structlog
 
+from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
+from asyncgrpo.bucket.manifest import IntegrityError, Manifest, read_manifest
+from asyncgrpo.protocol.schemas import OptimizeTaskMessage, PublishRequest, PublishResult, RolloutRef, StepBatch
+from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import (
     ManifestMismatch,
     ManifestMissing,
@@ -28,10 +32,6 @@ from proxy.coordinator.retention import track_flag
 from proxy.coordinator.snapshot import SnapshotWriter
 from proxy.coordinator.store import RunStore
 from proxy.coordinator.versions import Versions
-from proxy.protocol.schemas import OptimizeTaskMessage, PublishRequest, PublishResult, RolloutRef, StepBatch
-from proxy.run.config import AsyncConfig
-from proxy.storage.bucket import Bucket, ObjectNotFound
-from proxy.storage.manifest import IntegrityError, Manifest, read_manifest
 
 log = structlog.get_logger()
 

@@ -18,15 +18,15 @@ import json
 
 import structlog
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
+from asyncgrpo.bucket.manifest import IntegrityError, Manifest, read_manifest, read_verified
+from asyncgrpo.protocol.schemas import CorruptReport, CorruptResult, RepairTaskMessage, VersionInfo
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import VersionNotFound
 from proxy.coordinator.halt import clear_halt, halt, halted_reason
 from proxy.coordinator.step_sending import StepSending
 from proxy.coordinator.store import RunStore
-from proxy.protocol.schemas import CorruptReport, CorruptResult, RepairTaskMessage, VersionInfo
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectNotFound
-from proxy.storage.manifest import IntegrityError, Manifest, read_manifest, read_verified
 
 log = structlog.get_logger()
 

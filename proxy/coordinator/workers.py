@@ -3,7 +3,7 @@
 A worker is alive while its last heartbeat is at most ``worker_alive_s`` old; one silent for
 ``WORKER_FORGET_S`` disappears from the list, and its record expires then too.
 
-A heartbeat names the worker process's incarnation (``proxy.protocol.incarnation``). A new incarnation of a
+A heartbeat names the worker process's incarnation (``asyncgrpo.protocol.incarnation``). A new incarnation of a
 known worker id is a restart under the same id (systemd's ``Restart=on-failure``): its heartbeats never stop,
 so the old process's work is ended by incarnation, not by silence. The heartbeat itself ends the old
 incarnation's leases; the next housekeeping round, which the app runs at once, ends its generate task
@@ -16,8 +16,8 @@ import json
 
 import structlog
 
+from asyncgrpo.protocol.schemas import HeartbeatRequest, WorkerRecord
 from proxy.coordinator.store import RunStore
-from proxy.protocol.schemas import HeartbeatRequest, WorkerRecord
 
 log = structlog.get_logger()
 

@@ -41,11 +41,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 from redis import Redis
 
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
+from asyncgrpo.protocol.records import StepRecord
+from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.redis_keys import RunKeys, tracking_eval_field, tracking_eval_prefix, tracking_step_field
-from proxy.protocol.records import StepRecord
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectNotFound
 from proxy.tracking.metric_names import eval_metrics, step_metrics
 from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun, install_hint
 

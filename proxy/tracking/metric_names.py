@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from proxy.protocol.records import StepRecord
+from asyncgrpo.protocol.records import StepRecord
 
 EVAL_PREFIX = "eval/"
 OURS = "asyncgrpo/"

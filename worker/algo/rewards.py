@@ -43,7 +43,7 @@ class RewardFailed(RewardError):
 
 
 class RewardSpec(Protocol):
-    """What ``score_completions`` needs of a reward config entry (``proxy.run.config.RewardConfig`` fits)."""
+    """What ``score_completions`` needs of a reward config entry (``asyncgrpo.run.config.RewardConfig`` fits)."""
 
     name: str
     weight: float

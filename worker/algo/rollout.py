@@ -6,7 +6,7 @@ aligned with ``completion_ids``: the logprob of each sampled token under the sam
 (temperature applied) of the version named in the header. Per-sample arrays (``rewards``, ``advantages``,
 ``sample_group``, ``reward/<name>``) have one entry per completion, groups in header order, G per group.
 
-The header is ``proxy.protocol.records.RolloutHeader``. Only numpy, safetensors and pydantic: no torch
+The header is ``asyncgrpo.protocol.records.RolloutHeader``. Only numpy, safetensors and pydantic: no torch
 needed to read or write one, and no pickle anywhere.
 """
 
@@ -21,8 +21,8 @@ from pydantic import ValidationError
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
-from proxy.protocol.records import ROLLOUT_FORMAT, GenerateTimings, RolloutExtra, RolloutHeader
-from proxy.protocol.schemas import GroupRef
+from asyncgrpo.protocol.records import ROLLOUT_FORMAT, GenerateTimings, RolloutExtra, RolloutHeader
+from asyncgrpo.protocol.schemas import GroupRef
 
 _HEADER_FIELD = "asyncgrpo"
 

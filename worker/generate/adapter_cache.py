@@ -3,7 +3,7 @@
 Why that size: a worker may still be asked for any version inside the staleness window (``max_staleness +
 1`` versions) while the next one is being published, so one more slot lets the new version load before the
 oldest is dropped. Every file is checked against its manifest's sha256 before it lands in the cache
-(``proxy.storage.manifest.fetch_version``), so a corrupted or half-written upload is never served.
+(``asyncgrpo.bucket.manifest.fetch_version``), so a corrupted or half-written upload is never served.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import structlog
 
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import fetch_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.manifest import fetch_version
 
 log = structlog.get_logger()
 

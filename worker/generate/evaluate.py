@@ -4,7 +4,7 @@ score them, post the chunk's summary to the proxy.
 It runs on a generate worker between its generate tasks, with the same backend, adapter cache and backend lock,
 so an old version is loaded like any other. Sampling uses the eval settings (``eval.samples_per_prompt``,
 ``eval.temperature``, 0 being greedy; ``eval.max_completion_length``), scoring the eval rewards (the run's when
-``eval.rewards`` is empty). The summary is sums (``proxy.protocol.evals.EvalChunkSummary``): the proxy merges
+``eval.rewards`` is empty). The summary is sums (``asyncgrpo.protocol.evals.EvalChunkSummary``): the proxy merges
 a version's chunks and writes its record. Nothing is written to the bucket and nothing reaches a rollout.
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 
 import structlog
 
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Cancelled, NotHolder
-from proxy.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.manifest import IntegrityError
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import Cancelled, NotHolder
+from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
+from asyncgrpo.run.config import RunConfig
 from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.generate.adapter_cache import AdapterCache

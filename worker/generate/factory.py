@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from proxy.run.config import RunConfig
+from asyncgrpo.run.config import RunConfig
 from worker.generate.backend import GenerationBackend
 from worker.generate.settings import GenerateSettings
 

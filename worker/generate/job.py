@@ -15,15 +15,15 @@ from typing import Any
 
 import structlog
 
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
-from proxy.protocol.incarnation import process_incarnation
-from proxy.protocol.records import GenerateTimings, RolloutExtra
-from proxy.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import IntegrityError, sha256_hex
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.manifest import IntegrityError, sha256_hex
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
+from asyncgrpo.protocol.incarnation import process_incarnation
+from asyncgrpo.protocol.records import GenerateTimings, RolloutExtra
+from asyncgrpo.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
+from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import group_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header

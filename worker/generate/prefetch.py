@@ -27,11 +27,11 @@ from pathlib import Path
 import httpx
 import structlog
 
-from proxy.protocol.client import ProxyClient, ProxyError
-from proxy.protocol.schemas import LatestVersion
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import fetch_version
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.manifest import fetch_version
+from asyncgrpo.protocol.client import ProxyClient, ProxyError
+from asyncgrpo.protocol.schemas import LatestVersion
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
 

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.protocol.schemas import GroupRef
-from proxy.run.config import DatasetConfig
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.config import DatasetConfig
 
 Message = dict[str, str]
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from proxy.protocol.settings import AsyncgrpoSettings
+from asyncgrpo.protocol.settings import AsyncgrpoSettings
 
 
 class GenerateSettings(AsyncgrpoSettings):

@@ -14,7 +14,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from proxy.run.config import LoraConfig
+from asyncgrpo.run.config import LoraConfig
 from worker.model.tiny_model import resolve_base_model
 
 log = structlog.get_logger()

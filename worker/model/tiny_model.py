@@ -25,8 +25,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from proxy.protocol.settings import CacheSettings
-from proxy.run.datasets import repeat_digit_prompts
+from asyncgrpo.protocol.settings import CacheSettings
+from asyncgrpo.run.datasets import repeat_digit_prompts
 
 log = structlog.get_logger()
 

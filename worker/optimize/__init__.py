@@ -6,7 +6,7 @@ Modules:
     trainer_state  adapter and trainer state to and from safetensors + JSON
     batch          train samples from rollouts, split into updates, packed into micro-batches
     rescore        rescoring under the claimed versions, ratios, flagging a worker's wrong weights
-    step_record    builds the `StepRecord` of a step
+    recording      builds the `StepRecord` of a step
     version_io     a step's versions in the bucket: load the base, earlier uploads, pinned to the proxy's sha
     held_version   the bytes of the last version uploaded or loaded, to put a corrupted object back
     failures       why a step could not be trained (bad rollout, unloadable base, non-finite), as reported

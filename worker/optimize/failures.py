@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from proxy.protocol.schemas import StepFailureKind, StepFailureReport
+from asyncgrpo.protocol.schemas import StepFailureKind, StepFailureReport
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout
 

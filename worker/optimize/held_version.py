@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from proxy.protocol.schemas import RepairTaskMessage
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import Manifest, read_verified, sha256_hex
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.manifest import Manifest, read_verified, sha256_hex
+from asyncgrpo.protocol.schemas import RepairTaskMessage
 
 log = structlog.get_logger()
 

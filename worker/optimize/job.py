@@ -5,7 +5,7 @@ fetch the claimed rollouts (sha256 checked), check staleness again, check each r
 version it claims (the check that flags a generator serving the wrong weights: fresh samples reuse the first
 update's training forward, a seeded sample of the others is rescored, see ``worker.optimize.rescore``), take
 ``publish_every`` optimizer updates, upload version ``step`` (files under this attempt's own folder, then
-the create-only manifest naming them, with the step record ``worker.optimize.step_record`` among the files)
+the create-only manifest naming them, with the step record ``worker.optimize.recording`` among the files)
 and publish it by compare-and-set; the proxy copies the record to ``metrics/step-S.json`` as it publishes.
 
 Idempotent: a redelivered step that is already published is a no-op; one whose upload finished but whose
@@ -30,25 +30,26 @@ from typing import Any
 
 import structlog
 
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import Conflict, NotFound, StepGone
-from proxy.protocol.incarnation import process_incarnation
-from proxy.protocol.records import StepRecord, StepTimings
-from proxy.protocol.schemas import PublishRequest, RolloutRef, StepStartRequest
-from proxy.protocol.staleness import check_fresh
-from proxy.run.config import RunConfig
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectExists, ObjectNotFound
-from proxy.storage.manifest import (
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
+from asyncgrpo.bucket.manifest import (
     IntegrityError,
     read_manifest,
     read_verified,
     write_version,
 )
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import Conflict, NotFound, StepGone
+from asyncgrpo.protocol.incarnation import process_incarnation
+from asyncgrpo.protocol.records import StepRecord, StepTimings
+from asyncgrpo.protocol.schemas import PublishRequest, RolloutRef, StepStartRequest
+from asyncgrpo.protocol.staleness import check_fresh
+from asyncgrpo.run.config import RunConfig
 from worker.algo.rollout import Rollout, decode_rollout
 from worker.optimize import held_version
 from worker.optimize.batch import build_train_samples, split_indices_by_group
 from worker.optimize.failures import BaseUnloadable, ForeignUpload, RolloutUnusable, validate_rollout
+from worker.optimize.recording import build_step_record
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
     forget_adapter_weights,
@@ -57,7 +58,6 @@ from worker.optimize.rescore import (
     remember_adapter_weights,
     rescore_planned,
 )
-from worker.optimize.step_record import build_step_record
 from worker.optimize.trainer import Trainer
 from worker.optimize.version_io import (
     UploadConflict,

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from proxy.protocol.records import FlaggedRollout
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket
-from proxy.storage.manifest import IntegrityError, read_manifest, read_verified
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.manifest import IntegrityError, read_manifest, read_verified
+from asyncgrpo.protocol.records import FlaggedRollout
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER
 from worker.optimize.batch import TrainSample

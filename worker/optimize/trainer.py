@@ -20,14 +20,14 @@ from typing import Any
 import structlog
 import torch
 
-from proxy.protocol.records import UpdateMetrics
-from proxy.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
-from proxy.storage.bucket_keys import (
+from asyncgrpo.bucket.keys import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     TRAINER_STATE_JSON_NAME,
     TRAINER_STATE_TENSORS_NAME,
 )
+from asyncgrpo.protocol.records import UpdateMetrics
+from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs, token_logprobs_and_entropy
 from worker.model.policy import TRAIN_ADAPTER, Policy, trainable_parameters, wrap_with_lora
 from worker.optimize.batch import MicroBatch, TrainSample, collate, pack_micro_batches

@@ -1,6 +1,6 @@
 """A trainer's state <-> bytes: the adapter in plain PEFT format, the rest as safetensors + JSON (no pickle).
 
-Files of one version (names from ``proxy.storage.bucket_keys``):
+Files of one version (names from ``asyncgrpo.bucket.keys``):
 
 * ``adapter_model.safetensors`` + ``adapter_config.json``: exactly what ``PeftModel.save_pretrained`` writes
   (so ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load it), with ``target_modules`` sorted and
@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from proxy.storage.bucket_keys import (
+from asyncgrpo.bucket.keys import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     TRAINER_STATE_JSON_NAME,

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import structlog
 
-from proxy.protocol.client import ProxyClient
-from proxy.protocol.errors import NotFound, ProxyError
-from proxy.protocol.records import StepRecord
-from proxy.storage import bucket_keys
-from proxy.storage.bucket import Bucket, ObjectNotFound
-from proxy.storage.manifest import (
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
+from asyncgrpo.bucket.manifest import (
     IntegrityError,
     Manifest,
     read_manifest,
@@ -23,6 +20,9 @@ from proxy.storage.manifest import (
     read_version_files,
     sha256_hex,
 )
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.errors import NotFound, ProxyError
+from asyncgrpo.protocol.records import StepRecord
 from worker.optimize import held_version
 from worker.optimize.trainer import Trainer
 

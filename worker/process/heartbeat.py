@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import structlog
 
-from proxy.protocol.client import ProxyClient, ProxyError
-from proxy.protocol.incarnation import process_incarnation
-from proxy.protocol.schemas import HeartbeatRequest
+from asyncgrpo.protocol.client import ProxyClient, ProxyError
+from asyncgrpo.protocol.incarnation import process_incarnation
+from asyncgrpo.protocol.schemas import HeartbeatRequest
 
 log = structlog.get_logger()
 

@@ -1,6 +1,6 @@
 """``asyncgrpo worker generate|optimize``: start ``celery worker`` with the queues, pool and flags a role needs.
 
-The queues are those of the run named by ``ASYNCGRPO_RUN`` (``proxy.protocol.queues``); without it the worker
+The queues are those of the run named by ``ASYNCGRPO_RUN`` (``asyncgrpo.protocol.queues``); without it the worker
 does not start.
 """
 
@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import get_args
 
-from proxy.protocol.queues import worker_queues
+from asyncgrpo.protocol.queues import worker_queues
 from worker.process.settings import WorkerRole, load_worker_settings
 
 ROLES: tuple[str, ...] = get_args(WorkerRole)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client import Gauge, Histogram
 
-from proxy.protocol.records import StepRecord
+from asyncgrpo.protocol.records import StepRecord
 from worker.process import metrics as m
 
 if TYPE_CHECKING:  # the generate job pulls in torch; only its result type is needed here

@@ -15,10 +15,10 @@ from typing import Any
 
 import structlog
 
-from proxy.protocol.client import ProxyClient
-from proxy.run.config import RunConfig
-from proxy.run.store import load_eval_prompts, load_run
-from proxy.storage.bucket import Bucket, open_bucket
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.run.config import RunConfig
+from asyncgrpo.run.creation import load_eval_prompts, load_run
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.prefetch import AdapterPrefetcher
 from worker.process.heartbeat import Heartbeat

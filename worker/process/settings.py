@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from proxy.protocol.queues import check_queue_run
-from proxy.protocol.schemas import ID_PATTERN
-from proxy.protocol.settings import CacheSettings, CommonSettings, SettingsError, env_name
+from asyncgrpo.protocol.queues import check_queue_run
+from asyncgrpo.protocol.schemas import ID_PATTERN
+from asyncgrpo.protocol.settings import CacheSettings, CommonSettings, SettingsError, env_name
 from worker.generate.settings import GenerateSettings
 
 WorkerRole = Literal["generate", "optimize"]

@@ -13,10 +13,10 @@ from typing import Any
 
 import structlog
 
-from proxy.protocol.client import ProxyClient, ProxyError
-from proxy.protocol.schemas import TaskFailureReport
-from proxy.storage.bucket import ObjectNotFound
-from proxy.storage.manifest import IntegrityError
+from asyncgrpo.bucket.backends import ObjectNotFound
+from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.protocol.client import ProxyClient, ProxyError
+from asyncgrpo.protocol.schemas import TaskFailureReport
 
 log = structlog.get_logger()
 

@@ -14,14 +14,14 @@ import torch
 from celery import signals
 from celery.exceptions import Reject
 
-from proxy.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
-from proxy.protocol.evals import EvaluateTaskMessage
-from proxy.protocol.log_setup import configure_logging
-from proxy.protocol.queues import EVALUATE_TASK_NAME, REPAIR_TASK_NAME
-from proxy.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
-from proxy.protocol.staleness import StaleRolloutError
-from proxy.storage.bucket import BucketError, ObjectNotFound
-from proxy.storage.manifest import IntegrityError
+from asyncgrpo.bucket.backends import BucketError, ObjectNotFound
+from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
+from asyncgrpo.protocol.evals import EvaluateTaskMessage
+from asyncgrpo.protocol.log_setup import configure_logging
+from asyncgrpo.protocol.queues import EVALUATE_TASK_NAME, REPAIR_TASK_NAME
+from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
+from asyncgrpo.protocol.staleness import StaleRolloutError
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task

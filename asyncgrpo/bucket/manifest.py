@@ -1,0 +1,381 @@
+"""Manifests: how a reader knows that an adapter version (or a run) is complete and unaltered.
+
+An adapter version ``runs/<run>/adapters/v00000042/`` is complete once its ``MANIFEST.json`` exists. Each
+attempt at a version (a task, a redelivery of it, a zombie woken from a pause) uploads its files under an
+attempt folder of its own, then writes the manifest last and create-only, naming its attempt: a reader that
+sees the manifest reads only the files it names, which no other attempt ever writes (invariant 1). The
+manifest holds the sha256 and size of each file; readers check each object against it before use and
+refuse a mismatch with an ``IntegrityError`` naming the key (invariant 5).
+
+A version is immutable: once its manifest exists, nothing but retention's collection of old versions
+deletes or rewrites it. An attempt that loses the manifest write gets the stored manifest back if its files
+are the same bytes (a redelivered task), ``ObjectExists`` otherwise; either way it removes its own attempt
+folder, and the CAS at the proxy decides which manifest is published. A loser that dies first leaves its
+folder to retention, which deletes a collected version's whole prefix.
+
+The run manifest (``RUN_MANIFEST.json``) plays the same role for the run's config and prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
+
+_Item = TypeVar("_Item")
+
+TRANSFER_THREADS = 8
+"""Files of one version moved at once: object stores answer each request after a round trip, and a local
+file's fsync waits on the disk; neither needs the GIL, so a version's files travel in parallel."""
+
+
+def _each_in_parallel(action: Callable[[_Item], None], items: Iterable[_Item]) -> None:
+    """``action`` on every item, several at a time; the first failure is raised once all have ended."""
+    items = list(items)
+    if len(items) < 2:
+        for item in items:
+            action(item)
+        return
+    with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(items))) as pool:
+        for future in [pool.submit(action, item) for item in items]:
+            future.result()
+
+
+log = structlog.get_logger()
+
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 1024 * 1024
+
+
+class IntegrityError(Exception):
+    """An object whose bytes do not match its manifest, or a manifest that cannot be read.
+
+    The message names the key and, for a checksum mismatch, the expected and actual sha256. The object is
+    never used.
+    """
+
+    def __init__(self, message: str, *, key: str, expected: str | None = None, actual: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _mismatch(key: str, expected: str, actual: str) -> IntegrityError:
+    return IntegrityError(
+        f"bucket object {key!r} failed its integrity check: expected sha256 {expected}, got {actual}; "
+        "it was not used (the object was changed or corrupted after its manifest was written)",
+        key=key,
+        expected=expected,
+        actual=actual,
+    )
+
+
+class ManifestEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Lowercase hex sha256 of the file's bytes.")
+    size: int = Field(ge=0, description="Size of the file in bytes.")
+
+
+class Manifest(BaseModel):
+    """``MANIFEST.json`` of one adapter version: every file of the version with its sha256 and size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = MANIFEST_FORMAT
+    version: int = Field(ge=0)
+    files: dict[str, ManifestEntry]
+    created_at: float
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Written by the trainer: step, base_version, rollout task ids, worker."
+    )
+    attempt: str = Field(
+        default="", description="The attempt whose files this manifest covers ('' for files in the version folder)."
+    )
+
+    def file_key(self, run: str, name: str) -> str:
+        """The bucket key of file ``name`` of this version: the one object this manifest vouches for."""
+        return bucket_keys.adapter_file_key(run, self.version, name, self.attempt)
+
+    def name_of_key(self, run: str, key: str) -> str | None:
+        """The file name whose object is ``key``, or None if this manifest covers no such object."""
+        return next((name for name in self.files if self.file_key(run, name) == key), None)
+
+    @field_validator("files")
+    @classmethod
+    def _plain_names(cls, files: dict[str, ManifestEntry]) -> dict[str, ManifestEntry]:
+        for name in files:
+            if not name or "/" in name or name in (".", "..") or name == bucket_keys.MANIFEST_NAME:
+                raise ValueError(f"manifest file name {name!r} must be a plain file name other than MANIFEST.json")
+        return files
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+
+
+class FileDigest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class RunManifest(BaseModel):
+    """``RUN_MANIFEST.json``: the run exists once this is written; it pins its config and prompts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: FileDigest
+    prompts: FileDigest
+    num_prompts: int = Field(ge=1)
+    created_at: float
+    eval_prompts: FileDigest | None = None
+    """``prompts/eval_prompts.jsonl``, the held-out prompts of ``[eval]``; None for a run without evaluation."""
+    num_eval_prompts: int = Field(0, ge=0)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+
+
+def _parse_manifest(key: str, data: bytes) -> Manifest:
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as error:
+        raise IntegrityError(f"manifest {key!r} is not a valid manifest: {error}", key=key) from error
+
+
+def new_attempt_id() -> str:
+    """A fresh attempt folder name: unique per upload, so no two attempts ever write the same object."""
+    return uuid.uuid4().hex[:16]
+
+
+def write_version(
+    bucket: Bucket,
+    run: str,
+    version: int,
+    files: dict[str, bytes],
+    metadata: dict[str, Any],
+    attempt: str | None = None,
+    between_files: Callable[[], None] | None = None,
+) -> tuple[Manifest, str]:
+    """Upload every file of ``version`` under a new attempt folder, then ``MANIFEST.json`` last, create-only.
+
+    Returns ``(manifest, sha256 of the manifest's bytes)``. If the version already has a manifest with the
+    same file contents, that stored manifest is returned (a redelivered task); with other files,
+    ``ObjectExists``. ``between_files`` runs after each file's put (uploads then go one at a time): a test hook.
+    """
+    if not files:
+        raise ValueError(f"version {version} of run {run!r} has no files; a version needs at least one")
+    attempt = new_attempt_id() if attempt is None else bucket_keys.check_attempt(attempt)
+    manifest_key = bucket_keys.manifest_key(run, version)
+    entries = {name: ManifestEntry(sha256=sha256_hex(data), size=len(data)) for name, data in files.items()}
+    manifest = Manifest(version=version, files=entries, created_at=time.time(), metadata=metadata, attempt=attempt)
+
+    stored = _existing_manifest_matching(bucket, manifest_key, entries)
+    if stored is not None:
+        return stored
+
+    # Every file before the manifest (written last, create-only): a reader never sees a manifest without them.
+    def put(item: tuple[str, bytes]) -> None:
+        bucket.put(manifest.file_key(run, item[0]), item[1])
+        if between_files is not None:
+            between_files()
+
+    if between_files is None:
+        _each_in_parallel(put, files.items())
+    else:
+        for item in files.items():
+            put(item)
+    payload = manifest.to_bytes()
+    try:
+        bucket.put(manifest_key, payload, if_absent=True)
+    except ObjectExists:
+        # Another attempt won: our folder is covered by no manifest, so nobody reads it; remove it.
+        bucket.delete_prefix(bucket_keys.attempt_prefix(run, version, attempt))
+        stored = _existing_manifest_matching(bucket, manifest_key, entries)
+        if stored is None:
+            raise
+        return stored
+    log.info("manifest.version_written", run=run, version=version, attempt=attempt, files=sorted(files))
+    return manifest, sha256_hex(payload)
+
+
+def _existing_manifest_matching(
+    bucket: Bucket, manifest_key: str, entries: dict[str, ManifestEntry]
+) -> tuple[Manifest, str] | None:
+    """The stored manifest if it lists exactly ``entries``; None if there is none; ObjectExists if it differs."""
+    try:
+        data = bucket.get(manifest_key)
+    except ObjectNotFound:
+        return None
+    stored = _parse_manifest(manifest_key, data)
+    if stored.files != entries:
+        raise ObjectExists(
+            f"{manifest_key!r} already exists with other files; version {stored.version} is immutable and "
+            "was written by another trainer (this step lost the race; its result must be dropped)"
+        )
+    return stored, sha256_hex(data)
+
+
+def read_manifest(bucket: Bucket, run: str, version: int) -> tuple[Manifest, str]:
+    """The manifest of ``version`` and the sha256 of its bytes; ObjectNotFound if the version is incomplete."""
+    key = bucket_keys.manifest_key(run, version)
+    data = bucket.get(key)
+    manifest = _parse_manifest(key, data)
+    if manifest.version != version:
+        raise IntegrityError(f"manifest {key!r} describes version {manifest.version}, not {version}", key=key)
+    return manifest, sha256_hex(data)
+
+
+def read_verified(bucket: Bucket, key: str, expected_sha256: str) -> bytes:
+    """The bytes of ``key`` if their sha256 is ``expected_sha256``; IntegrityError otherwise."""
+    data = bucket.get(key)
+    actual = sha256_hex(data)
+    if actual != expected_sha256:
+        raise _mismatch(key, expected_sha256, actual)
+    return data
+
+
+def read_version_files(
+    bucket: Bucket,
+    run: str,
+    version: int,
+    expected_manifest_sha256: str | None = None,
+    skip: Collection[str] = (),
+) -> tuple[Manifest, str, dict[str, bytes]]:
+    """``(manifest, its sha256, {name: bytes})`` of ``version``, every file verified; ``skip`` names files
+    not to read. With ``expected_manifest_sha256`` (what the proxy recorded at publish) a manifest whose
+    bytes differ is an IntegrityError naming its key."""
+    manifest, manifest_sha = read_manifest(bucket, run, version)
+    if expected_manifest_sha256 is not None and manifest_sha != expected_manifest_sha256:
+        raise _mismatch(bucket_keys.manifest_key(run, version), expected_manifest_sha256, manifest_sha)
+    files: dict[str, bytes] = {}
+
+    def read(item: tuple[str, ManifestEntry]) -> None:
+        files[item[0]] = read_verified(bucket, manifest.file_key(run, item[0]), item[1].sha256)
+
+    _each_in_parallel(read, [item for item in manifest.files.items() if item[0] not in skip])
+    return manifest, manifest_sha, files
+
+
+def fetch_version(
+    bucket: Bucket,
+    run: str,
+    version: int,
+    dest_dir: Path,
+    expected_manifest_sha256: str | None = None,
+    names: Collection[str] | None = None,
+) -> Manifest:
+    """Download every file of ``version`` (or only ``names``) into ``dest_dir``, checked against the manifest.
+
+    Files land in a temp folder next to ``dest_dir`` that is renamed into place only when every sha256
+    matched, so ``dest_dir`` is either the whole verified version or untouched. ``MANIFEST.json`` is
+    copied too. On a mismatch the IntegrityError names the key and nothing is left behind.
+    """
+    dest_dir = Path(dest_dir)
+    manifest_key = bucket_keys.manifest_key(run, version)
+    manifest_bytes = bucket.get(manifest_key)
+    manifest_sha = sha256_hex(manifest_bytes)
+    if expected_manifest_sha256 is not None and manifest_sha != expected_manifest_sha256:
+        raise _mismatch(manifest_key, expected_manifest_sha256, manifest_sha)
+    manifest = _parse_manifest(manifest_key, manifest_bytes)
+    if manifest.version != version:
+        raise IntegrityError(
+            f"manifest {manifest_key!r} describes version {manifest.version}, not {version}", key=manifest_key
+        )
+
+    absent = sorted(set(names or ()) - set(manifest.files))
+    if absent:
+        raise IntegrityError(
+            f"manifest {manifest_key!r} lists no {absent}; the version is not a complete adapter", key=manifest_key
+        )
+
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest_dir.with_name(f".{dest_dir.name}.partial-{uuid.uuid4().hex}")
+    staging.mkdir()
+
+    wanted = manifest.files if names is None else {name: manifest.files[name] for name in names}
+
+    def download(item: tuple[str, ManifestEntry]) -> None:
+        name, entry = item
+        key = manifest.file_key(run, name)
+        target = staging / name
+        bucket.get_file(key, target)
+        actual = sha256_file(target)
+        if actual != entry.sha256:
+            raise _mismatch(key, entry.sha256, actual)
+
+    try:
+        _each_in_parallel(download, wanted.items())
+        (staging / bucket_keys.MANIFEST_NAME).write_bytes(manifest_bytes)
+        _move_into_place(staging, dest_dir, manifest_bytes)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _move_into_place(staging: Path, dest_dir: Path, manifest_bytes: bytes) -> None:
+    """Rename the verified staging folder to ``dest_dir``, replacing an older or partial copy there."""
+    if dest_dir.exists():
+        existing = dest_dir / bucket_keys.MANIFEST_NAME
+        with contextlib.suppress(OSError):
+            if existing.read_bytes() == manifest_bytes:
+                return  # another fetch of the same version got there first; its files were verified too
+        aside = dest_dir.with_name(f".{dest_dir.name}.stale-{uuid.uuid4().hex}")
+        os.rename(dest_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(staging, dest_dir)
+    except OSError:
+        # A concurrent fetch renamed its own copy in between; keep it if it is this same version.
+        existing = dest_dir / bucket_keys.MANIFEST_NAME
+        if not (existing.is_file() and existing.read_bytes() == manifest_bytes):
+            raise
+
+
+def list_versions(bucket: Bucket, run: str) -> list[int]:
+    """Every version folder of the run (complete or not), ascending."""
+    versions = (bucket_keys.version_from_adapter_prefix(p) for p in bucket.list_dirs(bucket_keys.adapters_prefix(run)))
+    return sorted(v for v in versions if v is not None)
+
+
+def latest_complete_version(bucket: Bucket, run: str) -> int | None:
+    """The highest version that has a ``MANIFEST.json``; None if there is none."""
+    for version in reversed(list_versions(bucket, run)):
+        if bucket.head(bucket_keys.manifest_key(run, version)) is not None:
+            return version
+    return None
+
+
+def delete_version(bucket: Bucket, run: str, version: int) -> None:
+    """Delete the manifest first (the version stops being complete at once), then its files."""
+    bucket.delete(bucket_keys.manifest_key(run, version))
+    bucket.delete_prefix(bucket_keys.adapter_prefix(run, version))
+    log.info("manifest.version_deleted", run=run, version=version)

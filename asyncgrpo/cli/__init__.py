@@ -1,0 +1,12 @@
+"""The `asyncgrpo` command line, the entry of every process, and the tools it runs for people.
+
+Modules:
+    main           the `asyncgrpo` command line: `proxy`, `worker`, `run create`, `local`, `demo`, `status`...
+    local_run      `asyncgrpo local CONFIG`: any run config on one machine, live progress, summary, resume
+    demo           `asyncgrpo demo`: `asyncgrpo local` on the embedded tiny-model config
+    local_cluster  runs Redis, the proxy and workers as local processes (local runs and tests)
+    status         `asyncgrpo status`
+    history        reads a run's step and eval records back from the bucket (for status and plot)
+    plot           `asyncgrpo plot`
+    export         `asyncgrpo export`
+"""

@@ -1,0 +1,364 @@
+"""The run config: one pydantic model, loaded from TOML, every field documented and bounded.
+
+It is validated once by ``asyncgrpo run create`` and stored as ``runs/<run>/config.json``; the proxy and
+every worker read that stored copy, so all processes of a run agree on it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from asyncgrpo.run.dataset_config import DatasetConfig
+from asyncgrpo.run.tracking_config import TrackingConfig
+
+LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+
+
+class _Section(BaseModel):
+    # A misspelt field is an error, not a silently ignored default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    base: str = Field(
+        "tiny",
+        description="Base model: a Hugging Face hub id, a local directory in Hugging Face format, or "
+        "'tiny' for the small random-init model that `asyncgrpo model tiny` builds (no download).",
+        min_length=1,
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the base weights. LoRA weights and optimizer state stay float32."
+    )
+    max_prompt_length: int = Field(
+        256, ge=1, le=131072, description="Prompts longer than this many tokens are rejected as bad input."
+    )
+
+
+class LoraConfig(_Section):
+    rank: int = Field(8, ge=1, le=512, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, le=4096, description="LoRA alpha; the update is scaled by alpha/r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout during the optimizer step.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one module name, or 'all-linear'")
+        return value
+
+
+# The built-in rewards of ``worker.algo.rewards`` (a test keeps the two lists equal; the proxy never imports
+# worker code), and those that score against the dataset's reference answer.
+BUILTIN_REWARD_NAMES = ("exact_match", "format", "math_verify", "repeat_digit")
+REWARDS_NEEDING_ANSWER = frozenset({"exact_match", "math_verify"})
+_USER_REWARD = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+REWARD_CHOICES = f"a built-in ({', '.join(BUILTIN_REWARD_NAMES)}) or 'package.module:function' for your own"
+
+
+class RewardConfig(_Section):
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="A built-in reward ('repeat_digit', 'exact_match', 'format', 'math_verify') or "
+        "'package.module:function' for user code.",
+    )
+    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this reward in the total.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_or_importable_path(cls, value: str) -> str:
+        # Only the spelling here: whether a 'module:function' imports is checked by `run create`, not by
+        # every process that reads the stored config.
+        if value not in BUILTIN_REWARD_NAMES and not _USER_REWARD.match(value):
+            raise ValueError(f"reward {value!r} is unknown; use {REWARD_CHOICES}")
+        return value
+
+
+class SamplingConfig(_Section):
+    samples_per_prompt: int = Field(
+        8, ge=2, le=1024, description="G: completions per prompt; advantages are computed within a group."
+    )
+    max_completion_length: int = Field(
+        16, ge=1, le=131072, description="Completions stop at EOS or after this many tokens."
+    )
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; keep 1.0 for exact logprobs.")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Default generation backend; a generate worker flag can override it."
+    )
+
+
+class OptimizerConfig(_Section):
+    learning_rate: float = Field(2e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradient clipping by global norm.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay after warmup, over `total_steps`."
+    )
+    warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Linear warmup steps.")
+    total_steps: int = Field(200, ge=1, le=10_000_000, description="Optimizer steps of the whole run.")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, le=10_000_000, description="Token budget of one forward/backward micro-batch."
+    )
+
+
+class LossConfig(_Section):
+    loss_type: LossType = Field(
+        "dapo",
+        description="dapo: token sum / tokens in the step; grpo: mean of per-sequence means; "
+        "dr_grpo: token sum / (B * max_completion_length); bnpo: token mean per micro-batch.",
+    )
+    epsilon_low: float = Field(0.2, ge=0.0, le=10.0, description="Lower PPO clip: ratio >= 1 - epsilon_low.")
+    epsilon_high: float = Field(0.28, ge=0.0, le=10.0, description="Upper PPO clip: ratio <= 1 + epsilon_high.")
+    beta: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the base model (0: off).")
+    scale_rewards: bool = Field(True, description="Divide group advantages by the group std.")
+    ratio_flag_tolerance: float = Field(
+        0.05,
+        gt=0.0,
+        le=10.0,
+        description="A rollout whose mean rescoring ratio is further than this from 1 is flagged, with "
+        "the worker that made it.",
+    )
+    rescore_stale_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="Share of the sequences of each rollout rescored in a separate forward when the "
+        "training forward cannot serve as its rescoring (stale rollouts; fresh ones when LoRA dropout > 0 or "
+        "after the first update of a step with publish_every > 1); at least one sequence per rollout, a "
+        "seeded random choice. 1.0 rescores every such sequence.",
+    )
+
+
+class AsyncConfig(_Section):
+    groups_per_task: int = Field(4, ge=1, le=4096, description="Prompt groups in one generate task.")
+    groups_per_step: int = Field(8, ge=1, le=65536, description="Prompt groups in one optimizer step.")
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="A sample made with version N trains a step starting from version C only if "
+        "C - N <= max_staleness.",
+    )
+    queue_maxsize: int = Field(
+        16,
+        ge=1,
+        le=100_000,
+        description="Buffer size, in groups: the proxy dispatches generate tasks while in-flight + "
+        "buffered groups stay at or below this (or below the paced limit, see adaptive_inflight).",
+    )
+    adaptive_inflight: bool = Field(
+        True,
+        description="Size the groups kept in flight plus buffered from the measured trainer step time and "
+        "generate task time, so rollouts arrive just before the trainer needs them (fresher samples when "
+        "the trainer is the bottleneck); queue_maxsize stays the upper bound. false: always queue_maxsize.",
+    )
+    publish_every: int = Field(
+        1, ge=1, le=1000, description="Optimizer steps per published version (1: publish every step)."
+    )
+    lease_ttl_s: float = Field(60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed.")
+    generate_task_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=86400.0,
+        description="A generate task not submitted after this long is presumed lost; its prompts go back "
+        "in line and a late submission is refused.",
+    )
+    max_group_attempts: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="A prompt group whose generate task failed this many times in a row (timed out, its worker "
+        "died, or its worker reported a failure) ends as rejected with the reason instead of going back in line.",
+    )
+    optimize_task_timeout_s: float = Field(
+        1800.0, gt=0.0, le=86400.0, description="An optimize step not published after this long is re-sent."
+    )
+    max_step_attempts: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="A step whose optimize task fails this many times without naming a bad rollout (e.g. a "
+        "non-finite gradient norm) has its whole batch rejected and is claimed again with a new batch.",
+    )
+    keep_every: int = Field(
+        0, ge=0, le=1_000_000, description="Also keep every keep_every-th version forever (0: none)."
+    )
+    rollout_retention_versions: int = Field(
+        2,
+        ge=-1,
+        le=1_000_000,
+        description="Rollout objects in the bucket are deleted this many versions after they stop being "
+        "needed: after the version their step produced if trained, after the current version when dropped "
+        "as stale, rejected or cancelled. Buffered and claimed rollouts are never deleted. -1 keeps every "
+        "rollout forever (for audits).",
+    )
+
+    @model_validator(mode="after")
+    def _buffer_fits_a_step(self) -> AsyncConfig:
+        if self.queue_maxsize < self.groups_per_task:
+            raise ValueError(
+                f"async.queue_maxsize={self.queue_maxsize} is smaller than async.groups_per_task="
+                f"{self.groups_per_task}; raise queue_maxsize or lower groups_per_task"
+            )
+        # The buffer fills in whole generate tasks, so only a multiple of groups_per_task is reachable.
+        needed = self.groups_per_step * self.publish_every
+        reachable = (self.queue_maxsize // self.groups_per_task) * self.groups_per_task
+        if needed > reachable:
+            raise ValueError(
+                f"a published version needs async.groups_per_step * async.publish_every = "
+                f"{self.groups_per_step} * {self.publish_every} = {needed} groups, but the buffer holds at most "
+                f"{reachable} (async.queue_maxsize={self.queue_maxsize} in tasks of async.groups_per_task="
+                f"{self.groups_per_task}): no step could ever fill; raise queue_maxsize"
+            )
+        return self
+
+
+EVAL_SEED_OFFSET = 1_000_003
+"""Added to the run's seed for the eval prompts a generator makes, so they are not the training prompts."""
+
+
+class EvalDatasetConfig(DatasetConfig):
+    """The held-out prompts of ``[eval.dataset]``: the training set's fields, with fewer generated prompts."""
+
+    num_prompts: int = Field(
+        64, ge=1, le=10_000_000, description="How many eval prompts the generator makes (ignored with `path`)."
+    )
+
+
+def _each_reward_once(value: list[RewardConfig], field: str) -> list[RewardConfig]:
+    names = [reward.name for reward in value]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"{field} {duplicates} are listed more than once; list each once with its total weight")
+    return value
+
+
+class EvalConfig(_Section):
+    """``[eval]``: evaluation of published versions on held-out prompts; it never feeds a gradient."""
+
+    every_versions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="0: no evaluation. K: evaluate versions 0, K, 2K, ... and always the final version, each "
+        "once, on the held-out prompts of [eval.dataset]; results go to runs/<run>/evals/vNNNNNNNN.json.",
+    )
+    dataset: EvalDatasetConfig = Field(default_factory=EvalDatasetConfig)
+    samples_per_prompt: int = Field(
+        1, ge=1, le=1024, description="Completions per eval prompt; above 1, pass@k is reported for k = 1 and k = this."
+    )
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="Eval sampling temperature (0: greedy).")
+    max_completion_length: int = Field(
+        0, ge=0, le=131072, description="Eval completions stop after this many tokens (0: the sampling one)."
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="Rewards of the eval, summed with their weights (empty: the run's rewards)."
+    )
+    pass_threshold: float = Field(
+        1.0, ge=-1e6, le=1e6, description="A completion is correct (pass@k) when its total reward is at least this."
+    )
+    examples: int = Field(4, ge=0, le=64, description="Example completions kept in each eval record.")
+    max_prompts_per_task: int = Field(
+        64, ge=1, le=4096, description="Eval prompts per evaluate task: a larger set is split over several workers."
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
+        return _each_reward_once(value, "eval.rewards")
+
+    @model_validator(mode="after")
+    def _greedy_samples_once(self) -> EvalConfig:
+        if self.temperature == 0.0 and self.samples_per_prompt > 1:
+            raise ValueError(
+                f"eval.temperature = 0 is greedy: its eval.samples_per_prompt={self.samples_per_prompt} completions "
+                "would all be the same; set eval.samples_per_prompt = 1, or a temperature above 0 for pass@k"
+            )
+        return self
+
+
+class RunConfig(_Section):
+    """A whole run. Sections map to TOML tables: ``[model]``, ``[lora]``, ``[dataset]``, ``[[rewards]]``,
+    ``[sampling]``, ``[optimizer]``, ``[loss]``, ``[async]``, ``[eval]``, ``[tracking]``."""
+
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompt order, LoRA init and sampling.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    rewards: list[RewardConfig] = Field(
+        default_factory=lambda: [RewardConfig(name="repeat_digit")],
+        min_length=1,
+        description="Rewards summed with their weights.",
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("rewards")
+    @classmethod
+    def _each_reward_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
+        return _each_reward_once(value, "rewards")
+
+    @property
+    def final_version(self) -> int:
+        """The last version of the run: one version per ``publish_every`` optimizer steps."""
+        return -(-self.optimizer.total_steps // self.async_.publish_every)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", by_alias=True), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunConfig:
+        return cls.model_validate_json(text)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each field and what to change."""
+
+
+def describe_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"{source} is not a valid run config:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        field = field.replace("async_", "async")
+        lines.append(f"  - {field}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_run_config(data: dict, source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error, source)) from error
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML run config; raise ConfigError naming the bad field."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {path} does not exist") from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from error
+    return parse_run_config(data, str(path))
