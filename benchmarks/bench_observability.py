@@ -26,8 +26,8 @@ from asyncgrpo.protocol.schemas import GroupRef
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
 from worker.optimize.recording import build_step_record
+from worker.process import metrics as result_metrics
 from worker.process import metrics as worker_metrics
-from worker.process import result_metrics
 
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:

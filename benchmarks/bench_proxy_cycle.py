@@ -39,8 +39,8 @@ from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import LeaseRequest, PublishRequest, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
-from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.service import Coordinator
+from tests.doubles.dispatcher import RecordingDispatcher
 
 TOKEN = "bench-token"
 

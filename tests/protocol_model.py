@@ -17,7 +17,7 @@ import pytest
 
 from asyncgrpo.bucket.backends import Bucket, ObjectExists
 from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, PublishRequest, RolloutSubmission
-from proxy.coordinator.dispatch import RecordingDispatcher
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import publish_request, write_fake_version
 
 NUM_PROMPTS = 7

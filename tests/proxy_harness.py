@@ -13,9 +13,9 @@ from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.manifest import sha256_hex, write_version
 from asyncgrpo.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.dispatch import RecordingDispatcher
-from proxy.coordinator.proxy_lease import ProxyFence
+from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.service import Coordinator
+from tests.doubles.dispatcher import RecordingDispatcher
 
 
 class ManualClock:

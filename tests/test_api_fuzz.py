@@ -34,11 +34,11 @@ from schemathesis.checks import (
 
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
 from proxy.api.app import create_app
-from proxy.api.fencing import take_lease
+from proxy.api.guards import take_leadership
 from proxy.api.version_watch import MAX_WAIT_S
-from proxy.coordinator.dispatch import RecordingDispatcher
-from proxy.coordinator.proxy_lease import ProxyFence
+from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.service import Coordinator
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.fixtures_redis import RedisServer
 from tests.proxy_harness import (
@@ -125,7 +125,7 @@ def _standby(coord: Coordinator) -> Coordinator:
     coord.write_snapshot(force=True)
     coord.redis.delete(coord.fence.keys.proxy_lease)  # the live proxy died; its lease lapsed
     fence = ProxyFence(coord.redis, coord.run)
-    assert take_lease(fence, coord.bucket, standby=True) == coord.fence.epoch + 1
+    assert take_leadership(fence, coord.bucket, standby=True) == coord.fence.epoch + 1
     standby = make_coordinator(
         coord.redis,
         coord.bucket,
@@ -154,7 +154,7 @@ def proxy_url(
     fence = None
     if state == "standby":
         fence = ProxyFence(redis, "r1")
-        take_lease(fence, bucket, standby=False)
+        take_leadership(fence, bucket, standby=False)
     coord = make_coordinator(
         redis, bucket, config=config, clock=ManualClock(), dispatcher=RecordingDispatcher(), fence=fence
     )

@@ -15,12 +15,12 @@ from fastapi.testclient import TestClient
 from redis import Redis
 
 from proxy.api.app import create_app, serve
-from proxy.api.fencing import ProxyStartupError
+from proxy.api.guards import ProxyStartupError
 from proxy.api.middleware import OPEN_PATHS
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.api.token_policy import PLACEHOLDER_TOKENS, check_can_serve
 from proxy.coordinator.service import Coordinator
-from proxy.coordinator.workers import WORKER_FORGET_S
+from proxy.coordinator.status import WORKER_FORGET_S
 from tests.fixtures_coordinator import API_TOKEN, served
 from tests.proxy_harness import start_run
 

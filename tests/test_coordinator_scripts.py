@@ -1,15 +1,13 @@
 """The Lua script declarations agree with their files, and every return code has its exception.
 
-Each ``lua/<name>.lua`` states its KEYS, ARGV and return codes in its header; ``proxy.coordinator.scripts``
-restates them. ``contract_problems`` compares the two (and the codes the body really returns), so a drift on
-either side fails here; the tests at the bottom show it catches drifts.
+Each ``lua/<name>.lua`` states its KEYS, ARGV and return codes in its header, the one statement of them;
+``proxy.coordinator.scripts`` adds the answers and exceptions. ``contract_problems`` checks the two together
+(and the codes the body really returns); the tests at the bottom show it catches drifts.
 """
 
 from __future__ import annotations
 
-import re
-import string
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 from typing import Any
 
@@ -17,96 +15,20 @@ import pytest
 from redis import Redis
 
 from proxy.coordinator import errors
-from proxy.coordinator.errors import CoordinatorError, StateMissing
-from proxy.coordinator.lua_script import LUA_FOLDER, LUA_PACKAGE, PRELUDE, LuaScript, Refusal, lua_text, script_source
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.errors import StateMissing
+from proxy.coordinator.lua_script import (
+    LUA_FOLDER,
+    LUA_PACKAGE,
+    PRELUDE,
+    LuaScript,
+    Refusal,
+    contract_problems,
+    lua_text,
+    parse_contract,
+    script_source,
+)
+from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.scripts import ALL_SCRIPTS, GRANT_LEASE, Scripts
-from proxy.coordinator.store import RunStore
-
-_KEY = re.compile(r"KEYS\[(\d+)\] (\w+)")
-_ARG = re.compile(r"ARGV\[(\d+)(\.\.)?\] (\w+)")
-_CODE = re.compile(r'\{"([A-Z_]+)"((?:, *\w+)*)\}')
-# codes the body can return: a literal first element of a returned table, or assigned to `code` first
-_BODY_CODE = re.compile(r"(?:return \{|code = )'([A-Z_]+)'")
-
-
-@dataclass
-class Header:
-    keys: list[str]
-    argv: list[str]
-    codes: dict[str, tuple[str, ...]]
-    body_codes: set[str]
-
-
-def parse(text: str) -> Header:
-    lines = text.splitlines()
-    count = next((i for i, line in enumerate(lines) if not line.startswith("--")), len(lines))
-    head, body = lines[:count], "\n".join(lines[count:])
-    keys: list[tuple[int, str]] = []
-    argv: list[tuple[int, str]] = []
-    returns: list[str] = []
-    for line in head:
-        keys += [(int(i), name) for i, name in _KEY.findall(line)]
-        argv += [(int(i), ("*" if rest else "") + name) for i, rest, name in _ARG.findall(line)]
-        if returns or line.startswith("-- returns "):
-            returns.append(line)
-    codes = {
-        code: tuple(part.strip() for part in fields.split(",") if part.strip())
-        for code, fields in _CODE.findall(" ".join(returns))
-    }
-    for found, what in ((keys, "KEYS"), (argv, "ARGV")):
-        numbers = [i for i, _ in found]
-        assert numbers == list(range(1, len(found) + 1)), f"{what} numbered {numbers} in the header"
-    return Header([n for _, n in keys], [n for _, n in argv], codes, set(_BODY_CODE.findall(body)))
-
-
-def contract_problems(script: LuaScript, text: str) -> list[str]:
-    """Every disagreement between a declaration and its file (empty when they agree)."""
-    header = parse(text)
-    problems = []
-    if tuple(header.keys) != script.keys:
-        problems.append(f"KEYS: header {header.keys}, declared {list(script.keys)}")
-    for name in script.keys:
-        if not isinstance(getattr(RunKeys, name, None), property):
-            problems.append(f"KEYS: {name} is not a RunKeys attribute")
-    if header.argv[:1] != ["prefix"] or tuple(header.argv[1:]) != script.argv:
-        problems.append(f"ARGV: header {header.argv}, declared ['prefix', {', '.join(script.argv)}]")
-    if any(name.startswith("*") for name in script.argv[:-1]):
-        problems.append("ARGV: only the last argument may take a list")
-    declared = set(script.ok) | set(script.errors)
-    if set(script.ok) & set(script.errors):
-        problems.append(f"codes both answers and errors: {sorted(set(script.ok) & set(script.errors))}")
-    if "OK" not in script.ok:
-        problems.append("no OK answer declared")
-    if set(header.codes) != declared:
-        problems.append(f"codes: header {sorted(header.codes)}, declared {sorted(declared)}")
-    if not header.body_codes <= set(header.codes):
-        problems.append(f"codes the body returns but the header omits: {sorted(header.body_codes - set(header.codes))}")
-    if not set(header.codes) <= header.body_codes:
-        problems.append(
-            f"codes the header states but the body never returns: {sorted(set(header.codes) - header.body_codes)}"
-        )
-    for code, fields in header.codes.items():
-        mine = script.ok.get(code, script.fields.get(code, ()))
-        if code in declared and fields != mine:
-            problems.append(f"{code} fields: header {list(fields)}, declared {list(mine)}")
-    names = {name.lstrip("*") for name in script.argv} | {"run", "code"}
-    for code, refusal in script.errors.items():
-        problems += refusal_problems(code, refusal, names | set(script.fields.get(code, ())))
-    return problems
-
-
-def refusal_problems(code: str, refusal: Refusal, names: set[str]) -> list[str]:
-    problems = []
-    error = refusal.error
-    if not (issubclass(error, CoordinatorError) and getattr(errors, error.__name__, None) is error):
-        problems.append(f"{code} maps to {error!r}, not an exception of proxy.coordinator.errors")
-    used = {field for _, field, _, _ in string.Formatter().parse(refusal.message) if field}
-    if not used <= names:
-        problems.append(f"{code} message uses {sorted(used - names)}, which neither ARGV nor the reply has")
-    if not set(refusal.passed) <= names:
-        problems.append(f"{code} passes {list(refusal.passed)} to {error.__name__}, not all in its reply")
-    return problems
 
 
 @pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda s: s.name)
@@ -132,14 +54,14 @@ def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
 
 
 def test_a_call_names_its_arguments(redis_client: Redis) -> None:
-    store = RunStore(redis_client, "r1", rebuild=lambda: None, clock_ms=lambda: 1000)
+    store = RedisStore(redis_client, "r1", rebuild=lambda: None, clock_ms=lambda: 1000)
     with pytest.raises(TypeError, match="grant_lease takes"):
         store.scripts.grant_lease(now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1")
 
 
 def test_no_state_rebuilds_once_then_raises(redis_client: Redis) -> None:
     rebuilds: list[int] = []
-    store = RunStore(redis_client, "r1", rebuild=lambda: rebuilds.append(1), clock_ms=lambda: 1000)
+    store = RedisStore(redis_client, "r1", rebuild=lambda: rebuilds.append(1), clock_ms=lambda: 1000)
     with pytest.raises(StateMissing, match="even after a rebuild"):
         store.scripts.grant_lease(
             now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1", task_id="t1", task_prefix="gen-r1-", incarnation=""
@@ -159,12 +81,12 @@ def _drifted(old: str, new: str, text: str | None = None) -> list[str]:
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ("KEYS[3] leases  KEYS[4] versions", "KEYS[3] versions  KEYS[4] leases", "KEYS: header"),
-        ("ARGV[5] worker_id  ARGV[6] task_id", "ARGV[5] task_id  ARGV[6] worker_id", "ARGV: header"),
+        ("KEYS[3] leases", "KEYS[3] leased_versions", "KEYS: leased_versions is not a RunKeys attribute"),
+        ("KEYS[3] leases", "KEYS[5] leases", "KEYS numbered"),
+        ("ARGV[5] worker_id", "ARGV[7] worker_id", "ARGV numbered"),
         ('| {"NO_VERSION"} ', '| {"NO_VERSION"} | {"NO_LUCK"} ', "codes: header"),
         ("if current < 0 then return {'NO_VERSION'} end", "", "codes the header states but the body never returns"),
         ('| {"NO_VERSION"} ', "", "codes the body returns but the header omits"),
-        ('{"OK", version, manifest_sha256, expires_ms}', '{"OK", version, expires_ms}', "OK fields"),
         ("return {'NO_VERSION'}", "return {'NO_LEASE'}", "codes the body returns but the header omits"),
     ],
 )
@@ -190,3 +112,13 @@ def test_a_bad_refusal_is_reported(refusal: Any, expected: str) -> None:
     script = replace(GRANT_LEASE, errors={**GRANT_LEASE.errors, "NO_VERSION": refusal})
     problems = contract_problems(script, lua_text(GRANT_LEASE.name))
     assert any(problem.startswith(expected) for problem in problems), problems
+
+
+def test_a_reply_with_more_fields_than_its_header_states_is_refused() -> None:
+    values = {"now_ms": 1, "ttl_ms": 1, "lease_id": "l", "worker_id": "w", "task_id": "t", "task_prefix": "p",
+              "incarnation": ""}
+    assert parse_contract(lua_text(GRANT_LEASE.name)).codes["OK"] == ("version", "manifest_sha256", "expires_ms")
+    assert GRANT_LEASE.answer(["OK", 3, "abc", 99], values, "r1")["manifest_sha256"] == "abc"
+    with pytest.raises(RuntimeError, match="its header states"):
+        GRANT_LEASE.answer(["OK", 3, "abc", 99, "extra"], values, "r1")
+

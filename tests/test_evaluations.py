@@ -22,10 +22,10 @@ from asyncgrpo.protocol.records import EvalRecord
 from asyncgrpo.protocol.schemas import HeartbeatRequest, TaskFailureReport
 from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
-from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.errors import EvalEnded, NotTaskHolder
 from proxy.coordinator.evaluations import due_versions, prompt_chunks
 from proxy.coordinator.service import Coordinator
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import ManualClock, advance_version, file_bucket, start_run
 
 TOKEN = "eval-test-token"

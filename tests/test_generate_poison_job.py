@@ -14,7 +14,7 @@ from tests.poison_rewards import NAN_DIGIT, RAISE_DIGIT
 from worker.generate.job import _score, _split_bad_prompts
 from worker.generate.prompt_format import fed_prompts
 from worker.generate.transformers_backend import TransformersBackend
-from worker.process.task_failure import failure_reason
+from worker.process.tasks import failure_reason
 
 SAMPLES = 4
 

@@ -1,8 +1,8 @@
 """Fencing between proxies and the proxy's start-up checks, on a real private Redis and a file:// bucket.
 
-The lease and its epoch (``proxy.coordinator.proxy_lease``), snapshot writes conditional on it, the snapshot's
+The lease and its epoch (``proxy.coordinator.leadership``), snapshot writes conditional on it, the snapshot's
 checksum, a rebuild that adopts newer versions (and refuses a foreign batch), an idempotent restore, Redis
-``TIME`` as the default clock, and the start-up checks (``proxy.api.fencing``).
+``TIME`` as the default clock, and the start-up checks (``proxy.api.guards``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists
 from asyncgrpo.bucket.manifest import write_version
 from proxy.api.app import create_app
-from proxy.api.fencing import ProxyStartupError, check_conditional_writes, check_eviction_policy, take_lease
-from proxy.coordinator.dispatch import RecordingDispatcher
-from proxy.coordinator.proxy_lease import FenceLost, ProxyFence, ProxyLeaseHeld
+from proxy.api.guards import ProxyStartupError, check_conditional_writes, check_eviction_policy, take_leadership
+from proxy.coordinator.leadership import FenceLost, LeadershipHeld, ProxyFence
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import SnapshotCorrupt, load_snapshot, snapshot_epoch
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.fixtures_coordinator import API_TOKEN
 from tests.fixtures_redis import free_port
 from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, small_config, submission
@@ -41,7 +41,7 @@ def bucket(tmp_path: Path) -> Bucket:
 
 def fenced(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinator:
     fence = ProxyFence(redis_client, "r1")
-    take_lease(fence, bucket, standby=False)
+    take_leadership(fence, bucket, standby=False)
     return Coordinator(
         redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher(), clock_ms=clock, fence=fence
     )
@@ -49,16 +49,16 @@ def fenced(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinat
 
 def test_second_fence_is_refused_naming_the_holder(redis_client: Redis, bucket: Bucket) -> None:
     first = ProxyFence(redis_client, "r1")
-    assert take_lease(first, bucket, standby=False) == 1
+    assert take_leadership(first, bucket, standby=False) == 1
     with pytest.raises(ProxyStartupError, match=r"already coordinated by another proxy: host .* pid \d+ \(epoch 1"):
-        take_lease(ProxyFence(redis_client, "r1"), bucket, standby=False)
+        take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False)
     assert first.confirm() == 1, "renewing keeps the epoch"
     assert 0 < redis_client.pttl(first.keys.proxy_lease) <= 6000
 
 
 def test_standby_waits_for_the_lease_then_takes_a_higher_epoch(redis_client: Redis, bucket: Bucket) -> None:
     first = ProxyFence(redis_client, "r1")
-    take_lease(first, bucket, standby=False)
+    take_leadership(first, bucket, standby=False)
     waits: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -67,7 +67,7 @@ def test_standby_waits_for_the_lease_then_takes_a_higher_epoch(redis_client: Red
             redis_client.delete(first.keys.proxy_lease)  # the live proxy died; its lease lapsed
 
     second = ProxyFence(redis_client, "r1")
-    assert take_lease(second, bucket, standby=True, sleep=sleep) == 2
+    assert take_leadership(second, bucket, standby=True, sleep=sleep) == 2
     assert waits == [2.0, 2.0, 2.0], "a stand-by polls every third of the TTL"
     with pytest.raises(FenceLost, match=r"lost the lease of run 'r1'"):
         first.confirm()
@@ -163,7 +163,7 @@ def test_epoch_never_below_the_snapshot_after_redis_is_emptied(
         coord.write_snapshot(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 4
     redis_client.flushall()
-    assert take_lease(ProxyFence(redis_client, "r1"), bucket, standby=False) == 5
+    assert take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False) == 5
 
 
 def test_snapshot_checksum_mismatch_is_an_error_naming_the_key(
@@ -303,5 +303,5 @@ def test_bucket_ignoring_conditional_writes_is_refused(bucket: Bucket) -> None:
 
 def test_lease_held_error_names_what_to_do(redis_client: Redis) -> None:
     ProxyFence(redis_client, "r1").acquire()
-    with pytest.raises(ProxyLeaseHeld, match="--standby or ASYNCGRPO_PROXY_STANDBY=1"):
+    with pytest.raises(LeadershipHeld, match="--standby or ASYNCGRPO_PROXY_STANDBY=1"):
         ProxyFence(redis_client, "r1").acquire()

@@ -20,7 +20,7 @@ from redis import Redis
 
 from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.run.creation import create_run
-from proxy.coordinator.proxy_lease import DEFAULT_LEASE_TTL_S, LeaseHolder
+from proxy.coordinator.leadership import DEFAULT_LEASE_TTL_S, Leader
 from proxy.coordinator.redis_keys import RunKeys
 from tests.fixtures_redis import free_port
 
@@ -109,7 +109,7 @@ def test_standby_takes_over_when_the_live_proxy_dies(bucket_url: str, redis_url:
     standby = None
     try:
         _wait_healthy(first, url, log)
-        first_epoch = LeaseHolder.parse(redis.get(RunKeys(RUN).proxy_lease)).epoch
+        first_epoch = Leader.parse(redis.get(RunKeys(RUN).proxy_lease)).epoch
         standby, standby_url, standby_log = _start(tmp_path, "standby", env, "--standby")
         time.sleep(DEFAULT_LEASE_TTL_S)  # a whole TTL: the live proxy renews, the stand-by only waits
         assert standby.poll() is None and not _healthy(standby_url)
@@ -119,7 +119,7 @@ def test_standby_takes_over_when_the_live_proxy_dies(bucket_url: str, redis_url:
         killed = time.monotonic()
         _wait_healthy(standby, standby_url, standby_log, timeout_s=30)
         assert time.monotonic() - killed < DEFAULT_LEASE_TTL_S + 5, "taken over within about one lease TTL"
-        holder = LeaseHolder.parse(redis.get(RunKeys(RUN).proxy_lease))
+        holder = Leader.parse(redis.get(RunKeys(RUN).proxy_lease))
         assert holder.pid == standby.pid and holder.epoch > first_epoch
     finally:
         _stop(first, *([standby] if standby else []))

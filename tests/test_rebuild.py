@@ -11,10 +11,10 @@ from redis import Redis
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.manifest import write_version
-from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.errors import TaskCancelled
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import SnapshotCorrupt
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import (
     ManualClock,
     advance_version,

@@ -17,9 +17,9 @@ from redis import Redis
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError
 from asyncgrpo.protocol.staleness import StaleRolloutError
-from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.errors import TaskCancelled
 from proxy.coordinator.service import Coordinator
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import (
     ManualClock,
     file_bucket,

@@ -20,11 +20,11 @@ from redis import Redis
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.run.config import RunConfig, TrackingConfig
-from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot, seal
 from proxy.tracking.forwarder import Forwarder, TrackerFollower, TrackerMetrics, start_forwarding
 from proxy.tracking.trackers import Tracker, TrackerRun
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import ManualClock, advance_version, file_bucket, make_coordinator, publish_next
 from tests.tracker_doubles import RUN, put_eval, step_record, trackio_dir, trackio_logs, wait_until
 

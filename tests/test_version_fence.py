@@ -15,10 +15,10 @@ from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists
 from asyncgrpo.bucket.manifest import read_manifest, read_verified, read_version_files, write_version
 from asyncgrpo.protocol.schemas import CorruptReport, HeartbeatRequest, RepairTaskMessage
-from proxy.coordinator.dispatch import RecordingDispatcher
 from proxy.coordinator.errors import VersionNotFound
-from proxy.coordinator.halt import halted_reason as halted
 from proxy.coordinator.service import Coordinator
+from proxy.coordinator.step_failures import halted_reason as halted
+from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, publish_request, small_config, submission
 from worker.optimize import held_version
 

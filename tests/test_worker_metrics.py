@@ -15,8 +15,8 @@ from tests.fixtures_redis import free_port
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
 from worker.optimize.recording import build_step_record
+from worker.process import metrics as result_metrics
 from worker.process import metrics as wm
-from worker.process import result_metrics
 
 
 def value(name: str, **labels: str) -> float:

@@ -10,7 +10,8 @@ coordinator refusal is which code (``REFUSAL_CODES``); a stale refusal also carr
 Each refusal is counted in ``asyncgrpo_http_errors_total{error=<code>}``.
 
 The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app's lifespan, every
-``tick_s`` seconds and right after each submit and publish.
+``tick_s`` seconds and right after each submit and publish. The evaluate tasks' routes
+(``POST /v1/evals/{task_id}/lease`` and ``.../result``) are installed by ``install_eval_routes``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import (
     ID_PATTERN,
     CorruptReport,
@@ -53,8 +55,7 @@ from asyncgrpo.protocol.schemas import (
     VersionInfo,
     WorkersResponse,
 )
-from proxy.api.eval_routes import install_eval_routes
-from proxy.api.fencing import ProxyStartupError, keep_lease, lease_guard, start_checks, stop_this_process
+from proxy.api.guards import ProxyStartupError, keep_leadership, leadership_guard, start_checks, stop_this_process
 from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
 from proxy.api.openapi import install_openapi
 from proxy.api.refusals import (
@@ -70,6 +71,28 @@ from proxy.api.token_policy import check_can_serve
 from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.service import Coordinator
 from proxy.tracking.forwarder import start_forwarding
+
+TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
+
+
+def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[], None]) -> None:
+    """Add the two routes, and the eval gauges when the run evaluates. ``poke``: run a housekeeping round
+    soon (a result may complete a version, whose record the round writes)."""
+    if coordinator.evals.enabled:
+        evals = coordinator.evals
+        coordinator.metrics.watch_evals(lambda: (evals.pending_count(), evals.latest()))
+
+    @app.post("/v1/evals/{task_id}/lease", response_model=EvalLeaseGrant)
+    def grant_eval_lease(task_id: TaskId, request: EvalLeaseRequest) -> EvalLeaseGrant:
+        return coordinator.eval_lease(request.worker_id, task_id, request.incarnation or "")
+
+    @app.post("/v1/evals/{task_id}/result", response_model=EvalResultAnswer)
+    def record_eval_result(task_id: TaskId, request: EvalResultRequest) -> EvalResultAnswer:
+        try:
+            return coordinator.eval_result(task_id, request)
+        finally:
+            poke()
+
 
 log = structlog.get_logger()
 
@@ -113,8 +136,8 @@ def create_app(
         # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         tasks = [asyncio.create_task(housekeeping())] if run_loop else []
-        if coordinator.fence is not None:  # one live proxy per run (proxy.api.fencing)
-            tasks.append(asyncio.create_task(keep_lease(coordinator.fence, stop_on_lost_lease)))
+        if coordinator.fence is not None:  # one live proxy per run (proxy.api.guards)
+            tasks.append(asyncio.create_task(keep_leadership(coordinator.fence, stop_on_lost_lease)))
         try:
             yield
         finally:
@@ -162,7 +185,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         open_paths=open_paths,
     )
-    app.middleware("http")(lease_guard(coordinator.fence, unavailable))
+    app.middleware("http")(leadership_guard(coordinator.fence, unavailable))
 
     install_error_handlers(app, metrics)
     # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).

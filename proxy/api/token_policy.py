@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from proxy.api.fencing import ProxyStartupError
+from proxy.api.guards import ProxyStartupError
 
 MIN_TOKEN_CHARS = 32
 """``openssl rand -hex 32`` makes 64."""

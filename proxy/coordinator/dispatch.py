@@ -4,15 +4,12 @@ Every message goes to a queue of the run it names (``asyncgrpo.protocol.queues``
 take it, whatever other runs share the broker.
 
 ``CeleryDispatcher`` is the real one (``celery.Celery(broker=redis_url).send_task``, JSON only; a generate
-message expires at its task's deadline);
-``RecordingDispatcher`` keeps the messages in memory for tests of the coordinator's logic.
+message expires at its task's deadline). Tests use a recording double (``tests/doubles/dispatcher.py``).
 """
 
 from __future__ import annotations
 
-import threading
 import uuid
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -118,45 +115,3 @@ class CeleryDispatcher:
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
         task_id = f"repair-{message.run}-{message.version}-{uuid.uuid4().hex[:8]}"
         self._send(REPAIR_TASK_NAME, worker_queue(message.run, worker_id), task_id, message.model_dump(mode="json"))
-
-
-@dataclass
-class RecordingDispatcher:
-    """Keeps every message sent (as JSON-ready dicts); ``fail`` makes sends raise DispatchError."""
-
-    generate: list[dict[str, Any]] = field(default_factory=list)
-    optimize: list[dict[str, Any]] = field(default_factory=list)
-    optimize_queues: list[str | None] = field(default_factory=list)  # the queue of each optimize message
-    repairs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (worker_id, message)
-    optimize_expires: list[float | None] = field(default_factory=list)  # the expiry of each, in seconds
-    evaluate: list[dict[str, Any]] = field(default_factory=list)
-    fail: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def send_generate(self, message: GenerateTaskMessage) -> None:
-        if self.fail:
-            raise DispatchError(f"recording dispatcher set to fail (generate {message.task_id})")
-        with self._lock:
-            self.generate.append(message.model_dump(mode="json"))
-
-    def send_optimize(
-        self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
-    ) -> None:
-        if self.fail:
-            raise DispatchError(f"recording dispatcher set to fail (optimize step {message.step})")
-        with self._lock:
-            self.optimize.append(message.model_dump(mode="json"))
-            self.optimize_queues.append(queue)
-            self.optimize_expires.append(expires_s)
-
-    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
-        if self.fail:
-            raise DispatchError(f"recording dispatcher set to fail (evaluate {message.task_id})")
-        with self._lock:
-            self.evaluate.append(message.model_dump(mode="json"))
-
-    def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
-        if self.fail:
-            raise DispatchError(f"recording dispatcher set to fail (repair of version {message.version})")
-        with self._lock:
-            self.repairs.append((worker_id, message.model_dump(mode="json")))

@@ -45,7 +45,7 @@ from asyncgrpo.protocol.records import EvalRecord
 from asyncgrpo.protocol.schemas import EvalSummary
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.store import RunStore
+from proxy.coordinator.redis_store import RedisStore
 
 log = structlog.get_logger()
 
@@ -77,7 +77,7 @@ def prompt_chunks(num_prompts: int, per_task: int) -> list[tuple[int, int]]:
 class Evaluations:
     """The evaluations of one run; inert (no Redis read) when ``[eval]`` is off."""
 
-    def __init__(self, store: RunStore, config: RunConfig, bucket: Bucket, num_eval_prompts: int) -> None:
+    def __init__(self, store: RedisStore, config: RunConfig, bucket: Bucket, num_eval_prompts: int) -> None:
         self.store = store
         self.config = config
         self.bucket = bucket

@@ -31,15 +31,14 @@ import structlog
 from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.errors import BufferFull, EpochMoved
-from proxy.coordinator.halt import halt
+from proxy.coordinator.redis_store import RedisStore, halt
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.rollouts import MAX_REJECT_REASONS, normalise_reason
-from proxy.coordinator.store import RunStore
 
 log = structlog.get_logger()
 
 QUARANTINE_HALT = "prompts_quarantined"
-"""The halt source (``proxy.coordinator.halt``) of a run whose every prompt is quarantined."""
+"""The halt source (``proxy.coordinator.step_failures``) of a run whose every prompt is quarantined."""
 
 _DISPATCH_ATTEMPTS = 8
 """How often a dispatch re-reads a prompt order position that moved under it before it gives up."""
@@ -79,7 +78,7 @@ class GenerateTasks:
     """Dispatch, cancel and expire the generate tasks of one run."""
 
     def __init__(
-        self, store: RunStore, config: RunConfig, num_prompts: int, inflight_limit: Callable[[], int] | None = None
+        self, store: RedisStore, config: RunConfig, num_prompts: int, inflight_limit: Callable[[], int] | None = None
     ) -> None:
         self.store = store
         self.config = config.async_

@@ -16,18 +16,16 @@ import structlog
 from asyncgrpo.bucket.backends import BucketError
 from asyncgrpo.protocol.schemas import GenerateTaskMessage
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.accounting import WaitingAccount
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
-from proxy.coordinator.halt import halted_reason
 from proxy.coordinator.metrics import ProxyMetrics
-from proxy.coordinator.pacing import InflightPacer
+from proxy.coordinator.pacing import InflightPacer, WaitingAccount
+from proxy.coordinator.redis_store import RedisStore, halted_reason
+from proxy.coordinator.status import Workers
 from proxy.coordinator.steps import Steps
-from proxy.coordinator.store import RunStore
 from proxy.coordinator.versions import Versions
-from proxy.coordinator.workers import Workers
 
 log = structlog.get_logger()
 
@@ -76,7 +74,7 @@ class Housekeeping:
     ``expire_leases``, ``expire_tasks``, ``cancel_tasks``, ``write_snapshot``, ``send_due_step``, ``gc``,
     ``collect_rollouts``) are the coordinator's own, which tests also call one by one."""
 
-    store: RunStore
+    store: RedisStore
     config: RunConfig
     dispatcher: Dispatcher
     tasks: GenerateTasks
@@ -104,7 +102,7 @@ class Housekeeping:
         self.versions.recheck_halt()  # a corrupted object restored by an operator lifts its halt
         # The run ends at its final version (optimizer.total_steps): nothing more is claimed or dispatched.
         finished = self.store.current_version() >= self.config.final_version
-        # A halted run claims no step (proxy.coordinator.halt); generation goes on until the buffer is full.
+        # A halted run claims no step (proxy.coordinator.step_failures); generation goes on until the buffer is full.
         if not finished and halted_reason(self.store) is None:
             claimed, report.stale_dropped = self.steps.claim()
             if claimed is not None:

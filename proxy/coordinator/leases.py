@@ -16,7 +16,7 @@ from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.protocol.schemas import LeaseGrant
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.metrics import ProxyMetrics
-from proxy.coordinator.store import RunStore
+from proxy.coordinator.redis_store import RedisStore
 
 log = structlog.get_logger()
 
@@ -26,7 +26,7 @@ def task_id_prefix(run: str) -> str:
     return f"gen-{run}-"
 
 
-def live_leased_versions(store: RunStore) -> set[int]:
+def live_leased_versions(store: RedisStore) -> set[int]:
     """The versions some unexpired lease names."""
     now = store.clock_ms()
     lease_ids = store.redis.zrangebyscore(store.keys.leases, f"({now}", "+inf")
@@ -41,7 +41,7 @@ def live_leased_versions(store: RunStore) -> set[int]:
 class Leases:
     """Grant, renew, release and expire the leases of one run."""
 
-    def __init__(self, store: RunStore, async_config: AsyncConfig, metrics: ProxyMetrics) -> None:
+    def __init__(self, store: RedisStore, async_config: AsyncConfig, metrics: ProxyMetrics) -> None:
         self.store = store
         self.config = async_config
         self.metrics = metrics

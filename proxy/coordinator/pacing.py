@@ -13,6 +13,9 @@ is the number of trainer steps the fleet needs to produce one version's worth of
 produces them within one step: each step's batch is then made while the previous step trains, staleness
 1). ``async.queue_maxsize`` stays the upper bound. Until enough has been measured (a fresh or restarted
 proxy) the limit is two versions' worth; with ``async.adaptive_inflight = false`` it is ``queue_maxsize``.
+
+``WaitingAccount`` credits the time a full buffer held dispatch back and the time the trainer starved: the
+two sides of the same balance, shown as the bottleneck pair of metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +26,49 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from asyncgrpo.run.config import AsyncConfig
+from asyncgrpo.run.config import AsyncConfig, RunConfig
+from proxy.coordinator.redis_store import RedisStore
+
+
+class WaitingAccount:
+    """Credits the time between ticks to what the proxy was waiting on."""
+
+    def __init__(self, store: RedisStore, config: RunConfig, inflight_limit: Callable[[], int] | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.inflight_limit = inflight_limit or (lambda: config.async_.queue_maxsize)
+        # The end of the previous tick and what the proxy saw then: (ms, held back, trainer starved).
+        self._last_tick: tuple[int, bool, bool] | None = None
+
+    def account(self) -> None:
+        """At the end of a tick: credit the time since the previous tick to what the proxy saw at its end.
+
+        The first tick of a process credits nothing, as the gap before it is unknown.
+        """
+        now = self.store.clock_ms()
+        if self._last_tick is not None:
+            since_ms, held_back, starved = self._last_tick
+            elapsed_ms = max(0, now - since_ms)
+            if elapsed_ms and held_back:
+                self.store.count("dispatch_backpressure_ms", elapsed_ms)
+            if elapsed_ms and starved:
+                self.store.count("trainer_starved_ms", elapsed_ms)
+        self._last_tick = (now, *self.waiting_now())
+
+    def waiting_now(self) -> tuple[bool, bool]:
+        """(dispatch held back by a full buffer, trainer starved of groups), as the state is now."""
+        cfg = self.config.async_
+        fields = {"current_version": -1, "step_inflight": -1, "groups_inflight": 0, "groups_buffered": 0}
+        raw = self.store.redis.hmget(self.store.keys.state, list(fields))
+        current, step_inflight, inflight, buffered = (
+            default if value is None else int(value) for value, default in zip(raw, fields.values(), strict=True)
+        )
+        if current >= self.config.final_version:
+            return False, False
+        held_back = inflight + buffered + cfg.groups_per_task > self.inflight_limit()
+        starved = step_inflight < 0 and current >= 0 and buffered < cfg.groups_per_step * cfg.publish_every
+        return held_back, starved
+
 
 SAMPLES_KEPT = 20
 """Recent measurements of each kind the estimates are medians of."""

@@ -38,8 +38,8 @@ from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.adoption import Claimed, adopt_newer_versions
 from proxy.coordinator.errors import StateExists
 from proxy.coordinator.redis_keys import tracking_eval_field, tracking_step_field
+from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.snapshot import load_snapshot
-from proxy.coordinator.store import RunStore
 
 log = structlog.get_logger()
 
@@ -50,7 +50,7 @@ _MAX_ARGS_PER_OP = 1000
 class _Sources:
     """What a rebuild reads: the store it writes into, the bucket and the run's config."""
 
-    store: RunStore
+    store: RedisStore
     bucket: Bucket
     config: RunConfig
 
@@ -240,7 +240,7 @@ def _tracking_fields(tracking: dict[str, Any], now_ms: int) -> dict[str, int]:
     return fields
 
 
-def restore_state(store: RunStore, bucket: Bucket, config: RunConfig) -> str:
+def restore_state(store: RedisStore, bucket: Bucket, config: RunConfig) -> str:
     """Write the run's state into an empty Redis; returns 'fresh', 'rebuilt', 'rebuilt_from_versions' or
     'present' (someone else restored it first)."""
     src = _Sources(store, bucket, config)

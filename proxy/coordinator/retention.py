@@ -19,8 +19,8 @@ from asyncgrpo.bucket.manifest import delete_version, list_versions
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.leases import live_leased_versions
+from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.store import RunStore
 
 log = structlog.get_logger()
 
@@ -38,7 +38,7 @@ class Retention:
 
     def __init__(
         self,
-        store: RunStore,
+        store: RedisStore,
         async_config: AsyncConfig,
         bucket: Bucket,
         snapshots: SnapshotWriter,

@@ -22,9 +22,9 @@ from asyncgrpo.protocol.schemas import RolloutSubmission, SubmitResult
 from asyncgrpo.protocol.staleness import StaleRolloutError
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
+from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.store import RunStore
 
 MAX_REJECT_REASONS = 32
 """Distinct rejection reasons kept as metric labels; further ones are counted as 'other'."""
@@ -40,7 +40,7 @@ def normalise_reason(reason: str) -> str:
 class RolloutIntake:
     """Admits (or refuses) the rollouts of one run."""
 
-    def __init__(self, store: RunStore, async_config: AsyncConfig, snapshots: SnapshotWriter) -> None:
+    def __init__(self, store: RedisStore, async_config: AsyncConfig, snapshots: SnapshotWriter) -> None:
         self.store = store
         self.config = async_config
         self.snapshots = snapshots

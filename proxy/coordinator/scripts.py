@@ -1,7 +1,8 @@
 """The coordinator's Lua scripts, declared: every change to a run's Redis state is one of these, so it is atomic.
 
-The scripts are the files ``lua/<name>.lua``; each starts with lines stating its KEYS, ARGV and return codes,
-and each declaration below restates them (``proxy.coordinator.lua_script`` says how). A script returns a
+The scripts are the files ``lua/<name>.lua``; each starts with lines stating its KEYS, ARGV and return codes
+(the one statement of them), and each declaration below adds which codes are answers and the exception of
+every other one (``proxy.coordinator.lua_script`` says how). A script returns a
 table whose first element is a code string; every code that is not an answer maps to its own exception.
 Time is always passed in (``now_ms``) so that tests control the clock; leases also get a real ``PEXPIRE``
 as a backstop. Item keys (one per group, task, rollout, step, lease, worker) are built inside the scripts
@@ -30,6 +31,7 @@ from proxy.coordinator.errors import (
     BufferFull,
     CasLost,
     EpochMoved,
+    EvalEnded,
     LeaseLostError,
     NotTaskHolder,
     NoVersionYet,
@@ -43,13 +45,6 @@ from proxy.coordinator.errors import (
     TaskEnded,
     UnknownTask,
 )
-from proxy.coordinator.eval_scripts import (
-    CLOSE_EVAL,
-    FINISH_EVAL_CHUNK,
-    GRANT_EVAL_LEASE,
-    RETRY_EVALS,
-    SCHEDULE_EVAL,
-)
 from proxy.coordinator.lua_script import NO_STATE, BoundScript, LuaScript, Refusal
 
 # Every script that reads the run's state refuses with NO_STATE when there is none; the store rebuilds once.
@@ -61,19 +56,6 @@ _CURRENT = ("current",)
 
 DISPATCH_GENERATE = LuaScript(
     name="dispatch_generate",
-    keys=("state", "counters", "requeue", "tasks_inflight", "prompt_attempts"),
-    argv=(
-        "now_ms",
-        "deadline_ms",
-        "groups_per_task",
-        "queue_maxsize",
-        "epoch",
-        "epoch_pos",
-        "num_prompts",
-        "run",
-        "*candidates",
-    ),
-    ok={"OK": ("task_id", "groups_json")},
     errors={
         "NO_ROOM": Refusal(BufferFull, "run {run!r}: the buffer has no room for {groups_per_task} more groups"),
         "RETRY": Refusal(EpochMoved, "run {run!r}: the prompt order moved past epoch {epoch} position {epoch_pos}"),
@@ -83,69 +65,17 @@ DISPATCH_GENERATE = LuaScript(
 
 CANCEL_TASKS = LuaScript(
     name="cancel_tasks",
-    keys=(
-        "state",
-        "counters",
-        "requeue",
-        "tasks_inflight",
-        "rollout_retention",
-        "rejected_reasons",
-        "prompt_attempts",
-        "workers",
-    ),
-    argv=(
-        "now_ms",
-        "record_ttl_s",
-        "mode",
-        "track",
-        "max_attempts",
-        "reason",
-        "alive_since_ms",
-        "worker_id",
-        "*task_ids",
-    ),
-    ok={"OK": ("tasks_cancelled", "groups_requeued", "groups_rejected")},
     errors=_NO_STATE,
 )
 
 UNDO_DISPATCH = LuaScript(
     name="undo_dispatch",
-    keys=("state", "counters", "requeue", "tasks_inflight"),
-    argv=("*task_ids",),
-    ok={"OK": ("tasks_undone", "groups_undone")},
     errors=_NO_STATE,
 )
 
 SUBMIT_ROLLOUT = LuaScript(
     name="submit_rollout",
-    keys=(
-        "state",
-        "counters",
-        "rejected_reasons",
-        "requeue",
-        "tasks_inflight",
-        "buffer",
-        "rollout_retention",
-        "prompt_attempts",
-    ),
-    argv=(
-        "now_ms",
-        "max_staleness",
-        "record_ttl_s",
-        "task_id",
-        "worker_id",
-        "version",
-        "ref_json",
-        "admitted_json",
-        "rejected_json",
-        "omitted_reason",
-        "track",
-        "sha256",
-        "lease_id",
-    ),
-    # a repeated submission of an admitted rollout is answered like the first (the worker's retry)
-    ok={"OK": _CURRENT, "DUPLICATE": _CURRENT},
-    fields={"STALE": _CURRENT, "BAD_ROLLOUT": ("message",), "NOT_HOLDER": ("message",)},
+    answers=('OK', 'DUPLICATE'),
     errors={
         "STALE": Refusal(
             RolloutTooStale, "rollout v{version} of task {task_id} is too stale for v{current}", passed=_CURRENT
@@ -164,28 +94,17 @@ SUBMIT_ROLLOUT = LuaScript(
 
 CLAIM_STEP = LuaScript(
     name="claim_step",
-    keys=("state", "counters", "requeue", "buffer", "rollout_retention"),
-    argv=("now_ms", "groups_needed", "max_staleness", "record_ttl_s", "track", "final_version"),
-    ok={"OK": ("step", "base_version", "rollouts_json", "claimed", "dropped")},
-    fields={"NOT_READY": ("why", "dropped")},
     errors={"NOT_READY": Refusal(StepNotReady, "no step claimed: {why}", passed=("dropped",)), **_NO_STATE},
 )
 
 MARK_STEP_SENT = LuaScript(
     name="mark_step_sent",
-    keys=("state", "counters"),
-    argv=("now_ms", "step", "resend", "target"),
-    ok={"OK": ()},
     errors={"NOT_CLAIMED": Refusal(StepNoLongerClaimed, "step {step} is no longer claimed"), **_NO_STATE},
 )
 
 PUBLISH_VERSION = LuaScript(
     name="publish_version",
-    keys=("state", "counters", "versions", "rollout_retention"),
-    argv=("now_ms", "version", "base_version", "step", "manifest_sha256", "worker_id", "record_ttl_s", "track"),
-    # ALREADY: this worker already published this very manifest, and retries
-    ok={"OK": _CURRENT, "ALREADY": _CURRENT},
-    fields={"BAD_VERSION": _CURRENT, "CAS_LOST": _CURRENT, "STEP_NOT_CLAIMED": _CURRENT},
+    answers=('OK', 'ALREADY'),
     errors={
         "BAD_VERSION": Refusal(BadVersionNumber, _PUBLISH_REFUSED, passed=_CURRENT),
         "CAS_LOST": Refusal(CasLost, _PUBLISH_REFUSED, passed=_CURRENT),
@@ -196,9 +115,6 @@ PUBLISH_VERSION = LuaScript(
 
 START_STEP = LuaScript(
     name="start_step",
-    keys=("state",),
-    argv=("now_ms", "step", "worker_id", "base_version", "task_ids_json", "incarnation"),
-    ok={"OK": ()},
     errors={
         "NOT_CLAIMED": Refusal(
             StepNoLongerClaimed,
@@ -211,32 +127,26 @@ START_STEP = LuaScript(
 
 FAIL_STEP = LuaScript(
     name="fail_step",
-    keys=("state", "counters", "rejected_reasons", "buffer", "rollout_retention"),
-    argv=("now_ms", "step", "worker_id", "kind", "reason", "task_id", "max_attempts", "record_ttl_s", "track"),
-    # NOT_CLAIMED: published or un-claimed meanwhile; the report changes nothing and is answered as such
-    ok={
-        "OK": ("groups_rejected", "groups_requeued"),  # un-claimed
-        "RETRY": ("attempts", "base_failed"),
-        "NOT_CLAIMED": (),
-    },
+    answers=('OK', 'RETRY', 'NOT_CLAIMED'),
     errors={
         "NOT_IN_STEP": Refusal(BadStepFailure, "rollout {task_id} is not in the batch of step {step}"),
         **_NO_STATE,
     },
 )
 
-SET_HALT = LuaScript(name="set_halt", keys=("state",), argv=("reason", "by"), ok={"OK": ()}, errors=_NO_STATE)
+SET_HALT = LuaScript(
+    name="set_halt",
+    errors=_NO_STATE,
+)
 
-CLEAR_HALT = LuaScript(name="clear_halt", keys=("state",), argv=("by",), ok={"OK": ("cleared",)})
+CLEAR_HALT = LuaScript(
+    name="clear_halt",
+)
 
 _LEASE_FIELDS = ("version", "manifest_sha256", "expires_ms")
 
 GRANT_LEASE = LuaScript(
     name="grant_lease",
-    keys=("state", "counters", "leases", "versions"),
-    argv=("now_ms", "ttl_ms", "lease_id", "worker_id", "task_id", "task_prefix", "incarnation"),
-    ok={"OK": _LEASE_FIELDS},
-    fields={"TASK_ENDED": ("task_state",)},
     errors={
         "NO_VERSION": Refusal(NoVersionYet, "run {run!r} has no published version yet; the init step is still running"),
         "TASK_ENDED": Refusal(
@@ -250,9 +160,6 @@ GRANT_LEASE = LuaScript(
 
 RENEW_LEASE = LuaScript(
     name="renew_lease",
-    keys=("state", "leases", "versions"),
-    argv=("now_ms", "ttl_ms", "lease_id"),
-    ok={"OK": _LEASE_FIELDS},
     errors={
         "LEASE_LOST": Refusal(
             LeaseLostError,
@@ -263,76 +170,83 @@ RENEW_LEASE = LuaScript(
 )
 
 RELEASE_LEASE = LuaScript(
-    name="release_lease", keys=("counters", "leases"), argv=("lease_id",), ok={"OK": ("released",)}
+    name="release_lease",
 )
 
-EXPIRE_LEASES = LuaScript(name="expire_leases", keys=("counters", "leases"), argv=("now_ms",), ok={"OK": ("expired",)})
+EXPIRE_LEASES = LuaScript(
+    name="expire_leases",
+)
 
 UNATTENDED_GROUPS = LuaScript(
-    name="unattended_groups", keys=("tasks_inflight", "leases"), argv=("now_ms",), ok={"OK": ("groups", "tasks")}
+    name="unattended_groups",
 )
 
 RECORD_HEARTBEAT = LuaScript(
     name="record_heartbeat",
-    keys=("workers", "workers_generate", "workers_optimize", "counters", "leases"),
-    argv=("now_ms", "worker_id", "report_json", "forget_after_ms", "record_ttl_s", "role", "incarnation"),
-    ok={"OK": ("forgotten", "restarted", "leases_ended")},
 )
 
 ADD_COUNTER = LuaScript(
     name="add_counter",
-    keys=("state", "counters"),
-    argv=("counter", "amount"),
-    ok={"OK": ("value",)},
     errors=_NO_STATE,
 )
 
 # The two scripts of a rebuild itself: they must never start another one.
 RESTORE_STATE = LuaScript(
     name="restore_state",
-    keys=("state",),
-    argv=("ops_json",),
-    ok={"OK": ("applied",)},
     errors={"EXISTS": Refusal(StateExists, "run {run!r} already has a state in Redis")},
     rebuilds=False,
 )
 
 SNAPSHOT_JSON = LuaScript(
     name="snapshot_json",
-    keys=(
-        "state",
-        "counters",
-        "rejected_reasons",
-        "versions",
-        "requeue",
-        "buffer",
-        "tasks_inflight",
-        "leases",
-        "rollout_retention",
-        "prompt_attempts",
-        "tracking",
-    ),
-    argv=("header_json",),
-    ok={"OK": ("document",)},
     errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
     rebuilds=False,
 )
 
 DUE_ROLLOUTS = LuaScript(
     name="due_rollouts",
-    keys=("state", "rollout_retention"),
-    argv=("max_version", "limit"),
-    ok={"OK": ("due", "protected")},
     errors=_NO_STATE,
 )
 
 FORGET_ROLLOUTS = LuaScript(
     name="forget_rollouts",
-    keys=("state", "counters", "rollout_retention"),
-    argv=("max_version", "*task_ids"),
-    ok={"OK": ("forgotten",)},
     errors=_NO_STATE,
 )
+
+# ---- evaluations (``proxy.coordinator.evaluations``) ----
+
+_EVAL_ENDED = Refusal(
+    EvalEnded,
+    "evaluate task {task_id} is not in flight (its version is evaluated already or was given up, or the task "
+    "is unknown): drop it",
+)
+
+SCHEDULE_EVAL = LuaScript(
+    name="schedule_eval",
+    errors=_NO_STATE,
+)
+
+GRANT_EVAL_LEASE = LuaScript(
+    name="grant_eval_lease",
+    errors={"EVAL_ENDED": _EVAL_ENDED, **_NO_STATE},
+)
+
+FINISH_EVAL_CHUNK = LuaScript(
+    name="finish_eval_chunk",
+    errors={
+        "EVAL_ENDED": _EVAL_ENDED,
+        "NOT_HOLDER": Refusal(NotTaskHolder, "result of evaluate task {task_id} from {worker_id} refused: {message}"),
+    },
+)
+
+RETRY_EVALS = LuaScript(
+    name="retry_evals",
+)
+
+CLOSE_EVAL = LuaScript(
+    name="close_eval",
+)
+
 
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     DISPATCH_GENERATE,

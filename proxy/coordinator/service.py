@@ -14,7 +14,7 @@ bucket (``proxy.coordinator.rebuild``). Invariants 8 and 9 on the generate side:
 of lease holders whose heartbeats stopped, dispatches only while a generate worker is alive, and during a
 bucket outage takes back the round's unsent tasks and creates none until a snapshot write succeeds.
 
-This module only wires the parts together around one ``RunStore`` and runs ``tick()``; each concern lives in
+This module only wires the parts together around one ``RedisStore`` and runs ``tick()``; each concern lives in
 its own module (see the package docstring).
 """
 
@@ -53,28 +53,26 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
-from proxy.coordinator.accounting import WaitingAccount
 from proxy.coordinator.dispatch import Dispatcher
 from proxy.coordinator.errors import NotTaskHolder
 from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
 from proxy.coordinator.housekeeping import Housekeeping
+from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.leases import Leases, live_leased_versions
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
-from proxy.coordinator.pacing import InflightPacer
-from proxy.coordinator.proxy_lease import ProxyFence
+from proxy.coordinator.pacing import InflightPacer, WaitingAccount
 from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore
 from proxy.coordinator.retention import Retention
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.status import gauges, group_record, run_info, status
+from proxy.coordinator.status import Workers, gauges, group_record, run_info, status
 from proxy.coordinator.step_failures import StepFailures
 from proxy.coordinator.step_sending import StepSending
 from proxy.coordinator.steps import Steps
-from proxy.coordinator.store import RECORD_TTL_S, RunStore
 from proxy.coordinator.versions import Versions
-from proxy.coordinator.workers import Workers
 
 log = structlog.get_logger()
 
@@ -100,12 +98,12 @@ class Coordinator(Housekeeping):
         require_generate_worker: bool = True,
         num_eval_prompts: int = 0,
     ) -> None:
-        """``fence``: the run's proxy lease (``proxy.coordinator.proxy_lease``), None unfenced (tests).
+        """``fence``: the run's proxy lease (``proxy.coordinator.leadership``), None unfenced (tests).
         ``require_generate_worker``: dispatch generate tasks only while a generate worker is alive by its
         heartbeats (tests that never send heartbeats turn it off). ``num_eval_prompts``: the run's held-out
         prompts (``[eval]``; 0: no evaluation)."""
         self.fence = fence
-        self.store = RunStore(redis, run, rebuild=self.ensure_state, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
+        self.store = RedisStore(redis, run, rebuild=self.ensure_state, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
         if num_prompts < 1:
             raise ValueError(f"the run has {num_prompts} prompts; it needs at least one")
         self.bucket = bucket

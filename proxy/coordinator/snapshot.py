@@ -13,7 +13,7 @@ it back into an empty Redis.
 Writes are group commits (``SnapshotWriter``): every change that arrives while a put is running is made
 durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.
 
-Fencing (``proxy.coordinator.proxy_lease``): the document records the writing proxy's epoch
+Fencing (``proxy.coordinator.leadership``): the document records the writing proxy's epoch
 (``proxy_epoch``). A put happens only right after the proxy confirmed its lease in Redis, and never over a
 snapshot of a higher epoch (read back at a new epoch and every ``READ_BACK_S``). The document ends with
 ``"sha256"``, the sha256 of every byte before that field; the reader verifies it and refuses a mismatch with
@@ -32,8 +32,8 @@ from typing import Any
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectNotFound
 from proxy.coordinator.errors import SnapshotFailed, StateMissing
-from proxy.coordinator.proxy_lease import FenceLost, LeaseHolder, ProxyFence
-from proxy.coordinator.store import RunStore
+from proxy.coordinator.leadership import FenceLost, Leader, ProxyFence
+from proxy.coordinator.redis_store import RedisStore
 
 SNAPSHOT_FORMAT = 2
 LEGACY_FORMATS = (1,)
@@ -48,7 +48,7 @@ class SnapshotCorrupt(Exception):
     """The snapshot in the bucket cannot be read; the message names the key and what to do."""
 
 
-def read_state_json(store: RunStore) -> bytes | None:
+def read_state_json(store: RedisStore) -> bytes | None:
     """The run's state, read atomically from Redis, as the snapshot document's JSON; None if Redis has none.
 
     Redis makes the JSON (``lua/snapshot_json.lua``): the proxy neither parses the whole state nor encodes it
@@ -57,7 +57,7 @@ def read_state_json(store: RunStore) -> bytes | None:
     return _read_state_json(store, 0)
 
 
-def _read_state_json(store: RunStore, epoch: int) -> bytes | None:
+def _read_state_json(store: RedisStore, epoch: int) -> bytes | None:
     header = json.dumps(
         {"format": SNAPSHOT_FORMAT, "run": store.run, "proxy_epoch": epoch, "written_at_ms": store.clock_ms()}
     )
@@ -105,7 +105,7 @@ def snapshot_epoch(data: bytes) -> int:
         return 0
 
 
-def read_state_document(store: RunStore) -> dict[str, Any] | None:
+def read_state_document(store: RedisStore) -> dict[str, Any] | None:
     """The run's state as the snapshot document (a dict); None if Redis has none."""
     data = read_state_json(store)
     return None if data is None else json.loads(data)
@@ -160,7 +160,7 @@ class SnapshotWriter:
 
     def __init__(
         self,
-        store: RunStore,
+        store: RedisStore,
         bucket: Bucket,
         on_put: Callable[[], object] = lambda: None,
         fence: ProxyFence | None = None,
@@ -258,7 +258,7 @@ class SnapshotWriter:
             return epoch
         self.fence.raise_floor(theirs)
         if theirs > epoch:
-            self.fence.lost = self.fence.lost or LeaseHolder("?", theirs, "unknown (seen in the bucket)", 0, 0)
+            self.fence.lost = self.fence.lost or Leader("?", theirs, "unknown (seen in the bucket)", 0, 0)
             raise FenceLost(
                 f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
                 f"coordinates run {self.store.run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); "

@@ -1,20 +1,88 @@
-"""Reading a run's state for people and tools: ``/v1/status`` and ``/v1/run`` (nothing here writes)."""
+"""Reading a run's state for people and tools: ``/v1/status``, ``/v1/run`` and ``/v1/workers``.
+
+Nothing here writes but ``Workers.heartbeat``, which records a worker's heartbeat (a Lua script)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import structlog
 from redis.client import Pipeline
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.protocol.schemas import LeaseRecord, RunInfo, StatusResponse
+from asyncgrpo.protocol.schemas import HeartbeatRequest, LeaseRecord, RunInfo, StatusResponse, WorkerRecord
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.metrics import StateGauges
-from proxy.coordinator.store import RunStore
-from proxy.coordinator.workers import Workers
+from proxy.coordinator.redis_store import RedisStore
+
+log = structlog.get_logger()
+
+WORKER_FORGET_S = 3600.0
+"""A worker silent this long disappears from ``/v1/workers``."""
 
 
-def run_info(store: RunStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
+class Workers:
+    """The heartbeats of one run's workers."""
+
+    def __init__(self, store: RedisStore, alive_s: float) -> None:
+        self.store = store
+        self.alive_s = alive_s
+
+    def heartbeat(self, report: HeartbeatRequest) -> bool:
+        """Record ``report``; True if it is the first of a new incarnation of a known worker id (restarted)."""
+        reply = self.store.scripts.record_heartbeat(
+            now_ms=self.store.clock_ms(),
+            worker_id=report.worker_id,
+            report_json=report.model_dump_json(),
+            forget_after_ms=int(WORKER_FORGET_S * 1000),
+            # Not the run's record TTL (days): a worker id heard from once, or made up, is gone in an hour.
+            record_ttl_s=int(WORKER_FORGET_S),
+            role=report.role,
+            incarnation=report.incarnation or "",
+        )
+        restarted = int(reply["restarted"]) == 1
+        if restarted:
+            log.warning(
+                "proxy.worker_restarted",
+                worker_id=report.worker_id,
+                role=report.role,
+                incarnation=report.incarnation,
+                leases_ended=int(reply["leases_ended"]),
+            )
+        return restarted
+
+    def alive_count(self, role: str) -> int:
+        """Workers of ``role`` heard from within ``alive_s`` (one ZCOUNT)."""
+        store = self.store
+        key = store.keys.workers_optimize if role == "optimize" else store.keys.workers_generate
+        return int(store.redis.zcount(key, store.clock_ms() - int(self.alive_s * 1000), "+inf"))
+
+    def list(self) -> list[WorkerRecord]:
+        """Every worker heard from within ``WORKER_FORGET_S``, with its last report."""
+        store = self.store
+        now = store.clock_ms()
+        ids = store.redis.zrange(store.keys.workers, 0, -1)
+        pipe = store.redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hmget(store.keys.worker(worker_id), ["report", "last_seen_ms", "incarnation", "restarts"])
+        out = []
+        for report, last_seen, incarnation, restarts in pipe.execute():
+            if report is None:
+                continue
+            seen = int(last_seen)
+            out.append(
+                WorkerRecord(
+                    **{**json.loads(report), "incarnation": incarnation},
+                    restarts=int(restarts or 0),
+                    last_seen=seen / 1000.0,
+                    alive=now - seen <= self.alive_s * 1000,
+                )
+            )
+        return out
+
+
+def run_info(store: RedisStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
     """What ``/v1/run`` tells a worker: the run's inputs with their digests, so it can verify what it reads."""
     return RunInfo(
         run=store.run,
@@ -27,7 +95,7 @@ def run_info(store: RunStore, *, num_prompts: int, config_sha256: str, prompts_s
     )
 
 
-def _live_leases(store: RunStore, leases: list[tuple[str, float]]) -> list[LeaseRecord]:
+def _live_leases(store: RedisStore, leases: list[tuple[str, float]]) -> list[LeaseRecord]:
     pipe = store.redis.pipeline(transaction=False)
     for lease_id, _ in leases:
         pipe.hgetall(store.keys.lease(lease_id))
@@ -44,7 +112,7 @@ def _live_leases(store: RunStore, leases: list[tuple[str, float]]) -> list[Lease
     ]
 
 
-def _queue_common_reads(store: RunStore, pipe: Pipeline) -> None:
+def _queue_common_reads(store: RedisStore, pipe: Pipeline) -> None:
     """The reads ``status`` and ``gauges`` share, in this order (see ``_common_fields``)."""
     keys = store.keys
     pipe.hgetall(keys.state)
@@ -73,7 +141,7 @@ def _common_fields(config: RunConfig, replies: list[Any]) -> tuple[dict[str, str
     }
 
 
-def status(store: RunStore, config: RunConfig, workers: Workers) -> StatusResponse:
+def status(store: RedisStore, config: RunConfig, workers: Workers) -> StatusResponse:
     """The run's state and counters, read in one transaction (leases and workers just after)."""
     pipe = store.redis.pipeline(transaction=True)
     _queue_common_reads(store, pipe)
@@ -94,7 +162,7 @@ def status(store: RunStore, config: RunConfig, workers: Workers) -> StatusRespon
     )
 
 
-def gauges(store: RunStore, config: RunConfig, alive_s: float) -> StateGauges:
+def gauges(store: RedisStore, config: RunConfig, alive_s: float) -> StateGauges:
     """What ``/metrics`` exports, in one transaction of counts (ZCOUNT, LLEN, ZCARD): no per-lease or
     per-worker read, unlike ``status``, so a scrape stays cheap however many workers there are."""
     keys = store.keys
@@ -111,6 +179,6 @@ def gauges(store: RunStore, config: RunConfig, alive_s: float) -> StateGauges:
     return StateGauges(leases_active=leases, workers_alive_by_role=alive, **fields)
 
 
-def group_record(store: RunStore, group_id: str) -> dict[str, str]:
+def group_record(store: RedisStore, group_id: str) -> dict[str, str]:
     """A group's Redis record as it stands (empty once expired)."""
     return store.redis.hgetall(store.keys.group(group_id))

@@ -1,4 +1,4 @@
-"""A step's holder and its failure reports: poison steps end (invariant 9), an unloadable base halts.
+"""A step's holder and its failure reports: poison steps end (invariant 9), an unloadable base halts the run.
 
 ``start``: the optimize worker that starts step ``S`` becomes its holder (``proxy.coordinator.step_sending``
 re-sends the step when the holder's heartbeats stop); a copy whose batch is no longer the step's is refused.
@@ -14,8 +14,8 @@ re-sends the step when the holder's heartbeats stop); a copy whose batch is no l
   step un-claimed the same way.
 - ``base``: the worker could not load the base version ``S - 1`` (its files fail their check). The step is
   re-sent at once to a live worker holding that version in memory, else to one that has not failed to load
-  it; when every live optimize worker has failed and none holds it, the run halts (``proxy.coordinator.halt``)
-  with the key to repair, and resumes by itself when a worker that has not tried comes up.
+  it; when every live optimize worker has failed and none holds it, the run halts (``redis_store.halt``) with
+  the key to repair, and resumes by itself when a worker that has not tried comes up.
 - ``upload``: the version's create-only manifest exists, made from another batch (an attempt from before the
   step was claimed again). It can never publish; the proxy removes it (``Versions.remove_foreign_upload``:
   only unpublished, only another batch) and re-sends the step at once, counting nothing.
@@ -31,11 +31,10 @@ from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.protocol.schemas import StepFailureReport, StepFailureResult, StepStartRequest, StepStartResult
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import BadStepFailure
-from proxy.coordinator.halt import clear_halt, halt, halted_reason
+from proxy.coordinator.redis_store import RedisStore, clear_halt, halt, halted_reason
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.rollouts import normalise_reason
 from proxy.coordinator.step_sending import StepSending
-from proxy.coordinator.store import RunStore
 from proxy.coordinator.versions import Versions
 
 log = structlog.get_logger()
@@ -47,7 +46,7 @@ BASE_HALT = "base_unloadable"
 class StepFailures:
     """Holders and failure reports of one run's steps."""
 
-    def __init__(self, store: RunStore, async_config: AsyncConfig, sending: StepSending, versions: Versions) -> None:
+    def __init__(self, store: RedisStore, async_config: AsyncConfig, sending: StepSending, versions: Versions) -> None:
         self.store = store
         self.config = async_config
         self.sending = sending

@@ -9,7 +9,7 @@ one is alive.
 When: at once when claimed; at once again when a failure report asks for it (``proxy.coordinator.
 step_failures``); at once when its holder (the worker that started it, ``POST /v1/steps/{S}/start``) is not
 heard from within ``worker_alive_s`` or is heard from in a new incarnation (restarted under its id, see
-``proxy.coordinator.workers``), or when the worker whose own queue it went to dies or restarts before starting
+``proxy.coordinator.status``), or when the worker whose own queue it went to dies or restarts before starting
 it; and after ``async.optimize_task_timeout_s`` in any case. A restarted worker has lost what it held in memory,
 so it is no longer trusted to hold the version it published. A dead holder's late publish is harmless: publishing
 is a CAS. Every message carries a Celery ``expires`` of the re-send timeout, so an old copy the broker
@@ -30,8 +30,7 @@ from asyncgrpo.protocol.schemas import OptimizeTaskMessage, RolloutRef
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import StepNoLongerClaimed
-from proxy.coordinator.halt import halted_reason
-from proxy.coordinator.store import RunStore
+from proxy.coordinator.redis_store import RedisStore, halted_reason
 
 log = structlog.get_logger()
 
@@ -61,7 +60,7 @@ def failed_workers(record: dict[str, str]) -> set[str]:
 class StepSending:
     """Routes and (re-)sends the in-flight step of one run."""
 
-    def __init__(self, store: RunStore, async_config: AsyncConfig, alive_s: float) -> None:
+    def __init__(self, store: RedisStore, async_config: AsyncConfig, alive_s: float) -> None:
         self.store = store
         self.config = async_config
         self.alive_s = alive_s

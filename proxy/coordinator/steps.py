@@ -28,9 +28,9 @@ from proxy.coordinator.errors import (
     StepNotReady,
 )
 from proxy.coordinator.metrics import ProxyMetrics
+from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.retention import track_flag
 from proxy.coordinator.snapshot import SnapshotWriter
-from proxy.coordinator.store import RunStore
 from proxy.coordinator.versions import Versions
 
 log = structlog.get_logger()
@@ -45,7 +45,7 @@ class Steps:
 
     def __init__(
         self,
-        store: RunStore,
+        store: RedisStore,
         async_config: AsyncConfig,
         bucket: Bucket,
         snapshots: SnapshotWriter,

@@ -8,7 +8,7 @@
 - ``report_corrupt``: a worker found an object of a published version failing its sha256. The proxy reads it
   again itself; if it is corrupt it sends a repair task to the own queue of the alive optimize worker that
   holds the version's bytes (its publisher, or a trainer whose heartbeat says it holds the version). With no
-  such worker the run halts (``proxy.coordinator.halt``) naming the key, and ``tick`` reads the object again
+  such worker the run halts (``proxy.coordinator.step_failures``) naming the key, and ``tick`` reads the object again
   every ``RECHECK_S``, resuming once it reads back intact (an operator restored it).
 """
 
@@ -24,14 +24,13 @@ from asyncgrpo.bucket.manifest import IntegrityError, Manifest, read_manifest, r
 from asyncgrpo.protocol.schemas import CorruptReport, CorruptResult, RepairTaskMessage, VersionInfo
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import VersionNotFound
-from proxy.coordinator.halt import clear_halt, halt, halted_reason
+from proxy.coordinator.redis_store import RedisStore, clear_halt, halt, halted_reason
 from proxy.coordinator.step_sending import StepSending
-from proxy.coordinator.store import RunStore
 
 log = structlog.get_logger()
 
 CORRUPT_HALT = "corrupt_version"
-"""The halt source (``proxy.coordinator.halt``) of a corrupted object no live worker can put back."""
+"""The halt source (``proxy.coordinator.step_failures``) of a corrupted object no live worker can put back."""
 
 RECHECK_S = 30.0
 """How often a halted run reads its corrupted object again."""
@@ -44,7 +43,7 @@ HALT_CHECK_FIELD = "halt_check"
 class Versions:
     """The published versions of one run: recorded shas, step records, corruption reports."""
 
-    def __init__(self, store: RunStore, bucket: Bucket, sending: StepSending) -> None:
+    def __init__(self, store: RedisStore, bucket: Bucket, sending: StepSending) -> None:
         self.store = store
         self.bucket = bucket
         self.sending = sending  # who holds a version: its publisher, else a live trainer by heartbeat

@@ -27,7 +27,7 @@ from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend, GenerationResult
-from worker.generate.job import LeaseKeeper, release_quietly, report_corrupt_object
+from worker.generate.job import LeaseRenewer, release_quietly, report_corrupt_object
 from worker.generate.prompt_format import fed_prompts
 
 log = structlog.get_logger()
@@ -79,7 +79,7 @@ def run_evaluate_task(
         return EvaluateResult(task_id, "ended")
     prompts = eval_prompts[grant.prompt_start : grant.prompt_start + grant.prompt_count]
     cfg = config.eval
-    with LeaseKeeper(client, grant.lease_id, grant.ttl_s), backend_lock or nullcontext():
+    with LeaseRenewer(client, grant.lease_id, grant.ttl_s), backend_lock or nullcontext():
         try:
             adapter_dir = adapter_cache.get(grant.version, grant.manifest_sha256)
         except IntegrityError as error:

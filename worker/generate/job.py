@@ -63,7 +63,7 @@ class GenerateResult:
         }
 
 
-class LeaseKeeper:
+class LeaseRenewer:
     """Renews a lease from a background thread while generation runs.
 
     After a clean exit the lease is handed to the submission, which releases it at the proxy (one round
@@ -81,7 +81,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="asyncgrpo-lease", daemon=True)
 
-    def __enter__(self) -> LeaseKeeper:
+    def __enter__(self) -> LeaseRenewer:
         self._thread.start()
         return self
 
@@ -169,7 +169,7 @@ def run_generate_task(
     timings = GenerateTimings()
     # Includes waiting for the lock; a cache hit and a no-op load when the prefetcher got there first.
     fetch_started = time.perf_counter()
-    with LeaseKeeper(client, lease.lease_id, lease.ttl_s) as keeper, backend_lock or nullcontext():
+    with LeaseRenewer(client, lease.lease_id, lease.ttl_s) as keeper, backend_lock or nullcontext():
         try:
             adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
         except IntegrityError as error:

@@ -6,7 +6,9 @@ start with ``asyncgrpo_``, carry their unit, and every label has a small fixed s
 error kind, a reward function name from the run config): never a task id, step or version.
 
 This module defines the families, the endpoint and the process-level observations (errors, idle time, tasks
-in flight); ``worker.process.result_metrics`` moves the rest from each finished task's result.
+in flight), and moves the rest from each finished task's result: ``GenerateResult`` on the generate side,
+the optimize step's ``StepRecord`` on the optimize side (``observe_generate_task``, ``observe_optimize_step``).
+A figure that is None (a step with no tokens has no ratio) or not finite leaves its gauge as it was.
 
 Reading the bottleneck pair: ``asyncgrpo_trainer_rollout_wait_seconds`` grows when the trainer sits idle for
 want of samples (generation is the bottleneck); ``asyncgrpo_generate_backpressure_seconds`` grows when
@@ -19,6 +21,7 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import (
@@ -34,6 +37,11 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+from asyncgrpo.protocol.records import StepRecord
+
+if TYPE_CHECKING:  # the generate job pulls in torch; only its result type is needed here
+    from worker.generate.job import GenerateResult
 
 log = structlog.get_logger()
 
@@ -295,3 +303,105 @@ def task_in_flight(role: str) -> Iterator[None]:
         yield
     finally:
         gauge.dec()
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _set(gauge: Gauge, value: float | None) -> None:
+    number = _finite(value)
+    if number is not None:
+        gauge.set(number)
+
+
+def _observe(histogram: Histogram, value: float | None) -> None:
+    number = _finite(value)
+    if number is not None and number >= 0:
+        histogram.observe(number)
+
+
+def observe_generate_task(result: GenerateResult) -> None:
+    """Record one finished generate task."""
+    if result.status not in GENERATE_STATUSES:
+        log.warning("worker.metrics_unknown_generate_status", status=result.status)
+    else:
+        GENERATE_TASKS.labels(status=result.status).inc()
+    if result.status == "stale":
+        observe_error("stale")
+    timings = result.timings
+    _observe(GENERATE_TASK_SECONDS, timings.task_s)
+    if result.reused_rollout:
+        # A redelivered task resubmitted an earlier rollout: nothing was generated this time.
+        return
+    _observe(GENERATE_ADAPTER_FETCH_SECONDS, timings.adapter_fetch_s)
+    _observe(GENERATE_SAMPLING_SECONDS, timings.generate_s)
+    _observe(GENERATE_SCORING_SECONDS, timings.score_s)
+    GENERATE_TOKENS.inc(result.tokens)
+    GENERATE_SAMPLES.inc(result.samples)
+    GENERATE_GROUPS.inc(result.groups)
+    sampling_s = _finite(timings.generate_s)
+    if sampling_s:
+        GENERATE_TOKENS_PER_SECOND.set(result.tokens / sampling_s)
+    task_s = _finite(timings.task_s)
+    if task_s:
+        GENERATE_SAMPLES_PER_SECOND.set(result.samples / task_s)
+    GENERATE_VERSION.set(result.version)
+    _set(GENERATE_REWARD_MEAN, result.reward_mean)
+
+
+def observe_optimize_step(record: StepRecord | None, status: str) -> None:
+    """Record one finished optimize task: its ``status`` and, when it trained, its step record."""
+    if status not in OPTIMIZE_STATUSES:
+        log.warning("worker.metrics_unknown_optimize_status", status=status)
+    else:
+        TRAINER_STEPS.labels(status=status).inc()
+    if status == "conflict":
+        observe_error("conflict")
+    if record is None:
+        return
+    timings = record.timings
+    _observe(TRAINER_STEP_SECONDS, timings.step_s)
+    _observe(TRAINER_FORWARD_BACKWARD_SECONDS, record.forward_backward_s)
+    _observe(TRAINER_OPTIMIZER_SECONDS, record.optimizer_s)
+    _observe(TRAINER_FETCH_SECONDS, timings.fetch_s)
+    _observe(TRAINER_RESCORE_SECONDS, timings.rescore_s)
+    _observe(TRAINER_PUBLISH_SECONDS, timings.upload_s)
+
+    TRAINER_TOKENS.inc(record.tokens)
+    TRAINER_SAMPLES.inc(record.samples)
+    TRAINER_GROUPS.inc(record.groups)
+    TRAINER_SAMPLES_PER_STEP.set(record.samples)
+    TRAINER_GROUPS_PER_STEP.set(record.groups)
+    step_s = _finite(timings.step_s)
+    if step_s:
+        TRAINER_TOKENS_PER_SECOND.set(record.tokens / step_s)
+    TRAINER_VERSION.set(record.version)
+    _set(TRAINER_LAST_PUBLISH_TIMESTAMP, record.published_at)
+
+    for value in record.staleness_per_sample():
+        SAMPLE_STALENESS_VERSIONS.observe(value)
+    STEP_MAX_STALENESS_VERSIONS.set(record.max_staleness)
+    _observe_policy(record)
+
+
+def _observe_policy(record: StepRecord) -> None:
+    _set(POLICY_RATIO, record.ratio)
+    _set(POLICY_RESCORE_RATIO, record.rescore_ratio)
+    _set(POLICY_KL, record.kl)
+    _set(POLICY_ENTROPY_NATS, record.entropy)
+    _set(POLICY_CLIP_FRACTION.labels(bound="low"), record.clip_low)
+    _set(POLICY_CLIP_FRACTION.labels(bound="high"), record.clip_high)
+    _set(POLICY_CLIP_FRACTION.labels(bound="region"), record.clip_region)
+    _set(POLICY_LOSS, record.loss)
+    _set(POLICY_GRAD_NORM, record.grad_norm)
+    _set(POLICY_LEARNING_RATE, record.lr)
+    _set(POLICY_REWARD_MEAN, record.reward_mean)
+    _set(POLICY_REWARD_STD, record.reward_std)
+    for name, value in record.rewards_by_name.items():
+        _set(POLICY_REWARD_FUNCTION_MEAN.labels(reward=name), value)
+    for name, value in record.rewards_std_by_name.items():
+        _set(POLICY_REWARD_FUNCTION_STD.labels(reward=name), value)
+    _set(POLICY_COMPLETION_LENGTH_TOKENS, record.completion_length_mean)
+    _set(POLICY_TRUNCATED_RATIO, record.truncated_fraction)
+    if record.flagged_rollouts:
+        POLICY_FLAGGED_ROLLOUTS.inc(len(record.flagged_rollouts))

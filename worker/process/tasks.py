@@ -1,6 +1,7 @@
 """The Celery tasks, kept thin: validate the JSON message, bind log context, call a plain function, return
 a small JSON result. All the work is in ``worker.generate.job``, ``worker.generate.evaluate`` and
-``worker.optimize.job``."""
+``worker.optimize.job``. A generate task that failed for good is reported to the proxy
+(``report_task_failure``: cancel it now, count the attempt of its prompts)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from celery.exceptions import Reject
 
 from asyncgrpo.bucket.backends import BucketError, ObjectNotFound
 from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
 from asyncgrpo.protocol.evals import EvaluateTaskMessage
 from asyncgrpo.protocol.log_setup import configure_logging
 from asyncgrpo.protocol.queues import EVALUATE_TASK_NAME, REPAIR_TASK_NAME
-from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
+from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage, TaskFailureReport
 from asyncgrpo.protocol.staleness import StaleRolloutError
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
@@ -30,11 +32,37 @@ from worker.optimize import held_version
 from worker.optimize.failures import step_failure_of
 from worker.optimize.job import OptimizeResult, run_initialize, run_optimize_step
 from worker.process import metrics as worker_metrics
-from worker.process import preemption, result_metrics
+from worker.process import preemption
 from worker.process.celery_app import app
 from worker.process.runtime import RunContext, WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
 from worker.process.settings import load_worker_settings
-from worker.process.task_failure import report_task_failure
+
+log = structlog.get_logger()
+
+
+def failure_reason(error: BaseException) -> str:
+    """The short label the proxy keeps as the rejection reason at the last attempt."""
+    return f"task_error_{type(error).__name__}"
+
+
+def report_task_failure(client: ProxyClient, task_id: str, worker_id: str, error: BaseException) -> dict[str, Any]:
+    """Tell the proxy that ``task_id`` failed with ``error``; returns the task's JSON result."""
+    report = TaskFailureReport(
+        worker_id=worker_id,
+        reason=failure_reason(error),
+        detail=repr(error)[:2000],
+        # A version that cannot be read is the bucket's fault (reported for repair), not the prompts'.
+        prompt_at_fault=not isinstance(error, IntegrityError | ObjectNotFound),
+    )
+    try:
+        cancelled = client.report_task_failure(task_id, report).cancelled
+    except ProxyError as report_error:
+        # The task's deadline at the proxy is the backstop.
+        log.warning("generate.failure_report_failed", task_id=task_id, error=str(report_error))
+        cancelled = False
+    log.warning("generate.task_failure_reported", task_id=task_id, reason=report.reason, cancelled=cancelled)
+    return {"task_id": task_id, "status": "failed", "reason": report.reason, "cancelled": cancelled}
+
 
 log = structlog.get_logger()
 
@@ -172,7 +200,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             worker_id=runtime.settings.worker_id,
             backend_lock=runtime.adapter_lock,
         )
-        result_metrics.observe_generate_task(result)
+        worker_metrics.observe_generate_task(result)
         return result.summary()
 
     return _run_generate_role(body, run=message.run, task_id=message.task_id)
@@ -240,7 +268,7 @@ def _report_step_failure(runtime: WorkerRuntime, message: OptimizeTaskMessage, e
         outcome=answer.outcome,
     )
     result = OptimizeResult(step=message.step, status=f"failed_{failure.kind}", version=message.base_version)
-    result_metrics.observe_optimize_step(None, result.status)
+    worker_metrics.observe_optimize_step(None, result.status)
     return {**result.summary(), "reason": failure.reason, "outcome": answer.outcome}
 
 
@@ -281,7 +309,7 @@ def optimize(**payload: Any) -> dict[str, Any]:
             if failure is None:
                 raise
             return failure
-        result_metrics.observe_optimize_step(result.record, result.status)
+        worker_metrics.observe_optimize_step(result.record, result.status)
         return result.summary()
 
     return _run("optimize", f"step-{message.step}", body, run=message.run, step=message.step)

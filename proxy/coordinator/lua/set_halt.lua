@@ -1,4 +1,4 @@
--- set_halt: halt the run's steps with a reason (proxy.coordinator.halt).
+-- set_halt: halt the run's steps with a reason (proxy.coordinator.redis_store).
 -- KEYS[1] state
 -- ARGV[1] prefix  ARGV[2] reason  ARGV[3] by: the source, so that it clears only its own halt
 -- returns {"OK"} | {"NO_STATE"}

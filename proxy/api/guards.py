@@ -1,4 +1,4 @@
-"""What ``serve()`` checks before it coordinates a run, and the loop that keeps its proxy lease.
+"""What ``serve()`` checks before it coordinates a run, and the loop that keeps its leadership.
 
 Start-up checks (each refused with what to change, unless a setting allows it; see docs/operations.md):
 
@@ -7,10 +7,10 @@ Start-up checks (each refused with what to change, unless a setting allows it; s
   the proxy warns and goes on.
 - The bucket must honour create-only writes: a throwaway key under the run's prefix is put twice with
   ``if_absent``; the second put must be refused (``ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1`` starts anyway).
-- The run's proxy lease (``proxy.coordinator.proxy_lease``): taken with an epoch above the snapshot's; held
+- The run's proxy lease (``proxy.coordinator.leadership``): taken with an epoch above the snapshot's; held
   by another proxy, start-up is refused, or a stand-by waits for it.
 
-Once serving, ``keep_lease`` renews the lease every third of its TTL. A proxy that finds it taken stops
+Once serving, ``keep_leadership`` renews the lease every third of its TTL. A proxy that finds it taken stops
 coordinating at once: state-changing requests are refused (503), and the process stops itself (SIGTERM to
 itself, then ``serve`` exits non-zero) so that systemd restarts it, as a stand-by if so configured.
 """
@@ -34,7 +34,7 @@ from redis.exceptions import RedisError, ResponseError
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
 from proxy.api.settings import ProxySettings
-from proxy.coordinator.proxy_lease import FenceLost, ProxyFence, ProxyLeaseHeld
+from proxy.coordinator.leadership import FenceLost, LeadershipHeld, ProxyFence
 from proxy.coordinator.snapshot import snapshot_epoch
 
 log = structlog.get_logger()
@@ -93,7 +93,7 @@ def check_conditional_writes(bucket: Bucket, run: str, *, allow: bool) -> bool:
     return honoured
 
 
-def take_lease(
+def take_leadership(
     fence: ProxyFence, bucket: Bucket, *, standby: bool, sleep: Callable[[float], object] = time.sleep
 ) -> int:
     """Take the run's proxy lease with an epoch above the bucket snapshot's; returns the epoch. Held by
@@ -104,7 +104,7 @@ def take_lease(
     while True:
         try:
             return fence.acquire()
-        except ProxyLeaseHeld as error:
+        except LeadershipHeld as error:
             if not standby:
                 raise ProxyStartupError(str(error)) from error
             if not announced:
@@ -113,7 +113,7 @@ def take_lease(
         sleep(fence.renew_every_s)
 
 
-async def keep_lease(fence: ProxyFence, stop: Callable[[], object]) -> None:
+async def keep_leadership(fence: ProxyFence, stop: Callable[[], object]) -> None:
     """Renew the lease every third of its TTL until it is lost; then call ``stop`` once and return."""
     while True:
         try:
@@ -138,14 +138,14 @@ def start_checks(redis: Redis, bucket: Bucket, run: str, settings: ProxySettings
     check_eviction_policy(redis, allow=settings.allow_redis_eviction)
     check_conditional_writes(bucket, run, allow=settings.allow_unconditional_bucket)
     fence = ProxyFence(redis, run, ttl_s=settings.proxy_lease_ttl_s)
-    take_lease(fence, bucket, standby=standby or settings.proxy_standby)
+    take_leadership(fence, bucket, standby=standby or settings.proxy_standby)
     return fence
 
 
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def lease_guard(fence: ProxyFence | None, refuse: Callable[[str], Response]) -> Callable[..., Any]:
+def leadership_guard(fence: ProxyFence | None, refuse: Callable[[str], Response]) -> Callable[..., Any]:
     """An HTTP middleware: once the lease is lost, every state-changing request is refused (``refuse``)."""
 
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -1,4 +1,6 @@
-"""One live proxy per run: a lease in Redis that carries a fencing epoch (invariant 6 across proxies).
+"""One live proxy per run, its leadership: a lease in Redis that carries a fencing epoch (invariant 6).
+
+Leadership is the proxy's own lease, never to be mixed up with the version leases of generate workers.
 
 The lease is one key per run (``RunKeys.proxy_lease``), set with a TTL of a few seconds and renewed by the
 proxy's loop well within it. Its value names the holder (host, pid, since when) and the fencing **epoch**: a
@@ -71,7 +73,7 @@ return 0
 
 
 @dataclass(frozen=True)
-class LeaseHolder:
+class Leader:
     """Who holds a run's proxy lease, as stored in Redis."""
 
     holder: str
@@ -81,7 +83,7 @@ class LeaseHolder:
     since_ms: int
 
     @classmethod
-    def parse(cls, encoded: str) -> LeaseHolder:
+    def parse(cls, encoded: str) -> Leader:
         raw: dict[str, Any] = json.loads(encoded)
         return cls(str(raw["holder"]), int(raw["epoch"]), str(raw["host"]), int(raw["pid"]), int(raw["since_ms"]))
 
@@ -90,10 +92,10 @@ class LeaseHolder:
         return f"host {self.host} pid {self.pid} (epoch {self.epoch}, since {since})"
 
 
-class ProxyLeaseHeld(CoordinatorError):
+class LeadershipHeld(CoordinatorError):
     """Another live proxy holds the run's lease; ``holder`` says who."""
 
-    def __init__(self, run: str, holder: LeaseHolder) -> None:
+    def __init__(self, run: str, holder: Leader) -> None:
         super().__init__(
             f"run {run!r} is already coordinated by another proxy: {holder.describe()}. Stop that proxy first, "
             "or start this one as a stand-by (--standby or ASYNCGRPO_PROXY_STANDBY=1) to take over when its "
@@ -126,7 +128,7 @@ class ProxyFence:
         """The epoch of the lease this proxy holds (0 before the first ``acquire``)."""
         self.floor = 0
         """The highest epoch known from elsewhere (the bucket's snapshot); a new epoch is always above it."""
-        self.lost: LeaseHolder | None = None
+        self.lost: Leader | None = None
         self.acquisitions = 0
 
     @property
@@ -138,12 +140,12 @@ class ProxyFence:
         with self._lock:
             self.floor = max(self.floor, epoch)
 
-    def holder(self) -> LeaseHolder | None:
+    def holder(self) -> Leader | None:
         encoded = self.redis.get(self.keys.proxy_lease)
-        return None if encoded is None else LeaseHolder.parse(encoded)
+        return None if encoded is None else Leader.parse(encoded)
 
     def acquire(self) -> int:
-        """Take or renew the lease; returns the epoch. Raises ``ProxyLeaseHeld`` if another proxy holds it
+        """Take or renew the lease; returns the epoch. Raises ``LeadershipHeld`` if another proxy holds it
         (and ``FenceLost`` if this proxy held it before: it was taken over)."""
         with self._lock:
             if self.lost is not None:
@@ -153,13 +155,13 @@ class ProxyFence:
             code, encoded = self._acquire(
                 keys=[self.keys.proxy_lease, self.keys.proxy_epoch], args=[self.holder_id, info, self.ttl_ms, floor]
             )
-            lease = LeaseHolder.parse(encoded)
+            lease = Leader.parse(encoded)
             if code == "HELD":
                 if self.epoch:
                     self.lost = lease
                     log.critical("proxy.lease_lost", run=self.run, epoch=self.epoch, taken_by=lease.describe())
                     raise FenceLost(self._lost_message(lease))
-                raise ProxyLeaseHeld(self.run, lease)
+                raise LeadershipHeld(self.run, lease)
             if code == "ACQUIRED":
                 self.acquisitions += 1
                 log.warning("proxy.lease_acquired", run=self.run, epoch=lease.epoch, previous_epoch=self.epoch or None)
@@ -171,7 +173,7 @@ class ProxyFence:
         Returns the epoch; raises ``FenceLost`` if another proxy holds the lease."""
         try:
             return self.acquire()
-        except ProxyLeaseHeld as error:
+        except LeadershipHeld as error:
             # Never held (acquire was skipped): treat as lost all the same; someone else coordinates the run.
             self.lost = error.holder
             raise FenceLost(self._lost_message(error.holder)) from error
@@ -182,7 +184,7 @@ class ProxyFence:
             return False
         return bool(self._release(keys=[self.keys.proxy_lease], args=[self.holder_id]))
 
-    def _lost_message(self, holder: LeaseHolder) -> str:
+    def _lost_message(self, holder: Leader) -> str:
         return (
             f"this proxy (epoch {self.epoch}) lost the lease of run {self.run!r} to {holder.describe()}; it stops "
             "coordinating (restart it with --standby to wait for the lease)"
