@@ -122,7 +122,7 @@ def _standby(coord: Coordinator) -> Coordinator:
     """The stand-by that took over ``coord``'s run (same Redis and bucket) once its lease lapsed."""
     assert coord.fence is not None
     _mid_run(coord)
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     coord.redis.delete(coord.fence.keys.proxy_lease)  # the live proxy died; its lease lapsed
     fence = ProxyFence(coord.redis, coord.run)
     assert take_leadership(fence, coord.bucket, standby=True) == coord.fence.epoch + 1

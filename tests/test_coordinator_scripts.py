@@ -54,19 +54,19 @@ def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
 
 
 def test_a_call_names_its_arguments(redis_client: Redis) -> None:
-    store = RedisStore(redis_client, "r1", rebuild=lambda: None, clock_ms=lambda: 1000)
+    store = RedisStore(redis_client, "r1", clock_ms=lambda: 1000)
     with pytest.raises(TypeError, match="grant_lease takes"):
         store.scripts.grant_lease(now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1")
 
 
-def test_no_state_rebuilds_once_then_raises(redis_client: Redis) -> None:
-    rebuilds: list[int] = []
-    store = RedisStore(redis_client, "r1", rebuild=lambda: rebuilds.append(1), clock_ms=lambda: 1000)
-    with pytest.raises(StateMissing, match="even after a rebuild"):
+def test_a_script_without_state_raises_state_missing(redis_client: Redis) -> None:
+    """The store does not rebuild: the coordinator's entry points do (``tests/test_rebuild.py``)."""
+    store = RedisStore(redis_client, "r1", clock_ms=lambda: 1000)
+    with pytest.raises(StateMissing, match="no state for run 'r1'"):
         store.scripts.grant_lease(
             now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1", task_id="t1", task_prefix="gen-r1-", incarnation=""
         )
-    assert rebuilds == [1]
+    assert not store.has_state()
 
 
 # ---- the check bites: each drift below is reported ----

@@ -24,6 +24,7 @@ from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
 from proxy.coordinator.errors import EvalEnded, NotTaskHolder
 from proxy.coordinator.evaluations import due_versions, prompt_chunks
+from proxy.coordinator.leases import live_leased_versions
 from proxy.coordinator.service import Coordinator
 from tests.doubles.dispatcher import RecordingDispatcher
 from tests.proxy_harness import ManualClock, advance_version, file_bucket, start_run
@@ -289,7 +290,7 @@ def test_http_routes_and_metrics(redis_client: Redis, bucket: Bucket, clock: Man
             assert http.post(f"/v1/evals/{message['task_id']}/result", json=body, headers=auth).status_code == 200
         again = http.post("/v1/evals/eval-r1-v0-0/result", json=body, headers=auth)
         assert again.status_code == 410 and again.json()["error"] == "cancelled"
-        assert coord.live_leased_versions() == set()  # every eval lease released with its result
+        assert live_leased_versions(coord.store) == set()  # every eval lease released with its result
         coord.tick()
         scrape = http.get("/metrics").text
         assert "asyncgrpo_eval_version 0.0" in scrape

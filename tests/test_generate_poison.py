@@ -194,7 +194,7 @@ def test_attempt_counts_survive_a_rebuild(redis_client: Redis, tmp_path: Path, c
     task = coord.dispatcher.generate[0]
     coord.lease("gen-1", task["task_id"])
     fail(coord, task["task_id"], reason="task_error_KeyError")
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     counted = attempts(coord)
     assert len(counted) == 4  # two counts, two last reasons
     redis_client.flushdb()

@@ -39,6 +39,7 @@ from proxy.coordinator.errors import (
     TaskCancelled,
     UnknownTask,
 )
+from proxy.coordinator.leases import live_leased_versions
 from proxy.coordinator.service import Coordinator
 from tests.protocol_model import (
     NUM_PROMPTS,
@@ -413,7 +414,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         surely = {k: v for k, v in self.leases.items() if self.snap_leases.get(k) == v and v[1] > now}
         self.maybe_leases.update({k: v[0] for k, v in self.leases.items() if k not in surely})
         self.leases = surely
-        assert {v for v, _ in surely.values()} <= self.coord.live_leased_versions(), "a snapshot's lease kept"
+        assert {v for v, _ in surely.values()} <= live_leased_versions(self.coord.store), "a snapshot's lease kept"
         self.bound.clear()
         self.fresh_writer = True
 

@@ -82,7 +82,7 @@ def test_snapshot_write_refused_after_losing_the_lease(redis_client: Redis, buck
     ProxyFence(redis_client, "r1").acquire()  # another proxy took over
     coord.store.mark_changed()
     with pytest.raises(FenceLost):
-        coord.write_snapshot(force=True)
+        coord.snapshots.write(force=True)
     assert bucket.get(SNAPSHOT) == before, "the old proxy's write never reached the bucket"
     assert coord.fence is not None and coord.fence.lost is not None
 
@@ -121,7 +121,7 @@ def test_snapshot_of_a_higher_epoch_is_never_overwritten(
     clock.advance(READ_BACK_S)
     bucket.put(SNAPSHOT, seal(newer))
     with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
-        coord.write_snapshot(force=True)
+        coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
 
 
@@ -135,10 +135,10 @@ def test_the_epoch_read_back_is_not_on_every_put(redis_client: Redis, bucket: Bu
     plain_get = bucket.get
     bucket.get = lambda key: reads.append(key) or plain_get(key)  # type: ignore[method-assign]
     for _ in range(5):
-        coord.write_snapshot(force=True)
+        coord.snapshots.write(force=True)
     assert reads.count(SNAPSHOT) <= 1
     clock.advance(READ_BACK_S)
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     assert reads.count(SNAPSHOT) == 2
 
 
@@ -160,7 +160,7 @@ def test_epoch_never_below_the_snapshot_after_redis_is_emptied(
     for _ in range(3):  # epochs 1..3 come and go
         redis_client.delete(coord.keys.proxy_lease)
         coord.tick()
-        coord.write_snapshot(force=True)
+        coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 4
     redis_client.flushall()
     assert take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False) == 5
@@ -170,7 +170,7 @@ def test_snapshot_checksum_mismatch_is_an_error_naming_the_key(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
     coord, _ = busy_run(redis_client, bucket, clock)
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     data = bucket.get(SNAPSHOT)
     assert json.loads(data)["sha256"] and load_snapshot(bucket, "r1") is not None
     bucket.put(SNAPSHOT, data.replace(b'"epoch_pos":"', b'"epoch_pos":"1', 1))  # still valid JSON
@@ -188,7 +188,7 @@ def test_rebuild_adopts_newer_contiguous_versions(redis_client: Redis, bucket: B
     later = [t["task_id"] for t in pending[:2]]
     for task in pending[:2]:
         coord.submit(submission(coord, task, 2))
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     gids = [g for tid in claimed + later for g in json.loads(coord.redis.hget(coord.keys.rollout(tid), "group_ids"))]
     assert len(gids) == 8
     write_version(bucket, "r1", 3, {"a.json": b"{}"}, {"step": 3, "base_version": 2, "rollouts": claimed})
@@ -224,7 +224,7 @@ def test_restore_onto_a_partly_evicted_redis_does_not_duplicate_the_buffer(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
     coord, _ = busy_run(redis_client, bucket, clock)
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     buffered = redis_client.lrange(coord.keys.buffer, 0, -1)
     assert buffered
     redis_client.delete(coord.keys.state)  # evicted: the state key gone, the buffer list left behind

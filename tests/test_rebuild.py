@@ -11,7 +11,7 @@ from redis import Redis
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.manifest import write_version
-from proxy.coordinator.errors import TaskCancelled
+from proxy.coordinator.errors import StateMissing, TaskCancelled
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import SnapshotCorrupt
 from tests.doubles.dispatcher import RecordingDispatcher
@@ -146,7 +146,7 @@ def test_version_not_from_the_claimed_step_is_not_adopted(
 def test_leases_survive_a_rebuild(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
     coord, _ = busy_run(redis_client, bucket, clock)
     lease = coord.lease("gen-1", "t")
-    coord.write_snapshot(force=True)
+    coord.snapshots.write(force=True)
     redis_client.flushall()
     fresh = restart(redis_client, bucket, clock)
     fresh.ensure_state()
@@ -164,6 +164,18 @@ def test_running_proxy_rebuilds_when_redis_empties_under_it(
     redis_client.flushall()
     assert coord.tick().rebuilt == "rebuilt"
     assert coord.current_version() == 2
+
+
+def test_a_request_that_still_finds_no_state_after_a_rebuild_says_so(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord, _ = busy_run(redis_client, bucket, clock)
+    rebuilds: list[str] = []
+    monkeypatch.setattr(coord.restorer, "ensure", lambda: rebuilds.append("tried") or "rebuilt")
+    redis_client.flushall()
+    with pytest.raises(StateMissing, match="even after a rebuild"):
+        coord.lease("gen-1", "t")
+    assert rebuilds == ["tried"], "one rebuild per request, then the refusal"
 
 
 def test_no_snapshot_starts_from_the_latest_version(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:

@@ -272,7 +272,7 @@ def test_deletion_is_idempotent_and_a_failed_delete_stays_queued(
     assert set(coord.tick().rollouts_deleted) == trained
     assert not any(exists(coord, tid) for tid in trained)
     assert not trained & set(queued(coord))
-    assert coord.collect_rollouts() == [] and coord.tick().rollouts_deleted == []
+    assert coord.retention.collect_rollouts() == [] and coord.tick().rollouts_deleted == []
     assert coord.status().counters["rollouts_deleted"] == len(trained)
 
 

@@ -85,7 +85,7 @@ def test_trackio_gets_nothing_twice_after_redis_is_flushed_and_rebuilt(
     try:
         wait_until(lambda: _tracking(redis_client, coord).get("trackio:step") == "3", "steps 1-3 sent")
         wait_until(lambda: "trackio:eval:2" in _tracking(redis_client, coord), "eval of version 2 sent")
-        assert coord.write_snapshot(), "the forwarder's progress marked a snapshot change"
+        assert coord.snapshots.write(), "the forwarder's progress marked a snapshot change"
         snapshot = load_snapshot(bucket, RUN)
         assert snapshot is not None and snapshot["tracking"] == {"trackio": {"step": 3, "evals": [0, 2]}}
 
@@ -162,7 +162,7 @@ def test_a_snapshot_older_than_the_last_send_never_moves_a_running_follower_back
     tracker = _RecordingTracker()
     follower = _follower(redis_client, bucket, coord, tracker)
     assert follower.forward_once() == 2
-    coord.write_snapshot()  # the snapshot knows steps 1-2 were sent
+    coord.snapshots.write()  # the snapshot knows steps 1-2 were sent
     _publish_with_record(coord, submitted)
     assert follower.forward_once() == 1  # step 3: sent after the last snapshot put
 
@@ -189,7 +189,7 @@ def test_a_snapshot_without_tracking_progress_still_rebuilds(
     publish_next(coord)
     _publish_with_record(coord, submitted)
     assert _follower(redis_client, bucket, coord, _RecordingTracker()).forward_once() == 1
-    coord.write_snapshot()
+    coord.snapshots.write()
     key = bucket_keys.proxy_snapshot_key(RUN)
     document: dict[str, Any] = json.loads(bucket.get(key))
     assert document.pop("tracking") == {"recording": {"step": 1, "evals": []}}

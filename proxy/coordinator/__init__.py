@@ -1,15 +1,23 @@
-"""The coordinator: one run's state machine in Redis, one module per concern around a small store.
+"""The coordinator: one run's state machine in Redis, one module per seam around a small store.
 
-Every change to the state is one Lua script (`lua/<name>.lua`, with `prelude.lua` prepended), declared in
-`scripts` with its KEYS, ARGV, answers and the exception of every other return code.
+Read it top down; an import-linter contract keeps this order (nothing calls up it):
+`service` (the facade the HTTP app calls; it answers a missing state by rebuilding) > `housekeeping` (the round,
+over parts handed in) > the seams (leases, generate tasks, rollouts, steps, versions, evaluations, snapshot
+and rebuild, retention, pacing, status) > `redis_store` > `scripts` > `lua_script` > keys, errors, metrics.
+
+Every change to the state is one Lua script (`lua/<name>.lua`, with `prelude.lua` prepended; its header is the
+one statement of its KEYS, ARGV and reply fields), declared in `scripts` with the exception of every refusal.
+Four writes are single Redis commands instead, atomic on their own and outside any invariant: a lease's
+first-use time (`leases`, HSETNX), the corrupt-object check a halt waits on (`versions`, HSET/HDEL), an evaluate
+task's failure report (`evaluations`, ZADD XX) and the trackers' progress (`proxy.tracking.forwarder`, HSET).
 
 Modules:
-    service         the `Coordinator` facade the HTTP app and the tests call
-    housekeeping    `tick()`, the loop body: expire, reap dead workers' tasks, claim, dispatch, snapshot, send, GC
-    redis_store     `RedisStore`: the Redis client, key names, clock, record TTL, bound scripts, rebuild on a miss;
+    service         the `Coordinator` facade the HTTP app and the tests call; a missing state is rebuilt here
+    housekeeping    the round `tick()` runs: expire, reap dead workers' tasks, claim, dispatch, snapshot, send, GC
+    redis_store     `RedisStore`: the Redis client, key names, clock, record TTL, bound scripts, change counter;
                     the run's halt
-    scripts         the Lua scripts declared (evaluations' too): KEYS, ARGV, answers, the exception of each other code
-    lua_script      how a script is declared, loaded (`importlib.resources`), registered and called
+    scripts         the Lua scripts declared (evaluations' too): their answers and the exception of each other code
+    lua_script      how a script is declared, its header parsed and checked, loaded, registered and called
     redis_keys      every Redis key name of a run (`RunKeys`)
     errors          one exception per refusal (non-OK script code) and per coordinator failure
     leases          grant, renew, release and expire leases on adapter versions; first-use latency
@@ -21,7 +29,7 @@ Modules:
     status          `/v1/status`, `/v1/run` and `/v1/workers`: views of the state; worker heartbeats
     retention       collect old adapter versions and rollout objects past their retention
     snapshot        the snapshot document, its group-commit writer and its reader (`runs/<run>/proxy/snapshot.json`)
-    rebuild         restore an empty Redis from the snapshot, or from the versions in the bucket
+    rebuild         restore an empty Redis from the snapshot, or from the versions in the bucket (`StateRestorer`)
     adoption        which newer versions a rebuild adopts: contiguous, and only batches the snapshot accounts for
     leadership      one live proxy per run: its lease in Redis and its fencing epoch
     pacing          how many groups to keep in flight plus buffered, from the measured trainer and generate times;

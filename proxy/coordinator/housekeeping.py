@@ -4,7 +4,7 @@ A round rebuilds an empty Redis, expires leases and lost tasks, takes back the t
 repairs a missing step record and re-checks a halt, claims a step, keeps the generate queue fed (only while a
 generate worker is alive and the bucket takes snapshots), writes the snapshot before sending anything, sends or
 re-sends the step in flight, sends due evaluations (``evaluations``), and collects old versions and rollouts.
-``Coordinator`` (``service``) inherits it; the attributes below are the parts it builds.
+``Coordinator`` (``service``) builds the parts and hands them in; nothing here calls back up.
 """
 
 from __future__ import annotations
@@ -20,10 +20,16 @@ from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.errors import SnapshotFailed
 from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
+from proxy.coordinator.leases import Leases
 from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.pacing import InflightPacer, WaitingAccount
+from proxy.coordinator.rebuild import StateRestorer
 from proxy.coordinator.redis_store import RedisStore, halted_reason
+from proxy.coordinator.retention import Retention
+from proxy.coordinator.snapshot import SnapshotWriter
 from proxy.coordinator.status import Workers
+from proxy.coordinator.step_failures import StepFailures
+from proxy.coordinator.step_sending import StepSending
 from proxy.coordinator.steps import Steps
 from proxy.coordinator.versions import Versions
 
@@ -70,32 +76,58 @@ class TickReport:
 
 
 class Housekeeping:
-    """``tick()`` over the parts a ``Coordinator`` builds. The other methods it calls (``ensure_state``,
-    ``expire_leases``, ``expire_tasks``, ``cancel_tasks``, ``write_snapshot``, ``send_due_step``, ``gc``,
-    ``collect_rollouts``) are the coordinator's own, which tests also call one by one."""
+    """``tick()`` over the parts of one run's coordinator, handed in by ``Coordinator`` (``service``)."""
 
-    store: RedisStore
-    config: RunConfig
-    dispatcher: Dispatcher
-    tasks: GenerateTasks
-    steps: Steps
-    versions: Versions
-    evals: Evaluations
-    heartbeats: Workers
-    pacer: InflightPacer
-    metrics: ProxyMetrics
-    accounting: WaitingAccount
-    require_generate_worker: bool
-    bucket_outage: bool
+    def __init__(
+        self,
+        *,
+        store: RedisStore,
+        config: RunConfig,
+        restorer: StateRestorer,
+        leases: Leases,
+        tasks: GenerateTasks,
+        steps: Steps,
+        sending: StepSending,
+        step_failures: StepFailures,
+        versions: Versions,
+        evals: Evaluations,
+        heartbeats: Workers,
+        pacer: InflightPacer,
+        accounting: WaitingAccount,
+        snapshots: SnapshotWriter,
+        retention: Retention,
+        metrics: ProxyMetrics,
+        require_generate_worker: bool,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.restorer = restorer
+        self.leases = leases
+        self.tasks = tasks
+        self.steps = steps
+        self.sending = sending
+        self.step_failures = step_failures
+        self.versions = versions
+        self.evals = evals
+        self.heartbeats = heartbeats
+        self.pacer = pacer
+        self.accounting = accounting
+        self.snapshots = snapshots
+        self.retention = retention
+        self.metrics = metrics
+        self.require_generate_worker = require_generate_worker
+        self.bucket_outage = False
+        """The last snapshot write failed: no new task is created until one succeeds."""
 
-    def tick(self) -> TickReport:
-        """One round of housekeeping; the server runs it every ``tick_s`` and after submits and publishes."""
+    def tick(self, dispatcher: Dispatcher) -> TickReport:
+        """One round of housekeeping; the server runs it every ``tick_s`` and after submits and publishes.
+        ``dispatcher`` is passed per round: tests swap the coordinator's."""
         report = TickReport()
-        outcome = self.ensure_state()
+        outcome = self.restorer.ensure()
         if outcome != "present":
             report.rebuilt = outcome
-        report.leases_expired = self.expire_leases()
-        report.tasks_cancelled, _ = self.expire_tasks()
+        report.leases_expired = self.leases.expire()
+        report.tasks_cancelled, _ = self.tasks.expire()
         # Invariant 8: a task whose worker stopped sending heartbeats goes back in line now, not at its deadline.
         report.tasks_worker_lost = self.tasks.reap_dead(self.heartbeats.alive_s)
         self.versions.repair_missing_record()
@@ -125,28 +157,30 @@ class Housekeeping:
         unsent = []
         for message in new_tasks:
             try:
-                self.dispatcher.send_generate(message)
+                dispatcher.send_generate(message)
                 report.tasks_sent.append(message.task_id)
             except DispatchError as error:
                 log.warning("proxy.generate_send_failed", task_id=message.task_id, error=str(error))
                 unsent.append(message.task_id)
-        self.cancel_tasks(unsent, force=True)
-        report.step_sent = self.send_due_step()
+        self.tasks.cancel(unsent, force=True)
+        # Send or re-send the step in flight if due (``step_sending``): claimed, dead holder, timeout.
+        self.step_failures.review_halt()
+        report.step_sent = self.sending.send_due(dispatcher)
         if report.step_sent is not None:
             self.pacer.step_sent(report.step_sent)
         try:
             # Before GC, so a version that just became due is protected; sent only while a generate worker
             # is alive (they run the evaluate tasks), or every attempt would time out unconsumed.
             report.evals_sent = self.evals.tick(
-                self.dispatcher, self.heartbeats.alive_s, send=self._generate_consumed()
+                dispatcher, self.heartbeats.alive_s, send=self._generate_consumed()
             )
         except (BucketError, OSError) as error:
             log.warning("proxy.eval_tick_failed", error=str(error))
         try:
-            report.versions_deleted = self.gc()
+            report.versions_deleted = self.retention.collect_versions()
         except (BucketError, OSError) as error:
             log.warning("proxy.gc_failed", error=str(error))
-        report.rollouts_deleted = self.collect_rollouts()
+        report.rollouts_deleted = self.retention.collect_rollouts()
         self.accounting.account()
         if report.busy():
             log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})
@@ -165,7 +199,7 @@ class Housekeeping:
         the outage is logged once when it starts and once when it ends.
         """
         try:
-            self.write_snapshot(force=self.bucket_outage)
+            self.snapshots.write(force=self.bucket_outage)
         except SnapshotFailed as error:
             # Never hand out work the bucket does not know about: a rebuild would hand it out again. Those
             # tasks were never sent, so they are taken back, not cancelled.

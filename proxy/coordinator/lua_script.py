@@ -49,7 +49,7 @@ LUA_PACKAGE = "proxy.coordinator"
 LUA_FOLDER = "lua"
 PRELUDE = "prelude"
 NO_STATE = "NO_STATE"
-"""The code of every script that finds no state for the run: the store rebuilds the state once and retries."""
+"""The code of every script that finds no state for the run (raised as ``StateMissing``)."""
 
 
 def lua_text(name: str) -> str:
@@ -162,8 +162,6 @@ class LuaScript:
     """The codes that are answers; every other code is a refusal."""
     errors: Mapping[str, Refusal] = field(default_factory=dict)
     """Every other code, with the exception it raises."""
-    rebuilds: bool = True
-    """On NO_STATE, rebuild the run's state once and call again (off for the scripts a rebuild itself uses)."""
 
     @functools.cached_property
     def contract(self) -> ScriptContract:
@@ -250,7 +248,7 @@ def _refusal_problems(code: str, refusal: Refusal, names: set[str]) -> list[str]
 
 
 class BoundScript:
-    """A declaration bound to one Redis client, the run's keys and its rebuild: call it with the ARGV names."""
+    """A declaration bound to one Redis client and the run's keys: call it with the ARGV names."""
 
     def __init__(
         self,
@@ -259,7 +257,6 @@ class BoundScript:
         keys: Callable[[str], str],
         prefix: str,
         run: str,
-        rebuild: Callable[[], object],
     ) -> None:
         self.script = script
         # registered once per client: redis-py sends EVALSHA and loads the source only when Redis lacks it
@@ -267,12 +264,8 @@ class BoundScript:
         self._keys = [keys(name) for name in script.contract.keys]
         self._prefix = prefix
         self._run = run
-        self._rebuild = rebuild
 
     def __call__(self, **values: Any) -> ScriptReply:
         args = [self._prefix, *self.script.args(values)]
         reply = self._registered(keys=self._keys, args=args)
-        if reply[0] == NO_STATE and self.script.rebuilds:
-            self._rebuild()
-            reply = self._registered(keys=self._keys, args=args)
         return self.script.answer(reply, values, self._run)

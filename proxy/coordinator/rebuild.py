@@ -37,8 +37,10 @@ from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.adoption import Claimed, adopt_newer_versions
 from proxy.coordinator.errors import StateExists
+from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.redis_keys import tracking_eval_field, tracking_step_field
 from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.retention import Retention
 from proxy.coordinator.snapshot import load_snapshot
 
 log = structlog.get_logger()
@@ -257,3 +259,28 @@ def restore_state(store: RedisStore, bucket: Bucket, config: RunConfig) -> str:
         return "present"
     log.info("proxy.state_restored", run=store.run, outcome=outcome, latest_in_bucket=latest, ops=int(reply["applied"]))
     return outcome
+
+
+class StateRestorer:
+    """Makes sure Redis holds the run's state: the first thing of every round, and of a request that found none
+    (a script answered NO_STATE). Only the holder of the proxy's leadership rebuilds."""
+
+    def __init__(
+        self, store: RedisStore, bucket: Bucket, config: RunConfig, fence: ProxyFence | None, retention: Retention
+    ) -> None:
+        self.store = store
+        self.bucket = bucket
+        self.config = config
+        self.fence = fence
+        self.retention = retention
+
+    def ensure(self) -> str:
+        """'present', or else 'fresh'/'rebuilt' from the bucket."""
+        if self.store.has_state():
+            return "present"
+        if self.fence is not None:
+            self.fence.confirm()  # only the lease holder rebuilds (after a FLUSHALL: a new, higher epoch)
+        outcome = restore_state(self.store, self.bucket, self.config)
+        self.store.mark_changed()
+        self.retention.forget_last_gc()
+        return outcome

@@ -6,9 +6,8 @@ Every module of the coordinator reaches Redis through a ``RedisStore``. It owns 
 finished records stay (``record_ttl_s``), the scripts bound to this client, and
 a change counter that tells the snapshot writer whether anything changed since the last snapshot.
 
-A script that finds no state for the run (Redis was flushed or restarted empty) makes the store call its
-``rebuild`` once (the coordinator's ``ensure_state``) and run the script again; a second miss raises
-``StateMissing``.
+A script that finds no state for the run (Redis was flushed or restarted empty) raises ``StateMissing``; the
+coordinator's entry points (``service.Coordinator``) then rebuild the state from the bucket and call again.
 
 The run's halt (``halt``, ``clear_halt``, ``halted_reason``) is a reason string in the state hash that stops
 steps from being claimed or sent: a fault no worker can get past on its own (every live trainer failed to load
@@ -44,14 +43,13 @@ def wall_clock_ms(redis: Redis) -> int:
 
 
 class RedisStore:
-    """Redis, keys, clock and scripts of one run; ``rebuild`` restores an empty Redis (see the module doc)."""
+    """Redis, keys, clock and scripts of one run."""
 
     def __init__(
         self,
         redis: Redis,
         run: str,
         *,
-        rebuild: Callable[[], object],
         clock_ms: Callable[[], int] | None = None,
         record_ttl_s: int = RECORD_TTL_S,
     ) -> None:
@@ -62,7 +60,6 @@ class RedisStore:
         self.keys = RunKeys(run)
         self.clock_ms = clock_ms if clock_ms is not None else lambda: wall_clock_ms(redis)
         self.record_ttl_s = record_ttl_s
-        self._rebuild = rebuild
         self.scripts = Scripts(self._bind)
         self._changes_lock = threading.Lock()
         self._changes = 0
@@ -74,7 +71,6 @@ class RedisStore:
             lambda name: getattr(self.keys, name),
             self.keys.prefix,
             self.run,
-            self._rebuild,
         )
 
     def has_state(self) -> bool:

@@ -47,8 +47,9 @@ from proxy.coordinator.errors import (
 )
 from proxy.coordinator.lua_script import NO_STATE, BoundScript, LuaScript, Refusal
 
-# Every script that reads the run's state refuses with NO_STATE when there is none; the store rebuilds once.
-_NO_STATE = {NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r} even after a rebuild")}
+# Every script that reads the run's state refuses with NO_STATE when there is none: the coordinator rebuilds the
+# state and calls again once (``Coordinator`` in ``service``).
+_NO_STATE = {NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")}
 _PUBLISH_REFUSED = (
     "publish of v{version} from base v{base_version} (step {step}) refused ({code}): the current version is v{current}"
 )
@@ -194,13 +195,11 @@ ADD_COUNTER = LuaScript(
 RESTORE_STATE = LuaScript(
     name="restore_state",
     errors={"EXISTS": Refusal(StateExists, "run {run!r} already has a state in Redis")},
-    rebuilds=False,
 )
 
 SNAPSHOT_JSON = LuaScript(
     name="snapshot_json",
     errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
-    rebuilds=False,
 )
 
 DUE_ROLLOUTS = LuaScript(

@@ -14,14 +14,18 @@ bucket (``proxy.coordinator.rebuild``). Invariants 8 and 9 on the generate side:
 of lease holders whose heartbeats stopped, dispatches only while a generate worker is alive, and during a
 bucket outage takes back the round's unsent tasks and creates none until a snapshot write succeeds.
 
-This module only wires the parts together around one ``RedisStore`` and runs ``tick()``; each concern lives in
-its own module (see the package docstring).
+This module only wires the parts together around one ``RedisStore``, hands them to ``Housekeeping`` (the round
+``tick()`` runs) and is the one place that answers a missing state: a script that finds none raises
+``StateMissing``, and every entry point here rebuilds the state from the bucket (``rebuild.StateRestorer``)
+and calls again, once. Each concern lives in its own module (see the package docstring); tests reach the
+parts as attributes (``coord.leases``, ``coord.tasks``, ``coord.snapshots``...).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 from redis import Redis
@@ -31,10 +35,8 @@ from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResul
 from asyncgrpo.protocol.schemas import (
     CorruptReport,
     CorruptResult,
-    GenerateTaskMessage,
     HeartbeatRequest,
     LeaseGrant,
-    OptimizeTaskMessage,
     PublishRequest,
     PublishResult,
     RolloutSubmission,
@@ -54,15 +56,15 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 from proxy.coordinator.dispatch import Dispatcher
-from proxy.coordinator.errors import NotTaskHolder
+from proxy.coordinator.errors import NotTaskHolder, StateMissing
 from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks
-from proxy.coordinator.housekeeping import Housekeeping
+from proxy.coordinator.housekeeping import Housekeeping, TickReport
 from proxy.coordinator.leadership import ProxyFence
-from proxy.coordinator.leases import Leases, live_leased_versions
+from proxy.coordinator.leases import Leases
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.pacing import InflightPacer, WaitingAccount
-from proxy.coordinator.rebuild import restore_state
+from proxy.coordinator.rebuild import StateRestorer
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore
 from proxy.coordinator.retention import Retention
@@ -76,7 +78,20 @@ from proxy.coordinator.versions import Versions
 
 log = structlog.get_logger()
 
-class Coordinator(Housekeeping):
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _rebuilding(method: Callable[Concatenate[Coordinator, P], T]) -> Callable[Concatenate[Coordinator, P], T]:
+    """An entry point that rebuilds a missing state and calls again, once (``Coordinator._with_state``)."""
+
+    @functools.wraps(method)
+    def entry(self: Coordinator, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._with_state(lambda: method(self, *args, **kwargs))
+
+    return entry
+
+class Coordinator:
     """The state operations of one run. ``redis`` must be created with ``decode_responses=True``."""
 
     def __init__(
@@ -103,7 +118,7 @@ class Coordinator(Housekeeping):
         heartbeats (tests that never send heartbeats turn it off). ``num_eval_prompts``: the run's held-out
         prompts (``[eval]``; 0: no evaluation)."""
         self.fence = fence
-        self.store = RedisStore(redis, run, rebuild=self.ensure_state, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
+        self.store = RedisStore(redis, run, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
         if num_prompts < 1:
             raise ValueError(f"the run has {num_prompts} prompts; it needs at least one")
         self.bucket = bucket
@@ -132,9 +147,26 @@ class Coordinator(Housekeeping):
             self.store, config.async_, bucket, self.snapshots, protected=self.evals.protected_versions
         )
         self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
-        self.require_generate_worker = require_generate_worker
-        self.bucket_outage = False
-        """The last snapshot write failed: no new task is created until one succeeds."""
+        self.restorer = StateRestorer(self.store, bucket, config, fence, self.retention)
+        self.housekeeping = Housekeeping(
+            store=self.store,
+            config=config,
+            restorer=self.restorer,
+            leases=self.leases,
+            tasks=self.tasks,
+            steps=self.steps,
+            sending=self.sending,
+            step_failures=self.step_failures,
+            versions=self.versions,
+            evals=self.evals,
+            heartbeats=self.heartbeats,
+            pacer=self.pacer,
+            accounting=self.accounting,
+            snapshots=self.snapshots,
+            retention=self.retention,
+            metrics=self.metrics,
+            require_generate_worker=require_generate_worker,
+        )
 
     @classmethod
     def from_bucket(cls, redis: Redis, bucket: Bucket, run: str, dispatcher: Dispatcher, **kwargs: Any) -> Coordinator:
@@ -184,32 +216,45 @@ class Coordinator(Housekeeping):
 
     def ensure_state(self) -> str:
         """Make sure Redis holds the run's state: 'present', or else 'fresh'/'rebuilt' from the bucket."""
-        if self.store.has_state():
-            return "present"
-        if self.fence is not None:
-            self.fence.confirm()  # only the lease holder rebuilds (after a FLUSHALL: a new, higher epoch)
-        outcome = restore_state(self.store, self.bucket, self.config)
-        self.store.mark_changed()
-        self.retention.forget_last_gc()
-        return outcome
+        return self.restorer.ensure()
+
+    def _with_state(self, call: Callable[[], T]) -> T:
+        """``call()``; if a script found no state (Redis flushed or restarted empty), rebuild it and call again."""
+        try:
+            return call()
+        except StateMissing:
+            self.restorer.ensure()
+        try:
+            return call()
+        except StateMissing as error:
+            raise StateMissing(f"Redis holds no state for run {self.run!r} even after a rebuild") from error
+
+    def tick(self) -> TickReport:
+        """One round of housekeeping (``housekeeping``); the server runs it every ``tick_s`` and after submits
+        and publishes."""
+        return self._with_state(lambda: self.housekeeping.tick(self.dispatcher))
 
     def current_version(self) -> int:
         return self.store.current_version()
 
     # ---- requests (the HTTP API) ----
 
+    @_rebuilding
     def lease(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
         """``incarnation``: of the worker process; a newer one of ``worker_id`` ends the task (``workers``)."""
         grant = self.leases.grant(worker_id, task_id, incarnation)
         self.pacer.leased(task_id)
         return grant
 
+    @_rebuilding
     def renew(self, lease_id: str) -> LeaseGrant:
         return self.leases.renew(lease_id)
 
+    @_rebuilding
     def release(self, lease_id: str) -> bool:
         return self.leases.release(lease_id)
 
+    @_rebuilding
     def submit(self, submission: RolloutSubmission) -> SubmitResult:
         """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout, NotTaskHolder."""
         release = submission.lease_id
@@ -225,23 +270,28 @@ class Coordinator(Housekeeping):
         self.pacer.submitted(submission.task_id, submission.worker_id)
         return result
 
+    @_rebuilding
     def get_step(self, step: int) -> StepBatch:
         return self.steps.get(step)
 
+    @_rebuilding
     def start_step(self, step: int, request: StepStartRequest) -> StepStartResult:
         """The worker starts the step and becomes its holder; raises StepNoLongerClaimed for an old copy."""
         return self.step_failures.start(step, request)
 
+    @_rebuilding
     def report_step_failure(self, step: int, report: StepFailureReport) -> StepFailureResult:
         """Reject a named rollout, count an attempt, or note an unloadable base (``step_failures``)."""
         return self.step_failures.report(step, report)
 
+    @_rebuilding
     def publish(self, request: PublishRequest) -> PublishResult:
         """CAS ``current == base_version -> version`` after checking the manifest in the bucket."""
         result = self.steps.publish(request)
         self.pacer.published(request.version)
         return result
 
+    @_rebuilding
     def report_task_failure(self, task_id: str, report: TaskFailureReport) -> TaskFailureResult:
         """A worker's generate task failed for good: cancel it now and count the attempt (invariant 9). An
         evaluate task is sent again at the next tick instead of at its deadline."""
@@ -261,30 +311,37 @@ class Coordinator(Housekeeping):
         )
         return TaskFailureResult(cancelled=cancelled)
 
+    @_rebuilding
     def eval_lease(self, worker_id: str, task_id: str, incarnation: str = "") -> EvalLeaseGrant:
         """Lease the version of an evaluate task (``evaluations``); raises EvalEnded if it is not in flight."""
         return self.evals.lease(worker_id, task_id, incarnation)
 
+    @_rebuilding
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
         """Keep an evaluate task's summary and release its lease; raises EvalEnded if it is not in flight."""
         return self.evals.result(task_id, request)
 
+    @_rebuilding
     def heartbeat(self, report: HeartbeatRequest) -> bool:
         """Record a heartbeat; True if it came from a restarted worker (a new incarnation of its id), whose old
         incarnation's work the next ``tick()`` ends."""
         return self.heartbeats.heartbeat(report)
 
+    @_rebuilding
     def version_info(self, version: int) -> VersionInfo:
         """The manifest sha256 recorded when ``version`` was published; raises VersionNotFound."""
         return self.versions.info(version)
 
+    @_rebuilding
     def report_corrupt(self, version: int, report: CorruptReport) -> CorruptResult:
         """Read the reported object again; repair it from its holder's memory, or halt the run."""
         return self.versions.report_corrupt(version, report, self.dispatcher)
 
+    @_rebuilding
     def workers(self) -> list[WorkerRecord]:
         return self.heartbeats.list()
 
+    @_rebuilding
     def run_info(self) -> RunInfo:
         return run_info(
             self.store,
@@ -293,6 +350,7 @@ class Coordinator(Housekeeping):
             prompts_sha256=self.prompts_sha256,
         )
 
+    @_rebuilding
     def status(self) -> StatusResponse:
         answer = status(self.store, self.config, self.heartbeats)
         if self.evals.enabled:
@@ -300,49 +358,11 @@ class Coordinator(Housekeeping):
             answer.eval_latest = self.evals.latest()
         return answer
 
+    @_rebuilding
     def gauges(self) -> StateGauges:
         """What ``/metrics`` exports: counts only (O(1) in leases and workers), unlike ``status()``."""
         return gauges(self.store, self.config, self.heartbeats.alive_s)
 
+    @_rebuilding
     def group_record(self, group_id: str) -> dict[str, str]:
         return group_record(self.store, group_id)
-
-    # ---- housekeeping steps (``tick`` runs them; tests call them one by one) ----
-
-    def expire_leases(self) -> int:
-        return self.leases.expire()
-
-    def live_leased_versions(self) -> set[int]:
-        return live_leased_versions(self.store)
-
-    def dispatch_one(self) -> GenerateTaskMessage | None:
-        """Create one generate task if the buffer has room (the caller sends it); None when full."""
-        return self.tasks.dispatch_one()
-
-    def cancel_tasks(self, task_ids: list[str], *, force: bool) -> tuple[int, int]:
-        """Cancel in-flight tasks (past their deadline, or any if ``force``); returns (tasks, groups)."""
-        return self.tasks.cancel(task_ids, force=force)
-
-    def expire_tasks(self) -> tuple[int, int]:
-        return self.tasks.expire()
-
-    def claim_step(self) -> OptimizeTaskMessage | None:
-        """Claim the next step if enough fresh groups are buffered (or the init step); None otherwise."""
-        return self.steps.claim()[0]
-
-    def send_due_step(self) -> int | None:
-        """Send or re-send the in-flight step if due (``step_sending``): claimed, dead holder, timeout."""
-        self.step_failures.review_halt()
-        return self.sending.send_due(self.dispatcher)
-
-    def write_snapshot(self, *, force: bool = False) -> bool:
-        """Write ``runs/<run>/proxy/snapshot.json`` if anything changed since the last one; True if written."""
-        return self.snapshots.write(force=force)
-
-    def gc(self) -> list[int]:
-        """Delete versions out of the staleness window that no live lease holds (``Retention``)."""
-        return self.retention.collect_versions()
-
-    def collect_rollouts(self) -> list[str]:
-        """Delete rollout objects whose retention is over; returns their task ids (``Retention``)."""
-        return self.retention.collect_rollouts()
