@@ -41,7 +41,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.fixtures_s3, from a plain clone too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.fixtures_s3, from a plain clone too
 
 from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.bucket.manifest import write_version
@@ -238,7 +238,7 @@ def measure(backend: str, mode: str, versions: int, rank: int, root: Path, s3: A
 
 @contextmanager
 def seaweedfs(root: Path) -> Iterator[Any]:
-    from tests.fixtures_s3 import start_seaweedfs
+    from tests.support.fixtures_s3 import start_seaweedfs
 
     (root / "seaweedfs").mkdir()
     process, endpoint = start_seaweedfs(root / "seaweedfs")

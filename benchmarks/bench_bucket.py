@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, FileBucket, open_bucket
@@ -72,7 +72,7 @@ def open_backend(name: str, workdir: Path) -> Iterator[Bucket]:
     if name == "file":
         yield FileBucket(workdir / "file-bucket")
         return
-    from tests.fixtures_s3 import S3Endpoint, start_seaweedfs
+    from tests.support.fixtures_s3 import S3Endpoint, start_seaweedfs
 
     if name == "seaweedfs":
         process, endpoint = start_seaweedfs(workdir)
@@ -85,7 +85,7 @@ def open_backend(name: str, workdir: Path) -> Iterator[Bucket]:
     if name == "moto":
         from moto.server import ThreadedMotoServer
 
-        from tests.fixtures_s3 import _create_bucket_when_ready, _free_ports
+        from tests.support.fixtures_s3 import _create_bucket_when_ready, _free_ports
 
         (port,) = _free_ports(1)
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise

@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -339,7 +339,7 @@ def _bucket(kind: str, workdir: Path) -> tuple[Any, dict[str, str], Any]:
     """(url factory, env, server process) for file:// (None: the cluster's own) or a private SeaweedFS."""
     if kind == "file":
         return (lambda name: None), {}, None
-    from tests.fixtures_s3 import start_seaweedfs
+    from tests.support.fixtures_s3 import start_seaweedfs
 
     process, endpoint = start_seaweedfs(workdir / "seaweedfs")
     return (lambda name: endpoint.bucket_url(name)), endpoint.env(), process

@@ -26,7 +26,6 @@ from asyncgrpo.protocol.schemas import GroupRef
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
 from worker.optimize.recording import build_step_record
-from worker.process import metrics as result_metrics
 from worker.process import metrics as worker_metrics
 
 
@@ -70,9 +69,9 @@ def main() -> None:
     result = GenerateResult("t1", "admitted", 9, 4, 32, 4096, False,
                             GenerateTimings(adapter_fetch_s=0.01, generate_s=2.0, score_s=0.1, task_s=2.5), 0.5)
 
-    median, worst = timed(lambda: result_metrics.observe_generate_task(result), 2000)
+    median, worst = timed(lambda: worker_metrics.observe_generate_task(result), 2000)
     print(f"observe_generate_task: median {median * 1e6:.1f} us, max {worst * 1e6:.1f} us")
-    median, worst = timed(lambda: result_metrics.observe_optimize_step(record, "published"), 200)
+    median, worst = timed(lambda: worker_metrics.observe_optimize_step(record, "published"), 200)
     print(f"observe_optimize_step ({record.samples} samples): median {median * 1e3:.3f} ms, "
           f"max {worst * 1e3:.3f} ms")
     body = generate_latest(worker_metrics.REGISTRY)

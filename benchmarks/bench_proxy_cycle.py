@@ -40,7 +40,7 @@ from asyncgrpo.protocol.schemas import LeaseRequest, PublishRequest, RolloutSubm
 from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
-from tests.doubles.dispatcher import RecordingDispatcher
+from tests.support.dispatcher import RecordingDispatcher
 
 TOKEN = "bench-token"
 

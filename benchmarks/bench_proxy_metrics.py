@@ -30,8 +30,8 @@ from prometheus_client import generate_latest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.coordinator.service import Coordinator
-from tests.fixtures_redis import start_redis_server
-from tests.proxy_harness import ManualClock, file_bucket, make_coordinator, publish_next, submission
+from tests.support.fixtures_redis import start_redis_server
+from tests.support.proxy_harness import ManualClock, file_bucket, make_coordinator, publish_next, submission
 
 
 def timed(label: str, rounds: int, call: Callable[[], object], between: Callable[[], object] | None = None) -> None:

@@ -50,7 +50,7 @@ from proxy_load import KINDS, RUN, TOKEN, generate_process, publish_steps  # noq
 
 from asyncgrpo.bucket.backends import open_bucket  # noqa: E402
 from asyncgrpo.run.creation import create_run  # noqa: E402
-from tests.fixtures_redis import free_port, start_redis_server  # noqa: E402
+from tests.support.fixtures_redis import free_port, start_redis_server  # noqa: E402
 
 GROUPS_PER_STEP = 128
 CONFIG = f"""\
@@ -104,7 +104,7 @@ def start_services(workdir: Path, bucket_kind: str) -> tuple[list[subprocess.Pop
     processes = [server.process]
     if bucket_kind == "file":
         return processes, server.url, f"file://{workdir / 'bucket'}", {}
-    from tests.fixtures_s3 import start_seaweedfs
+    from tests.support.fixtures_s3 import start_seaweedfs
 
     (workdir / "weed").mkdir()
     weed, endpoint = start_seaweedfs(workdir / "weed")

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 
@@ -47,7 +47,7 @@ from asyncgrpo.bucket.manifest import read_manifest
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_keys import RunKeys
-from tests.e2e_harness import wait_for
+from tests.support.e2e_harness import wait_for
 
 CONFIG = """\
 seed = 3
@@ -234,7 +234,7 @@ def main() -> None:
     bucket_env: dict[str, str] = {}
     bucket_url: Callable[[str], str | None] = lambda name: None  # noqa: E731
     if args.bucket == "seaweedfs":
-        from tests.fixtures_s3 import start_seaweedfs
+        from tests.support.fixtures_s3 import start_seaweedfs
 
         (workdir / "seaweedfs").mkdir()
         server, endpoint = start_seaweedfs(workdir / "seaweedfs")

@@ -1,7 +1,7 @@
 """Print README's reference tables (Markdown) from the pydantic models themselves.
 
 README's "Run config" table is this script's output, and its "Environment variables" table the output of
-``--env`` (from the settings classes); tests/test_readme.py fails when either differs.
+``--env`` (from the settings classes); tests/unit/project/test_readme.py fails when either differs.
     python scripts/config_reference.py
     python scripts/config_reference.py --env
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM checks on this machine (CPU): build vLLM's own environment if it is missing, then run the vLLM
-# backend's tests in it (tests/test_generation_vllm.py: the pure checks, then the `vllm`-marked ones with a
+# backend's tests in it (tests/e2e/test_generation_vllm.py: the pure checks, then the `vllm`-marked ones with a
 # real engine, and a short end-to-end run with a vLLM generate worker).
 #
 #   scripts/test_vllm.sh            # extra arguments go to pytest, e.g. -k rescoring
@@ -33,4 +33,4 @@ if ! has peft || ! has celery || ! has pytest || ! "$PY" -m pip show -q asyncgrp
 fi
 "$PY" -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else f'{sys.prefix} has torch {v}; it must stay 2.13.0+cpu')"
 
-exec "$PY" -m pytest -q -p no:cacheprovider tests/test_generation_vllm.py "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider tests/e2e/test_generation_vllm.py "$@"

@@ -5,11 +5,11 @@ import sys
 import structlog
 
 pytest_plugins = [
-    "tests.fixtures_redis",
-    "tests.fixtures_s3",
-    "tests.fixtures_model",
-    "tests.fixtures_coordinator",
-    "tests.e2e_harness",
+    "tests.support.fixtures_redis",
+    "tests.support.fixtures_s3",
+    "tests.support.fixtures_model",
+    "tests.support.fixtures_coordinator",
+    "tests.support.e2e_harness",
 ]
 
 # Proxies served inside the test process log from their server threads. structlog's default logger writes to

@@ -4,7 +4,7 @@ Each operation lists the error answers it can send, each with its body schema (`
 ``ValidationErrorBody`` for 422) and the codes that status carries. What every operation can answer (a fault,
 Redis down, a wrong token, a body over the limit, a request that fails the schema) is added here from what
 the route takes; what only some send (a stale rollout, an unknown step) is the table ``ROUTE_REFUSALS``,
-kept honest by the schema-driven fuzz test (``tests/test_api_fuzz.py``).
+kept honest by the schema-driven fuzz test (``tests/integration/test_api_fuzz.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every message goes to a queue of the run it names (``asyncgrpo.protocol.queues``
 take it, whatever other runs share the broker.
 
 ``CeleryDispatcher`` is the real one (``celery.Celery(broker=redis_url).send_task``, JSON only; a generate
-message expires at its task's deadline). Tests use a recording double (``tests/doubles/dispatcher.py``).
+message expires at its task's deadline). Tests use a recording double (``tests/support/dispatcher.py``).
 """
 
 from __future__ import annotations

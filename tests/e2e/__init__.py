@@ -1,0 +1,1 @@
+"""End-to-end tests: real processes (proxy, Celery workers, Redis, SeaweedFS), most of them slow."""

@@ -1,0 +1,124 @@
+"""The Lua script declarations agree with their files, and every return code has its exception.
+
+Each ``lua/<name>.lua`` states its KEYS, ARGV and return codes in its header, the one statement of them;
+``proxy.coordinator.scripts`` adds the answers and exceptions. ``contract_problems`` checks the two together
+(and the codes the body really returns); the tests at the bottom show it catches drifts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from importlib import resources
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from proxy.coordinator import errors
+from proxy.coordinator.errors import StateMissing
+from proxy.coordinator.lua_script import (
+    LUA_FOLDER,
+    LUA_PACKAGE,
+    PRELUDE,
+    LuaScript,
+    Refusal,
+    contract_problems,
+    lua_text,
+    parse_contract,
+    script_source,
+)
+from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.scripts import ALL_SCRIPTS, GRANT_LEASE, Scripts
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda s: s.name)
+def test_declaration_matches_its_lua_file(script: LuaScript) -> None:
+    assert contract_problems(script, lua_text(script.name)) == []
+
+
+def test_every_lua_file_is_declared_and_bound() -> None:
+    folder = resources.files(LUA_PACKAGE) / LUA_FOLDER
+    files = {entry.name.removesuffix(".lua") for entry in folder.iterdir() if entry.name.endswith(".lua")}
+    names = [script.name for script in ALL_SCRIPTS]
+    assert len(set(names)) == len(names)
+    assert files == set(names) | {PRELUDE}
+    bound: list[LuaScript] = []
+    Scripts(lambda script: bound.append(script) or script)  # type: ignore[arg-type,func-returns-value]
+    assert [script.name for script in bound] == names
+
+
+def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
+    for script in ALL_SCRIPTS:
+        sha = redis_client.script_load(script_source(script.name))
+        assert redis_client.script_exists(sha) == [True]
+
+
+def test_a_call_names_its_arguments(redis_client: Redis) -> None:
+    store = RedisStore(redis_client, "r1", clock_ms=lambda: 1000)
+    with pytest.raises(TypeError, match="grant_lease takes"):
+        store.scripts.grant_lease(now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1")
+
+
+def test_a_script_without_state_raises_state_missing(redis_client: Redis) -> None:
+    """The store does not rebuild: the coordinator's entry points do (``tests/integration/test_rebuild.py``)."""
+    store = RedisStore(redis_client, "r1", clock_ms=lambda: 1000)
+    with pytest.raises(StateMissing, match="no state for run 'r1'"):
+        store.scripts.grant_lease(
+            now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1", task_id="t1", task_prefix="gen-r1-", incarnation=""
+        )
+    assert not store.has_state()
+
+
+# ---- the check bites: each drift below is reported ----
+
+
+def _drifted(old: str, new: str, text: str | None = None) -> list[str]:
+    text = text if text is not None else lua_text(GRANT_LEASE.name)
+    assert old in text
+    return contract_problems(GRANT_LEASE, text.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("KEYS[3] leases", "KEYS[3] leased_versions", "KEYS: leased_versions is not a RunKeys attribute"),
+        ("KEYS[3] leases", "KEYS[5] leases", "KEYS numbered"),
+        ("ARGV[5] worker_id", "ARGV[7] worker_id", "ARGV numbered"),
+        ('| {"NO_VERSION"} ', '| {"NO_VERSION"} | {"NO_LUCK"} ', "codes: header"),
+        ("if current < 0 then return {'NO_VERSION'} end", "", "codes the header states but the body never returns"),
+        ('| {"NO_VERSION"} ', "", "codes the body returns but the header omits"),
+        ("return {'NO_VERSION'}", "return {'NO_LEASE'}", "codes the body returns but the header omits"),
+    ],
+)
+def test_a_drifted_file_is_reported(old: str, new: str, expected: str) -> None:
+    assert any(problem.startswith(expected) for problem in _drifted(old, new)), _drifted(old, new)
+
+
+def test_a_code_without_its_exception_is_reported() -> None:
+    unmapped = {code: refusal for code, refusal in GRANT_LEASE.errors.items() if code != "NO_VERSION"}
+    problems = contract_problems(replace(GRANT_LEASE, errors=unmapped), lua_text(GRANT_LEASE.name))
+    assert any(problem.startswith("codes: header") for problem in problems)
+
+
+@pytest.mark.parametrize(
+    ("refusal", "expected"),
+    [
+        (Refusal(ValueError, "run {run!r}"), "NO_VERSION maps to"),  # type: ignore[arg-type]
+        (Refusal(errors.NoVersionYet, "lease {lease}"), "NO_VERSION message uses ['lease']"),
+        (Refusal(errors.NoVersionYet, "run {run!r}", passed=("current",)), "NO_VERSION passes"),
+    ],
+)
+def test_a_bad_refusal_is_reported(refusal: Any, expected: str) -> None:
+    script = replace(GRANT_LEASE, errors={**GRANT_LEASE.errors, "NO_VERSION": refusal})
+    problems = contract_problems(script, lua_text(GRANT_LEASE.name))
+    assert any(problem.startswith(expected) for problem in problems), problems
+
+
+def test_a_reply_with_more_fields_than_its_header_states_is_refused() -> None:
+    values = {"now_ms": 1, "ttl_ms": 1, "lease_id": "l", "worker_id": "w", "task_id": "t", "task_prefix": "p",
+              "incarnation": ""}
+    assert parse_contract(lua_text(GRANT_LEASE.name)).codes["OK"] == ("version", "manifest_sha256", "expires_ms")
+    assert GRANT_LEASE.answer(["OK", 3, "abc", 99], values, "r1")["manifest_sha256"] == "abc"
+    with pytest.raises(RuntimeError, match="its header states"):
+        GRANT_LEASE.answer(["OK", 3, "abc", 99, "extra"], values, "r1")
+

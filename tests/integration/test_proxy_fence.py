@@ -1,0 +1,307 @@
+"""Fencing between proxies and the proxy's start-up checks, on a real private Redis and a file:// bucket.
+
+The lease and its epoch (``proxy.coordinator.leadership``), snapshot writes conditional on it, the snapshot's
+checksum, a rebuild that adopts newer versions (and refuses a foreign batch), an idempotent restore, Redis
+``TIME`` as the default clock, and the start-up checks (``proxy.api.guards``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from redis import Redis
+
+from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectExists
+from asyncgrpo.bucket.manifest import write_version
+from proxy.api.app import create_app
+from proxy.api.guards import ProxyStartupError, check_conditional_writes, check_eviction_policy, take_leadership
+from proxy.coordinator.leadership import FenceLost, LeadershipHeld, ProxyFence
+from proxy.coordinator.service import Coordinator
+from proxy.coordinator.snapshot import SnapshotCorrupt, load_snapshot, snapshot_epoch
+from tests.integration.test_rebuild import busy_run, claim_step_3, restart
+from tests.support.dispatcher import RecordingDispatcher
+from tests.support.fixtures_coordinator import API_TOKEN
+from tests.support.fixtures_redis import free_port
+from tests.support.proxy_harness import ManualClock, file_bucket, make_coordinator, small_config, submission
+
+SNAPSHOT = bucket_keys.proxy_snapshot_key("r1")
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> Bucket:
+    return file_bucket(tmp_path)
+
+
+def fenced(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinator:
+    fence = ProxyFence(redis_client, "r1")
+    take_leadership(fence, bucket, standby=False)
+    return Coordinator(
+        redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher(), clock_ms=clock, fence=fence
+    )
+
+
+def test_second_fence_is_refused_naming_the_holder(redis_client: Redis, bucket: Bucket) -> None:
+    first = ProxyFence(redis_client, "r1")
+    assert take_leadership(first, bucket, standby=False) == 1
+    with pytest.raises(ProxyStartupError, match=r"already coordinated by another proxy: host .* pid \d+ \(epoch 1"):
+        take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False)
+    assert first.confirm() == 1, "renewing keeps the epoch"
+    assert 0 < redis_client.pttl(first.keys.proxy_lease) <= 6000
+
+
+def test_standby_waits_for_the_lease_then_takes_a_higher_epoch(redis_client: Redis, bucket: Bucket) -> None:
+    first = ProxyFence(redis_client, "r1")
+    take_leadership(first, bucket, standby=False)
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            redis_client.delete(first.keys.proxy_lease)  # the live proxy died; its lease lapsed
+
+    second = ProxyFence(redis_client, "r1")
+    assert take_leadership(second, bucket, standby=True, sleep=sleep) == 2
+    assert waits == [2.0, 2.0, 2.0], "a stand-by polls every third of the TTL"
+    with pytest.raises(FenceLost, match=r"lost the lease of run 'r1'"):
+        first.confirm()
+
+
+def test_snapshot_write_refused_after_losing_the_lease(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+    coord = fenced(redis_client, bucket, clock)
+    coord.tick()
+    assert snapshot_epoch(bucket.get(SNAPSHOT)) == 1
+    before = bucket.get(SNAPSHOT)
+    redis_client.delete(coord.keys.proxy_lease)
+    ProxyFence(redis_client, "r1").acquire()  # another proxy took over
+    coord.store.mark_changed()
+    with pytest.raises(FenceLost):
+        coord.snapshots.write(force=True)
+    assert bucket.get(SNAPSHOT) == before, "the old proxy's write never reached the bucket"
+    assert coord.fence is not None and coord.fence.lost is not None
+
+
+def test_a_deposed_proxy_refuses_changes_but_answers_reads_and_unknown_methods(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    """Once a stand-by holds the run, the old proxy answers every change 503 (the client retries, reaching the
+    new one), reads as before, and a method no route takes 405 like any proxy (it answered 503 before)."""
+    coord = fenced(redis_client, bucket, clock)
+    coord.tick()
+    redis_client.delete(coord.keys.proxy_lease)
+    ProxyFence(redis_client, "r1").acquire()  # a stand-by took over
+    with pytest.raises(FenceLost):
+        coord.fence.confirm()  # type: ignore[union-attr]
+    auth = {"Authorization": f"Bearer {API_TOKEN}"}
+    with TestClient(create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_lease=lambda: None)) as http:
+        lease = http.post("/v1/leases", json={"worker_id": "gen-1", "task_id": "t-1"}, headers=auth)
+        assert lease.status_code == 503 and lease.json()["error"] == "unavailable"
+        assert "lost the run's lease" in lease.json()["detail"]
+        assert http.get("/v1/status", headers=auth).status_code == 200
+        assert http.request("TRACE", "/v1/status", headers=auth).status_code == 405
+
+
+def test_snapshot_of_a_higher_epoch_is_never_overwritten(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    """Two proxies on two Redis (a wrong ASYNCGRPO_REDIS_URL): the bucket's epoch fences the older one within
+    READ_BACK_S of the other's write (the read-back is detection, kept off the per-admission path)."""
+    from proxy.coordinator.snapshot import READ_BACK_S, seal
+
+    coord = fenced(redis_client, bucket, clock)
+    coord.tick()
+    newer = bucket.get(SNAPSHOT).replace(b'"proxy_epoch": 1', b'"proxy_epoch": 7', 1)
+    newer = newer[: newer.rfind(b',"sha256":"')] + b"}"
+    clock.advance(READ_BACK_S)
+    bucket.put(SNAPSHOT, seal(newer))
+    with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
+        coord.snapshots.write(force=True)
+    assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
+
+
+def test_the_epoch_read_back_is_not_on_every_put(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+    """Group commits put the snapshot once per batch of admissions; reading it back before each one would cost
+    a GET per put: once per epoch, then every READ_BACK_S."""
+    from proxy.coordinator.snapshot import READ_BACK_S
+
+    coord = fenced(redis_client, bucket, clock)
+    reads: list[str] = []
+    plain_get = bucket.get
+    bucket.get = lambda key: reads.append(key) or plain_get(key)  # type: ignore[method-assign]
+    for _ in range(5):
+        coord.snapshots.write(force=True)
+    assert reads.count(SNAPSHOT) <= 1
+    clock.advance(READ_BACK_S)
+    coord.snapshots.write(force=True)
+    assert reads.count(SNAPSHOT) == 2
+
+
+def test_flushall_reacquires_with_a_higher_epoch_and_goes_on(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    coord = fenced(redis_client, bucket, clock)
+    coord.tick()
+    redis_client.flushall()  # the lease, the epoch counter and the state are gone
+    assert coord.tick().rebuilt is not None
+    assert coord.fence is not None and coord.fence.epoch == 2 and coord.fence.lost is None
+    assert snapshot_epoch(bucket.get(SNAPSHOT)) == 2
+
+
+def test_epoch_never_below_the_snapshot_after_redis_is_emptied(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    coord = fenced(redis_client, bucket, clock)
+    for _ in range(3):  # epochs 1..3 come and go
+        redis_client.delete(coord.keys.proxy_lease)
+        coord.tick()
+        coord.snapshots.write(force=True)
+    assert snapshot_epoch(bucket.get(SNAPSHOT)) == 4
+    redis_client.flushall()
+    assert take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False) == 5
+
+
+def test_snapshot_checksum_mismatch_is_an_error_naming_the_key(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    coord, _ = busy_run(redis_client, bucket, clock)
+    coord.snapshots.write(force=True)
+    data = bucket.get(SNAPSHOT)
+    assert json.loads(data)["sha256"] and load_snapshot(bucket, "r1") is not None
+    bucket.put(SNAPSHOT, data.replace(b'"epoch_pos":"', b'"epoch_pos":"1', 1))  # still valid JSON
+    redis_client.flushall()
+    with pytest.raises(SnapshotCorrupt, match=r"runs/r1/proxy/snapshot\.json fails its checksum"):
+        restart(redis_client, bucket, clock).ensure_state()
+
+
+def test_rebuild_adopts_newer_contiguous_versions(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+    """The snapshot knows v2 and step 3 claimed; the bucket holds v3 (that batch) and v4 (a later batch)."""
+    coord, submitted = busy_run(redis_client, bucket, clock)
+    pending = claim_step_3(coord, submitted)
+    step = coord.get_step(3)
+    claimed = [ref.task_id for ref in step.rollouts]
+    later = [t["task_id"] for t in pending[:2]]
+    for task in pending[:2]:
+        coord.submit(submission(coord, task, 2))
+    coord.snapshots.write(force=True)
+    gids = [g for tid in claimed + later for g in json.loads(coord.redis.hget(coord.keys.rollout(tid), "group_ids"))]
+    assert len(gids) == 8
+    write_version(bucket, "r1", 3, {"a.json": b"{}"}, {"step": 3, "base_version": 2, "rollouts": claimed})
+    write_version(bucket, "r1", 4, {"a.json": b"{}"}, {"step": 4, "base_version": 3, "rollouts": later})
+    redis_client.flushall()
+    fresh = restart(redis_client, bucket, clock)
+    fresh.ensure_state()
+    assert fresh.current_version() == 4, "never behind the latest version it can account for"
+    assert fresh.status().step_inflight is None
+    assert fresh.redis.lrange(fresh.keys.buffer, 0, -1) == []
+    assert {fresh.group_record(gid)["state"] for gid in gids} == {"trained"}
+    assert fresh.status().counters["publish"] == 5
+
+
+def test_rebuild_refuses_a_manifest_for_a_different_batch(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    coord, submitted = busy_run(redis_client, bucket, clock)
+    claim_step_3(coord, submitted)
+    batch = coord.get_step(3)
+    # An old upload for step 3 on base 2, but of another batch (a trainer from before a rebuild).
+    write_version(bucket, "r1", 3, {"a.json": b"{}"}, {"step": 3, "base_version": 2, "rollouts": ["gen-other"]})
+    redis_client.flushall()
+    fresh = restart(redis_client, bucket, clock)
+    fresh.ensure_state()
+    assert fresh.current_version() == 2
+    assert fresh.status().step_inflight == 3
+    assert fresh.get_step(3) == batch
+    assert fresh.status().counters["versions_not_adopted"] == 1
+
+
+def test_restore_onto_a_partly_evicted_redis_does_not_duplicate_the_buffer(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    coord, _ = busy_run(redis_client, bucket, clock)
+    coord.snapshots.write(force=True)
+    buffered = redis_client.lrange(coord.keys.buffer, 0, -1)
+    assert buffered
+    redis_client.delete(coord.keys.state)  # evicted: the state key gone, the buffer list left behind
+    fresh = restart(redis_client, bucket, clock)
+    assert fresh.ensure_state() == "rebuilt"
+    assert redis_client.lrange(coord.keys.buffer, 0, -1) == buffered
+
+
+def test_default_clock_is_redis_time(redis_client: Redis, bucket: Bucket) -> None:
+    coord = Coordinator(redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher())
+    seconds, micros = redis_client.time()
+    assert abs(coord.clock_ms() - (seconds * 1000 + micros // 1000)) < 1000
+    assert make_coordinator(redis_client, bucket, clock=ManualClock(5)).clock_ms() == 5
+
+
+@pytest.fixture
+def evicting_redis(tmp_path: Path) -> Iterator[Redis]:
+    """A private redis-server started with ``--maxmemory-policy allkeys-lru``."""
+    port = free_port()
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--maxmemory-policy", "allkeys-lru"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = Redis(host="127.0.0.1", port=port, decode_responses=True)
+    try:
+        for _ in range(500):
+            try:
+                client.ping()
+                break
+            except Exception:
+                if process.poll() is not None:
+                    raise
+                import time
+
+                time.sleep(0.02)
+        yield client
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_evicting_redis_is_refused_unless_allowed(evicting_redis: Redis, redis_client: Redis) -> None:
+    with pytest.raises(ProxyStartupError, match=r"maxmemory-policy 'allkeys-lru'.*ASYNCGRPO_ALLOW_REDIS_EVICTION=1"):
+        check_eviction_policy(evicting_redis, allow=False)
+    assert check_eviction_policy(evicting_redis, allow=True) == "allkeys-lru"
+    assert check_eviction_policy(redis_client, allow=False) == "noeviction"
+
+
+class IgnoresIfNoneMatch:
+    """A bucket double over a real one that drops ``if_absent``, as a store ignoring If-None-Match does."""
+
+    def __init__(self, inner: Bucket) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.inner.put(key, data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_bucket_ignoring_conditional_writes_is_refused(bucket: Bucket) -> None:
+    assert check_conditional_writes(bucket, "r1", allow=False)
+    careless = IgnoresIfNoneMatch(bucket)
+    with pytest.raises(ProxyStartupError, match=r"ignores create-only writes.*ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET"):
+        check_conditional_writes(careless, "r1", allow=False)  # type: ignore[arg-type]
+    assert not check_conditional_writes(careless, "r1", allow=True)  # type: ignore[arg-type]
+    assert bucket.list("runs/r1/proxy/") == [], "the probe is deleted"
+    with pytest.raises(ObjectExists):  # the real bucket does refuse
+        bucket.put("x", b"1", if_absent=True) or bucket.put("x", b"1", if_absent=True)
+
+
+def test_lease_held_error_names_what_to_do(redis_client: Redis) -> None:
+    ProxyFence(redis_client, "r1").acquire()
+    with pytest.raises(LeadershipHeld, match="--standby or ASYNCGRPO_PROXY_STANDBY=1"):
+        ProxyFence(redis_client, "r1").acquire()

@@ -1,0 +1,1 @@
+"""Unit tests: pure logic, no Redis and no bucket server, one folder per top package."""
