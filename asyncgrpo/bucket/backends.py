@@ -26,7 +26,6 @@ from asyncgrpo.bucket.interface import (
     check_key,
 )
 from asyncgrpo.bucket.s3_backend import DEFAULT_MULTIPART_THRESHOLD, S3Bucket, make_s3_client
-from asyncgrpo.protocol.settings import StorageSettings
 
 __all__ = [
     "DEFAULT_MULTIPART_THRESHOLD",
@@ -48,7 +47,8 @@ __all__ = [
 def open_bucket(url: str, *, s3_endpoint_url: str | None = None) -> Bucket:
     """``file:///abs/path`` or ``file://rel/path`` -> FileBucket; ``s3://bucket/prefix`` -> S3Bucket.
 
-    An S3 bucket's endpoint is ``s3_endpoint_url`` when given, else ``ASYNCGRPO_S3_ENDPOINT_URL`` (unset: AWS).
+    An S3 bucket's endpoint is ``s3_endpoint_url`` (None: AWS); the caller reads it from its process's settings
+    (``ASYNCGRPO_S3_ENDPOINT_URL``).
     """
     parsed = urlparse(url)
     if parsed.scheme == "file":
@@ -58,8 +58,7 @@ def open_bucket(url: str, *, s3_endpoint_url: str | None = None) -> Bucket:
             raise InvalidBucketURL(f"bucket URL {url!r} names no folder; use file:///absolute/path")
         return FileBucket(Path(location))
     if parsed.scheme == "s3":
-        endpoint = s3_endpoint_url or StorageSettings().s3_endpoint_url
-        return S3Bucket(parsed.netloc, parsed.path.lstrip("/"), endpoint_url=endpoint)
+        return S3Bucket(parsed.netloc, parsed.path.lstrip("/"), endpoint_url=s3_endpoint_url)
     raise InvalidBucketURL(
         f"bucket URL {url!r} is not supported; use file:///absolute/path for a local folder or "
         "s3://BUCKET/PREFIX for S3 (set ASYNCGRPO_S3_ENDPOINT_URL for an S3-compatible store)"

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from asyncgrpo.cli.local_run import configured_services, run_local
+from worker.process.settings import WorkerSettings
 
 RUN_NAME = "demo"
 DEFAULT_STEPS = 200
@@ -54,12 +55,14 @@ num_prompts = 64
 """
 
 
-def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int) -> int:
+def run_demo(
+    *, steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int, settings: WorkerSettings
+) -> int:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="asyncgrpo-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "demo.toml"
     config_path.write_text(DEMO_CONFIG_TOML.format(steps=steps or DEFAULT_STEPS, samples_per_prompt=SAMPLES_PER_PROMPT))
-    redis_url, _ = configured_services()
+    redis_url, _ = configured_services(settings)
     # On a reused Redis the run gets a name of its own (its Celery queues and Redis keys are named after it).
     run_name = RUN_NAME if redis_url is None else f"{RUN_NAME}-{secrets.token_hex(3)}"
     return run_local(
@@ -71,4 +74,5 @@ def run_demo(*, steps: int | None, as_json: bool, workdir: Path | None, generate
         redis_url=redis_url,
         bucket_url=None,
         title="asyncgrpo demo",
+        settings=settings,
     )

@@ -102,8 +102,10 @@ def export_version(
     *,
     merge: bool = False,
     device: str | None = "cpu",
+    cache_dir: Path | None = None,
 ) -> ExportResult:
-    """Write version ``version`` of ``run`` to ``out_dir`` as a PEFT adapter (and ``out_dir/merged``)."""
+    """Write version ``version`` of ``run`` to ``out_dir`` as a PEFT adapter (and ``out_dir/merged``); a 'tiny'
+    base is built in ``cache_dir``."""
     out_dir = Path(out_dir)
     number = resolve_version(bucket, run, version)
     files = read_adapter_files(bucket, run, number)
@@ -116,18 +118,25 @@ def export_version(
     (out_dir / EXPORT_INFO_NAME).write_text(json.dumps(info, indent=2, sort_keys=True))
     merged_dir = None
     if config is not None:
-        merged_dir = merge_adapter(out_dir, config, out_dir / MERGED_DIR_NAME, device=device)
+        merged_dir = merge_adapter(out_dir, config, out_dir / MERGED_DIR_NAME, device=device, cache_dir=cache_dir)
     log.info("tools.version_exported", run=run, version=number, out=str(out_dir), merged=merged_dir is not None)
     return ExportResult(run=run, version=number, adapter_dir=out_dir, merged_dir=merged_dir, sha256=sha256)
 
 
-def merge_adapter(adapter_dir: Path, config: RunConfig, merged_dir: Path, *, device: str | None = "cpu") -> Path:
+def merge_adapter(
+    adapter_dir: Path,
+    config: RunConfig,
+    merged_dir: Path,
+    *,
+    device: str | None = "cpu",
+    cache_dir: Path | None = None,
+) -> Path:
     """Fold the adapter in ``adapter_dir`` into the run's base model and save it with its tokenizer."""
     from peft import PeftModel
 
     from worker.model.policy import Policy
 
-    policy = Policy.load(config.model.base, dtype=config.model.dtype, device=device)
+    policy = Policy.load(config.model.base, dtype=config.model.dtype, device=device, cache_dir=cache_dir)
     model = PeftModel.from_pretrained(policy.model, str(adapter_dir))
     merged = model.merge_and_unload()
     # Written beside the final folder and renamed into place, so a crash leaves no half-saved model.

@@ -54,19 +54,18 @@ class ForeignRunState(Exception):
 INPUT_ERRORS = (ValueError, RunExistsError, ForeignRunState, BucketError, IntegrityError)
 
 
-def configured_services() -> tuple[str | None, str | None]:
+def configured_services(settings: CommonSettings) -> tuple[str | None, str | None]:
     """The Redis URL and the bucket the environment names (ASYNCGRPO_REDIS_URL, ASYNCGRPO_BUCKET), None
     where unset (the local run then starts a private redis-server, or keeps a bucket in its work folder)."""
-    settings = CommonSettings()
     redis_url = settings.redis_url if "redis_url" in settings.model_fields_set else None
     return redis_url, settings.bucket
 
 
-def torch_threads_env(worker_processes: int) -> dict[str, str]:
+def torch_threads_env(worker_processes: int, settings: WorkerSettings) -> dict[str, str]:
     """ASYNCGRPO_TORCH_THREADS for the workers: the machine's cores split evenly between the worker processes
     (oversubscribed cores make every process slower), unless the user set it. On a GPU the threads matter
     little; on a 2-core machine this is 1 thread each."""
-    if "torch_threads" in WorkerSettings().model_fields_set:
+    if "torch_threads" in settings.model_fields_set:
         return {}  # the children inherit the user's value
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return {"ASYNCGRPO_TORCH_THREADS": str(max(1, cores // max(1, worker_processes)))}
@@ -184,12 +183,14 @@ def run_local(
     redis_url: str | None,
     bucket_url: str | None,
     title: str,
+    settings: WorkerSettings,
 ) -> int:
     """Run ``config_path`` as run ``run_name`` on this machine until it finishes; return the exit code.
 
-    ``redis_url``/``bucket_url`` None: a private redis-server, a ``file://`` bucket in ``workdir``."""
+    ``redis_url``/``bucket_url`` None: a private redis-server, a ``file://`` bucket in ``workdir``. ``settings``:
+    this command's environment, parsed once by the command line."""
     # Log lines go to stderr: with --json, stdout carries the one summary line and nothing else.
-    configure_logging(stream=sys.stderr, role="local")
+    configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr, role="local")
     console = Console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
     # Set first: a Ctrl-C from here on goes through the clean-up below.
@@ -201,9 +202,9 @@ def run_local(
         try:
             # The config and the run first: nothing is started for a config that cannot run.
             samples_per_prompt = load_run_config(config_path).sampling.samples_per_prompt
-            bucket = open_bucket(bucket_url)
+            bucket = open_bucket(bucket_url, s3_endpoint_url=settings.s3_endpoint_url)
             resumed = _create_or_resume(config_path, run_name, bucket, redis_url)
-            threads = torch_threads_env(1 + generate_workers)
+            threads = torch_threads_env(1 + generate_workers, settings)
         except INPUT_ERRORS as error:
             _print_error(f"asyncgrpo: cannot run {config_path}", error)
             return EXIT_BAD_INPUT

@@ -9,12 +9,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from asyncgrpo.protocol.settings import CommonSettings, SettingsError, env_name
+from asyncgrpo.protocol.settings import CacheSettings, CommonSettings, SettingsError, StorageSettings, env_name
 from proxy.__main__ import main as proxy_main
 from worker.process.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from asyncgrpo.bucket.interface import Bucket
 
 
 def from_settings(
@@ -38,6 +42,17 @@ def from_settings(
     return default
 
 
+def _open_bucket(url: str) -> Bucket:
+    """The bucket at ``url``, with this command's S3 endpoint (``ASYNCGRPO_S3_ENDPOINT_URL``)."""
+    from asyncgrpo.bucket.backends import open_bucket
+
+    try:
+        endpoint = StorageSettings().s3_endpoint_url
+    except SettingsError as error:
+        raise click.UsageError(str(error)) from None
+    return open_bucket(url, s3_endpoint_url=endpoint)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Asynchronous GRPO with LoRA over Celery, Redis and a bucket."""
@@ -57,13 +72,13 @@ def run() -> None:
 @click.option("--bucket", default=from_settings("bucket", required_as="--bucket"), help=BUCKET_HELP)
 def run_create(config_path: Path, run_name: str, bucket: str) -> None:
     """Validate CONFIG_PATH (TOML) and write the config and the prompts into the bucket."""
-    from asyncgrpo.bucket.backends import BucketError, open_bucket
+    from asyncgrpo.bucket.backends import BucketError
     from asyncgrpo.bucket.manifest import IntegrityError
     from asyncgrpo.run.config import ConfigError
     from asyncgrpo.run.creation import RunExistsError, create_run
 
     try:
-        summary = create_run(config_path, run_name, open_bucket(bucket))
+        summary = create_run(config_path, run_name, _open_bucket(bucket))
     except (ConfigError, RunExistsError, BucketError, IntegrityError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(summary)
@@ -115,7 +130,12 @@ def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_worker
     from asyncgrpo.cli.demo import run_demo
 
     try:
-        sys.exit(run_demo(steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers))
+        settings = WorkerSettings()  # this command's environment, parsed once
+        sys.exit(
+            run_demo(
+                steps=steps, as_json=as_json, workdir=workdir, generate_workers=generate_workers, settings=settings
+            )
+        )
     except SettingsError as error:
         raise click.UsageError(str(error)) from None
 
@@ -154,7 +174,8 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
     except InvalidKeyPart as error:
         raise click.UsageError(f"{error}; pass --run NAME" if run_name is None else str(error)) from None
     try:
-        redis_url, bucket_url = configured_services()
+        settings = WorkerSettings()  # this command's environment, parsed once
+        redis_url, bucket_url = configured_services(settings)
     except SettingsError as error:
         raise click.UsageError(str(error)) from None
     sys.exit(
@@ -167,6 +188,7 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
             redis_url=redis_url,
             bucket_url=bucket_url,
             title=f"asyncgrpo local: {run_name}",
+            settings=settings,
         )
     )
 
@@ -188,13 +210,12 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
 def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, interval: float) -> None:
     """Show the run: version, step, reward trend, staleness, buffer, workers and their heartbeats."""
-    from asyncgrpo.bucket.backends import open_bucket
     from asyncgrpo.cli.status import show_status
     from asyncgrpo.protocol.client import ProxyClient, ProxyError
 
     with ProxyClient(proxy_url, token, retries=1) as client:
         try:
-            show_status(client, open_bucket(bucket) if bucket else None, watch=watch, interval_s=interval)
+            show_status(client, _open_bucket(bucket) if bucket else None, watch=watch, interval_s=interval)
         except ProxyError as error:
             raise click.ClickException(f"cannot read the proxy at {proxy_url}: {error}") from error
 
@@ -207,11 +228,10 @@ def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, i
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file.")
 def plot(run_name: str, bucket: str, out_path: Path) -> None:
     """Plot reward, ratio, staleness and throughput against step, from the run's step records."""
-    from asyncgrpo.bucket.backends import open_bucket
     from asyncgrpo.cli.plot import PlotError, plot_run
 
     try:
-        written = plot_run(open_bucket(bucket), run_name, out_path)
+        written = plot_run(_open_bucket(bucket), run_name, out_path)
     except PlotError as error:
         raise click.ClickException(str(error)) from error
     click.echo(f"plot written to {written}")
@@ -239,12 +259,15 @@ def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool,
     """Export a published version as a PEFT adapter folder (transformers, vLLM), optionally merged."""
     import json
 
-    from asyncgrpo.bucket.backends import ObjectNotFound, open_bucket
+    from asyncgrpo.bucket.backends import ObjectNotFound
     from asyncgrpo.bucket.manifest import IntegrityError
     from asyncgrpo.cli.export import ExportError, export_version
 
     try:
-        result = export_version(open_bucket(bucket), run_name, version, out_dir, merge=merge, device=device)
+        cache = CacheSettings().cache
+        result = export_version(
+            _open_bucket(bucket), run_name, version, out_dir, merge=merge, device=device, cache_dir=cache
+        )
     except (ExportError, IntegrityError, ObjectNotFound) as error:
         raise click.ClickException(str(error)) from error
     click.echo(json.dumps(result.summary(), indent=2))

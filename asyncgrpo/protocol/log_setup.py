@@ -23,8 +23,6 @@ import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from asyncgrpo.protocol.settings import LogSettings
-
 LOG_FORMATS = ("auto", "json", "console")
 LOG_FORMAT_ENV = "ASYNCGRPO_LOG_FORMAT"  # LogSettings.log_format
 LOG_LEVEL_ENV = "ASYNCGRPO_LOG_LEVEL"  # LogSettings.log_level
@@ -60,7 +58,7 @@ def _process_fields(fields: dict[str, Any]) -> Processor:
 
 
 def _resolve_format(log_format: str | None, stream: IO[str]) -> str:
-    chosen = (log_format or LogSettings().log_format).lower()
+    chosen = (log_format or "auto").lower()
     if chosen not in LOG_FORMATS:
         raise LoggingConfigError(f"{LOG_FORMAT_ENV}={chosen!r} is unknown; use one of {', '.join(LOG_FORMATS)}")
     if chosen == "auto":
@@ -70,7 +68,7 @@ def _resolve_format(log_format: str | None, stream: IO[str]) -> str:
 
 
 def _resolve_level(level: str | int | None) -> int:
-    raw = level if level is not None else LogSettings().log_level
+    raw = level if level is not None else "INFO"
     if isinstance(raw, int):
         return raw
     resolved = logging.getLevelName(raw.upper())

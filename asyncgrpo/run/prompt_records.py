@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from asyncgrpo.protocol.input_bounds import is_valid_unicode
 from asyncgrpo.run.config import DatasetConfig
 
-PromptRecord = dict[str, Any]
+
+class ChatMessage(TypedDict):
+    """One turn of a chat prompt, as ``apply_chat_template`` takes it."""
+
+    role: str
+    content: str
+
+
+class PromptRecord(TypedDict):
+    """One prompt of a run, as stored in ``prompts.jsonl``: the text (a chat's last user turn), its reference
+    answer (None: the rewards need none) and, for a chat dataset, the whole chat the worker feeds."""
+
+    prompt: str
+    answer: str | None
+    messages: NotRequired[list[ChatMessage]]
 
 
 class PromptFileError(ValueError):
@@ -53,10 +67,9 @@ class RecordSpec:
         for column, setting in self.required_columns():
             if column not in row:
                 raise missing_column(source, f" {where}", column, setting, list(row))
-        record: PromptRecord = {}
+        messages: list[ChatMessage] = []
         if self.messages_column:
             messages = _chat(source, where, row[self.messages_column], self.messages_column)
-            record["messages"] = messages
             # The last user turn, for people reading prompts.jsonl; the worker feeds the whole chat.
             prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
         else:
@@ -70,7 +83,7 @@ class RecordSpec:
         if self.answer_column is not None:
             value = row[self.answer_column]
             answer = None if value is None else self._extract(source, where, str(value))
-        texts = [(self.messages_column or self.prompt_column, m["content"]) for m in record.get("messages", [])]
+        texts = [(self.messages_column or self.prompt_column, m["content"]) for m in messages]
         texts += [(self.messages_column or self.prompt_column, prompt), (self.answer_column, answer)]
         for column, text in texts:
             if text is not None and not is_valid_unicode(text):
@@ -78,7 +91,10 @@ class RecordSpec:
                 raise PromptFileError(
                     f"{source} {where} column {column!r} holds an unpaired UTF-16 surrogate; fix or remove that row"
                 )
-        return {"prompt": prompt, "answer": answer, **record}
+        record = PromptRecord(prompt=prompt, answer=answer)
+        if messages:
+            record["messages"] = messages
+        return record
 
     def _extract(self, source: str, where: str, answer: str) -> str:
         if self.answer_pattern is None:
@@ -100,7 +116,7 @@ def missing_column(source: str, where: str, column: str, setting: str, present: 
     )
 
 
-def _chat(source: str, where: str, value: Any, column: str) -> list[dict[str, str]]:
+def _chat(source: str, where: str, value: Any, column: str) -> list[ChatMessage]:
     """The chat as plain ``{"role", "content"}`` turns, without trailing assistant turns (a reference reply
     the model must not see)."""
     bad = PromptFileError(

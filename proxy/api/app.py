@@ -290,12 +290,12 @@ def serve(
     run_name: str,
     host: str,
     port: int,
+    settings: ProxySettings,
     insecure_loopback: bool = False,
-    settings: ProxySettings | None = None,
     standby: bool = False,
 ) -> None:
-    """Run the coordinator of ``run_name`` until SIGINT/SIGTERM; ``settings`` as the caller already read them
-    (else from ``ASYNCGRPO_*``). Exits non-zero if another proxy holds the run (unless ``standby``: wait for
+    """Run the coordinator of ``run_name`` until SIGINT/SIGTERM; ``settings`` as the process's entry
+    (``proxy.__main__``) read them. Exits non-zero if another proxy holds the run (unless ``standby``: wait for
     it) or takes it over while this one serves."""
     import uvicorn
     from redis import Redis
@@ -304,7 +304,6 @@ def serve(
     from asyncgrpo.protocol.log_setup import configure_logging
     from proxy.coordinator.dispatch import CeleryDispatcher
 
-    settings = settings or ProxySettings()
     token = settings.token_value()
     try:
         check_can_serve(host, token, insecure_loopback)
@@ -314,7 +313,7 @@ def serve(
             )
     except ProxyStartupError as error:
         raise SystemExit(f"asyncgrpo proxy: {error}") from error
-    configure_logging(role="proxy", run=run_name)
+    configure_logging(log_format=settings.log_format, level=settings.log_level, role="proxy", run=run_name)
     bucket = open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url)
     redis = Redis.from_url(settings.redis_url, decode_responses=True)
     try:

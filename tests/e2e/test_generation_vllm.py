@@ -29,9 +29,9 @@ from tests.support.paths import REPO_ROOT
 from worker.generate.factory import (
     VLLM_ENGINE_ARGS_ENV,
     chosen_backend,
-    vllm_engine_args_from_env,
     vllm_engine_settings,
 )
+from worker.generate.settings import GenerateSettings
 from worker.generate.vllm_backend import (
     UnservableAdapter,
     adapter_lora_id,
@@ -132,13 +132,13 @@ def test_engine_settings_follow_the_run_config() -> None:
 
 def test_engine_args_from_env_must_be_a_json_object(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(VLLM_ENGINE_ARGS_ENV, '{"gpu_memory_utilization": 0.8}')
-    assert vllm_engine_args_from_env() == {"gpu_memory_utilization": 0.8}
+    assert GenerateSettings().vllm_engine_args == {"gpu_memory_utilization": 0.8}
     monkeypatch.setenv(VLLM_ENGINE_ARGS_ENV, "gpu_memory_utilization=0.8")
     with pytest.raises(ValueError, match=VLLM_ENGINE_ARGS_ENV):
-        vllm_engine_args_from_env()
+        GenerateSettings()
     monkeypatch.setenv(VLLM_ENGINE_ARGS_ENV, "[0.8]")
     with pytest.raises(ValueError, match="JSON object"):
-        vllm_engine_args_from_env()
+        GenerateSettings()
 
 
 def test_gpu_recipe_validates_and_matches_the_reference_run() -> None:

@@ -31,6 +31,7 @@ from worker.generate.settings import GenerateSettings
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
+from worker.process.settings import process_settings
 
 RUN = "r1"
 PROMPTS: list[dict[str, Any]] = [{"prompt": f"{i % 10}=", "answer": str(i % 10)} for i in range(20)]
@@ -205,6 +206,7 @@ def test_the_worker_starts_a_prefetcher_only_on_generate_workers_with_the_settin
 
     def started(role: str, setting: str) -> AdapterPrefetcher | None:
         monkeypatch.setattr(runtime, "_runtime", None)
+        process_settings.cache_clear()  # the environment above is this test's worker process's
         monkeypatch.setenv("ASYNCGRPO_PREFETCH_ADAPTERS", setting)
         runtime.start_prefetcher(role)
         return runtime.get_runtime(role).prefetcher

@@ -304,7 +304,7 @@ def test_serve_exits_on_an_unusable_token_from_the_environment(monkeypatch: pyte
     monkeypatch.setenv("ASYNCGRPO_TOKEN", token)
     monkeypatch.setenv("ASYNCGRPO_BUCKET", "file:///nonexistent")
     with pytest.raises(SystemExit, match=r"asyncgrpo proxy: ASYNCGRPO_TOKEN .*openssl rand -hex 32"):
-        serve("r1", "0.0.0.0", 8700)
+        serve("r1", "0.0.0.0", 8700, ProxySettings())  # as the entry (proxy.__main__) parses them
 
 
 def test_readme_documents_every_error_code() -> None:

@@ -176,9 +176,8 @@ def test_open_bucket_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.chdir(tmp_path)
     relative = open_bucket("file://rel/dir")
     assert isinstance(relative, FileBucket) and relative.root == tmp_path / "rel" / "dir"
-    monkeypatch.setenv("ASYNCGRPO_S3_ENDPOINT_URL", "http://127.0.0.1:1")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    s3 = open_bucket("s3://my-bucket/some/prefix")
+    s3 = open_bucket("s3://my-bucket/some/prefix", s3_endpoint_url="http://127.0.0.1:1")
     assert isinstance(s3, S3Bucket)
     assert (s3.bucket, s3.prefix, s3.endpoint_url) == ("my-bucket", "some/prefix/", "http://127.0.0.1:1")
     with pytest.raises(InvalidBucketURL, match="s3://BUCKET/PREFIX"):

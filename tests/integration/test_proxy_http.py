@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from redis import Redis
 
 from proxy.api.app import ProxyStartupError, create_app, serve
+from proxy.api.settings import ProxySettings
 from proxy.api.token_policy import check_can_serve, is_loopback
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN
@@ -237,7 +238,7 @@ def test_serving_without_token_needs_loopback() -> None:
 def test_serve_exits_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ASYNCGRPO_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="only allowed with a loopback"):
-        serve("r1", "0.0.0.0", 8700, insecure_loopback=True)
+        serve("r1", "0.0.0.0", 8700, ProxySettings(), insecure_loopback=True)
 
 
 def test_every_request_gets_one_log_line_with_its_duration(http: TestClient) -> None:

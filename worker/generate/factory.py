@@ -11,11 +11,11 @@ vLLM engine settings that are not part of the run (GPU memory share, tensor para
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 from asyncgrpo.run.config import RunConfig
 from worker.generate.backend import GenerationBackend
-from worker.generate.settings import GenerateSettings
 
 BACKENDS = ("transformers", "vllm")
 VLLM_ENGINE_ARGS_ENV = "ASYNCGRPO_VLLM_ENGINE_ARGS"  # GenerateSettings.vllm_engine_args
@@ -30,6 +30,8 @@ class BackendSettings(Protocol):
     def device(self) -> str: ...
     @property
     def vllm_engine_args(self) -> dict[str, Any]: ...
+    @property
+    def cache(self) -> Path: ...
 
 
 def chosen_backend(config: RunConfig, settings: BackendSettings) -> str:
@@ -55,17 +57,12 @@ def vllm_engine_settings(config: RunConfig) -> dict[str, Any]:
     }
 
 
-def vllm_engine_args_from_env() -> dict[str, Any]:
-    """``ASYNCGRPO_VLLM_ENGINE_ARGS`` as a dict; a value that is not a JSON object raises, naming it."""
-    return GenerateSettings().vllm_engine_args
-
-
 def build_generation_backend(config: RunConfig, settings: BackendSettings) -> GenerationBackend:
     """The generation backend for this worker and run, with the base model loaded."""
     from worker.model.tiny_model import resolve_base_model
 
     name = chosen_backend(config, settings)
-    base = resolve_base_model(config.model.base)
+    base = resolve_base_model(config.model.base, settings.cache)
     if name == "vllm":
         if settings.device not in ("auto", "cpu", "cuda", "cuda:0"):
             raise ValueError(

@@ -7,6 +7,7 @@ saves. The base weights stay frozen in the configured dtype; LoRA weights are fl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -66,9 +67,12 @@ class Policy:
         return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     @classmethod
-    def load(cls, base: str, dtype: str = "float32", device: str | None = None) -> Policy:
-        """Load ``base`` (hub id, local folder, or 'tiny') with frozen weights, in eval mode."""
-        path = resolve_base_model(base)
+    def load(
+        cls, base: str, dtype: str = "float32", device: str | None = None, cache_dir: Path | None = None
+    ) -> Policy:
+        """Load ``base`` (hub id, local folder, or 'tiny', built in ``cache_dir``) with frozen weights, in eval
+        mode."""
+        path = resolve_base_model(base, cache_dir)
         torch_device = resolve_device(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.eos_token_id is None:

@@ -108,9 +108,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def default_cache_dir() -> Path:
-    """``ASYNCGRPO_CACHE`` (default ``~/.cache/asyncgrpo``)."""
-    return CacheSettings().cache
+DEFAULT_CACHE_DIR = Path(str(CacheSettings.model_fields["cache"].default)).expanduser()
+"""The default of ``ASYNCGRPO_CACHE``; a process passes its own settings' ``cache`` instead."""
 
 
 def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
@@ -119,7 +118,7 @@ def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
     Safe when several processes race: each builds into its own temporary folder and renames it into place;
     the loser discards its copy.
     """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     target = cache_dir / f"tiny-model-r{TINY_BUILD_REVISION}-seed{seed}"
     if (target / _COMPLETE_MARKER).exists():
         return target
@@ -140,8 +139,8 @@ def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def resolve_base_model(base: str) -> str:
+def resolve_base_model(base: str, cache_dir: Path | None = None) -> str:
     """A run config's ``model.base`` as something ``from_pretrained`` accepts: 'tiny' -> the cached folder."""
     if base == TINY_BASE_NAME:
-        return str(ensure_tiny_model())
+        return str(ensure_tiny_model(cache_dir=cache_dir))
     return base

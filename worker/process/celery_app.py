@@ -31,7 +31,7 @@ from asyncgrpo.protocol.queues import (
     optimize_queue,
     run_queue_prefix,
 )
-from worker.process.settings import load_worker_settings
+from worker.process.settings import process_settings
 
 
 def control_exchange(run: str) -> str:
@@ -52,7 +52,7 @@ def run_routing(run: str) -> dict[str, Any]:
 
 
 def build_celery_app() -> Celery:
-    settings = load_worker_settings()
+    settings = process_settings()
     # A worker process must know its run (SettingsError naming ASYNCGRPO_RUN otherwise); a client may not.
     needs_run = settings.worker_role is not None or settings.run is not None
     run = settings.require_run() if needs_run else None

@@ -21,13 +21,13 @@ from celery.worker.control import inspect_command
 from worker.process.celery_app import app
 from worker.process.launcher import ROLE_ENV
 from worker.process.runtime import WorkerRuntime, get_runtime
-from worker.process.settings import load_worker_settings
+from worker.process.settings import process_settings
 
 __all__ = ["adapter_versions", "app", "model_info"]
 
 
 def _role() -> str:
-    role = load_worker_settings().worker_role  # a value that is not a role raises, naming the variable
+    role = process_settings().worker_role  # a value that is not a role raises, naming the variable
     if role is None:
         raise ValueError(f"{ROLE_ENV} is not set; start workers with `asyncgrpo worker generate|optimize`")
     return role

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -22,7 +22,11 @@ from asyncgrpo.run.creation import load_eval_prompts, load_run
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.prefetch import AdapterPrefetcher
 from worker.process.heartbeat import Heartbeat
-from worker.process.settings import WorkerSettings, load_worker_settings
+from worker.process.settings import WorkerSettings, process_settings
+
+if TYPE_CHECKING:  # the backends and the trainer pull in torch; the runtime builds them lazily
+    from worker.generate.backend import GenerationBackend
+    from worker.optimize.trainer import Trainer
 
 log = structlog.get_logger()
 
@@ -43,10 +47,10 @@ class WorkerRuntime:
     bucket: Bucket
     client: ProxyClient
     runs: dict[str, RunContext] = field(default_factory=dict)
-    backend: Any = None  # GenerationBackend on generate workers
+    backend: GenerationBackend | None = None  # on generate workers
     backend_run: str | None = None
     adapter_caches: dict[str, AdapterCache] = field(default_factory=dict)
-    trainer: Any = None  # Trainer on optimize workers
+    trainer: Trainer | None = None  # on optimize workers
     trainer_run: str | None = None
     current_task: str | None = None
     heartbeat: Heartbeat | None = None
@@ -118,7 +122,7 @@ class WorkerRuntime:
             from worker.optimize.trainer import Trainer
 
             config = context.config
-            policy = Policy.load(config.model.base, config.model.dtype, self.settings.device)
+            policy = Policy.load(config.model.base, config.model.dtype, self.settings.device, self.settings.cache)
             self.trainer = Trainer.initial(policy, config)
             # Unknown until a version is loaded from the bucket or version 0 is made here: a fresh LoRA init
             # on this device need not equal the published version 0.
@@ -134,7 +138,7 @@ def get_runtime(role: str) -> WorkerRuntime:
     """The process-wide runtime, built on first use and kept."""
     global _runtime
     if _runtime is None:
-        settings = load_worker_settings()
+        settings = process_settings()
         _runtime = WorkerRuntime(
             role=role,
             settings=settings,

@@ -7,6 +7,7 @@ and default it had when this was a hand-parsed dataclass.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from typing import Literal
@@ -90,3 +91,10 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
 
 def load_worker_settings() -> WorkerSettings:
     return WorkerSettings()
+
+
+@functools.cache
+def process_settings() -> WorkerSettings:
+    """This worker process's settings: parsed once, when the Celery app is built (the process's entry), and the
+    same object for the runtime, the tasks and the inspect commands after it."""
+    return load_worker_settings()

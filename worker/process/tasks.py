@@ -35,7 +35,7 @@ from worker.process import metrics as worker_metrics
 from worker.process import preemption
 from worker.process.celery_app import app
 from worker.process.runtime import RunContext, WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
-from worker.process.settings import load_worker_settings
+from worker.process.settings import process_settings
 
 log = structlog.get_logger()
 
@@ -89,13 +89,14 @@ RETRY_OPTIONS = {
 
 
 def _role() -> str:
-    return load_worker_settings().worker_role or "generate"
+    return process_settings().worker_role or "generate"
 
 
 @signals.setup_logging.connect
 def _on_setup_logging(**_: Any) -> None:
     # Replaces Celery's own logging set-up: one structlog configuration for the whole process.
-    configure_logging(role=_role())
+    settings = process_settings()
+    configure_logging(log_format=settings.log_format, level=settings.log_level, role=_role())
 
 
 @signals.worker_ready.connect
@@ -103,7 +104,8 @@ def _on_worker_ready(**_: Any) -> None:
     global _idle_since
     role = _role()
     runtime = get_runtime(role)
-    configure_logging(role=role, worker=runtime.settings.worker_id)
+    settings = runtime.settings
+    configure_logging(log_format=settings.log_format, level=settings.log_level, role=role, worker=settings.worker_id)
     if runtime.settings.torch_threads is not None:
         torch.set_num_threads(runtime.settings.torch_threads)
     worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)

@@ -12,6 +12,7 @@ import pytest
 import structlog
 
 from asyncgrpo.protocol.log_setup import LoggingConfigError, configure_logging
+from asyncgrpo.protocol.settings import LogSettings
 
 
 class TerminalStream(io.StringIO):
@@ -59,6 +60,12 @@ def test_json_lines_carry_process_and_task_ids_from_every_source(monkeypatch: py
         assert line["timestamp"].endswith("Z")
 
 
+def from_environment() -> dict[str, str]:
+    """What a process's entry passes: its settings' log format and level (``ASYNCGRPO_LOG_*``)."""
+    settings = LogSettings()
+    return {"log_format": settings.log_format, "level": settings.log_level}
+
+
 def test_console_on_a_terminal_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ASYNCGRPO_LOG_FORMAT", raising=False)
     terminal = TerminalStream()
@@ -70,10 +77,10 @@ def test_console_on_a_terminal_and_overrides(monkeypatch: pytest.MonkeyPatch) ->
         json.loads(text.splitlines()[0])
 
     monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "json")
-    assert configure_logging(stream=TerminalStream()) == "json"
+    assert configure_logging(**from_environment(), stream=TerminalStream()) == "json"
     monkeypatch.setenv("ASYNCGRPO_LOG_LEVEL", "WARNING")
     quiet = io.StringIO()
-    configure_logging(stream=quiet)
+    configure_logging(**from_environment(), stream=quiet)
     structlog.get_logger().info("not shown")
     structlog.get_logger().error("shown")
     assert [line["event"] for line in json_lines(quiet)] == ["shown"]
@@ -82,11 +89,11 @@ def test_console_on_a_terminal_and_overrides(monkeypatch: pytest.MonkeyPatch) ->
 def test_bad_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "xml")
     with pytest.raises(LoggingConfigError, match="ASYNCGRPO_LOG_FORMAT='xml' is unknown; use one of auto, json"):
-        configure_logging(stream=io.StringIO())
+        configure_logging(**from_environment(), stream=io.StringIO())
     monkeypatch.setenv("ASYNCGRPO_LOG_FORMAT", "json")
     monkeypatch.setenv("ASYNCGRPO_LOG_LEVEL", "LOUD")
     with pytest.raises(LoggingConfigError, match="ASYNCGRPO_LOG_LEVEL='LOUD' is not a log level"):
-        configure_logging(stream=io.StringIO())
+        configure_logging(**from_environment(), stream=io.StringIO())
 
 
 def test_a_second_call_keeps_the_first_stream(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -136,14 +136,14 @@ def test_the_table_names_match_the_fields() -> None:
     assert "ASYNCGRPO_WORKER_ROLE" in {env_name(field) for field in WorkerSettings.model_fields}
 
 
-def test_open_bucket_takes_the_s3_endpoint_from_settings_or_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_open_bucket_takes_the_s3_endpoint_from_its_caller_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's settings hold the endpoint; the bucket code never reads the environment itself."""
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    assert open_bucket("s3://b/p").endpoint_url is None  # type: ignore[attr-defined]
     monkeypatch.setenv("ASYNCGRPO_S3_ENDPOINT_URL", "http://127.0.0.1:1")
-    assert open_bucket("s3://b/p").endpoint_url == "http://127.0.0.1:1"  # type: ignore[attr-defined]
-    given = open_bucket("s3://b/p", s3_endpoint_url="http://127.0.0.1:2")
-    assert isinstance(given, S3Bucket) and given.endpoint_url == "http://127.0.0.1:2"
-    # The backend itself no longer looks at the environment.
+    assert open_bucket("s3://b/p").endpoint_url is None  # type: ignore[attr-defined]
+    settings = StorageSettings()
+    given = open_bucket("s3://b/p", s3_endpoint_url=settings.s3_endpoint_url)
+    assert isinstance(given, S3Bucket) and given.endpoint_url == "http://127.0.0.1:1"
     assert S3Bucket("b", "p").endpoint_url is None
 
 
@@ -254,3 +254,39 @@ def test_a_worker_without_a_usable_run_or_id_does_not_start(monkeypatch: pytest.
     monkeypatch.delenv("ASYNCGRPO_WORKER_ID")
     result = CliRunner().invoke(cli_main, ["worker", "generate"])
     assert result.exit_code == 1 and "Error: ASYNCGRPO_RUN is not set" in result.output, result.output
+
+
+# Where a process reads its environment: its entry, once (`asyncgrpo.cli.main` for every command, `proxy.__main__`
+# for the proxy, `worker.process.settings.process_settings` for a worker process, the launcher before it execs
+# Celery). Everything else is handed the settings object.
+SETTINGS_ENTRIES = {
+    "asyncgrpo/cli/main.py",
+    "proxy/__main__.py",
+    "worker/process/settings.py",
+    "worker/process/launcher.py",
+}
+SETTINGS_CLASSES = {
+    "AsyncgrpoSettings", "LogSettings", "StorageSettings", "CacheSettings", "CommonSettings", "ProxySettings",
+    "GenerateSettings", "WorkerSettings", "load_worker_settings",
+}
+
+
+def _settings_parsed(path: Path) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if name in SETTINGS_CLASSES:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_settings_are_parsed_only_at_a_process_entry() -> None:
+    offenders = {}
+    for folder in ("asyncgrpo", "proxy", "worker"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            if relative not in SETTINGS_ENTRIES and (lines := _settings_parsed(path)):
+                offenders[relative] = lines
+    assert not offenders, f"pass the process's settings object down instead of parsing them here: {offenders}"
+

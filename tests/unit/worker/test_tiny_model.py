@@ -64,8 +64,8 @@ def test_ensure_builds_once_and_reuses(tmp_path: Path, monkeypatch: pytest.Monke
     assert ensure_tiny_model(seed=0, cache_dir=tmp_path) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no staging folder left behind
-    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path))
-    assert resolve_base_model("tiny") == str(path)
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "elsewhere"))  # read by a process's entry, not here
+    assert resolve_base_model("tiny", tmp_path) == str(path)
     assert resolve_base_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
 
 
