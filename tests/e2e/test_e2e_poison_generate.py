@@ -51,7 +51,7 @@ def test_nan_and_raising_rewards_reject_their_groups_and_the_run_finishes(
     status = cluster.status()
     reasons = status["rejected_by_reason"]
     assert reasons.get("reward_not_finite", 0) >= 1, reasons
-    assert any(r.startswith("reward_error_tests_poison_rewards_raise") for r in reasons), reasons
+    assert any(r.startswith("reward_error_tests_support_poison_reward") for r in reasons), reasons
     assert status["counters"]["groups_rejected"] == sum(reasons.values())
     # Only the poison groups went: the tasks themselves were submitted, none failed or timed out.
     assert status["counters"].get("tasks_failed", 0) == 0

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
 TOKEN = "packaging-test-token"
 RUN = "pkg-run"
-# What `pip install .` reads: the metadata, the readme it names and the two packages.
-SOURCES = ("pyproject.toml", "README.md", "proxy", "worker")
+# What `pip install .` reads: the metadata, the readme it names and the three packages.
+SOURCES = ("pyproject.toml", "README.md", "asyncgrpo", "proxy", "worker")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

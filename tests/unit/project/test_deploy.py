@@ -142,7 +142,7 @@ def settings_env_vars() -> set[str]:
     """Every variable a process reads: the settings classes' fields (the only code that reads the environment),
     every name spelled out in the packages (error messages, CLI envvars), and those the units use."""
     names = {env_name(field) for cls in (ProxySettings, WorkerSettings) for field in cls.model_fields}
-    for module in sorted((ROOT / "proxy").rglob("*.py")) + sorted((ROOT / "worker").rglob("*.py")):
+    for module in sorted(path for top in ("asyncgrpo", "proxy", "worker") for path in (ROOT / top).rglob("*.py")):
         names |= set(ENV_NAME.findall(module.read_text()))
     names |= {log_setup.LOG_FORMAT_ENV, log_setup.LOG_LEVEL_ENV}
     return names | unit_env_vars()
