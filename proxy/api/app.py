@@ -265,7 +265,7 @@ def create_app(
             version_watch.notify()
             poke()
 
-    # ---- published versions: recorded sha and corruption reports (proxy.coordinator.versions) ----
+    # ---- published versions: recorded sha and corruption reports (proxy.coordinator.steps) ----
 
     @app.get("/v1/versions/{version}", response_model=VersionInfo)
     def version_info(version: Annotated[int, Path(ge=0)]) -> VersionInfo:

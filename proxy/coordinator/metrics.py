@@ -122,7 +122,7 @@ class StateGauges:
     counters: dict[str, int]
     rejected_by_reason: dict[str, int]
     workers_alive_by_role: dict[str, int]
-    halted: str | None = None  # proxy.coordinator.step_failures
+    halted: str | None = None  # proxy.coordinator.steps
 
     @classmethod
     def from_status(cls, status: StatusResponse) -> StateGauges:

@@ -25,9 +25,8 @@ from collections.abc import Callable
 import structlog
 from redis import Redis
 
-from proxy.coordinator.lua_script import BoundScript, LuaScript
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.coordinator.scripts import Scripts
+from proxy.coordinator.scripts import BoundScript, LuaScript, Scripts
 
 RECORD_TTL_S = 7 * 24 * 3600
 """Finished group/task/rollout/step records stay this long in Redis (for inspection), then expire."""

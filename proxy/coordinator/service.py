@@ -10,31 +10,41 @@ The rules it enforces are the invariants 1-4 and 6 of README.md: versions move b
 nothing staler than ``async.max_staleness`` is admitted or claimed; versions under a live lease or in the
 staleness window are kept; every dispatched group ends exactly once (trained, stale, rejected or
 cancelled) and the prompt of a stale or cancelled one goes back in line; an empty Redis is rebuilt from the
-bucket (``proxy.coordinator.rebuild``). Invariants 8 and 9 on the generate side: ``tick()`` cancels the tasks
+bucket (``proxy.coordinator.snapshot``). Invariants 8 and 9 on the generate side: ``tick()`` cancels the tasks
 of lease holders whose heartbeats stopped, dispatches only while a generate worker is alive, and during a
 bucket outage takes back the round's unsent tasks and creates none until a snapshot write succeeds.
 
-This module only wires the parts together around one ``RedisStore``, hands them to ``Housekeeping`` (the round
-``tick()`` runs) and is the one place that answers a missing state: a script that finds none raises
-``StateMissing``, and every entry point here rebuilds the state from the bucket (``rebuild.StateRestorer``)
-and calls again, once. Each concern lives in its own module (see the package docstring); tests reach the
-parts as attributes (``coord.leases``, ``coord.tasks``, ``coord.snapshots``...).
+Three classes, top down, each handed what it uses (nothing calls back up):
+
+- ``Coordinator`` builds the parts around one ``RedisStore`` and is the one place that answers a missing
+  state: a script that finds none raises ``StateMissing``, and every entry point rebuilds the state from the
+  bucket (``StateRestorer``) and calls again, once. Tests reach the parts as attributes (``coord.leases``,
+  ``coord.tasks``, ``coord.snapshots``...).
+- ``Housekeeping`` is the round ``tick()`` runs: it rebuilds an empty Redis, expires leases and lost tasks,
+  takes back the tasks of dead generate workers, repairs a missing step record and re-checks a halt, claims a
+  step, keeps the generate queue fed (only while a generate worker is alive and the bucket takes snapshots),
+  writes the snapshot before sending anything, sends or re-sends the step in flight, sends due evaluations,
+  and collects old versions and rollouts.
+- ``StateRestorer`` makes sure Redis holds the run's state (``snapshot.restore_state``), fenced by the proxy's
+  leadership.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 from redis import Redis
 
-from asyncgrpo.bucket.backends import Bucket
+from asyncgrpo.bucket.backends import Bucket, BucketError
 from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import (
     CorruptReport,
     CorruptResult,
+    GenerateTaskMessage,
     HeartbeatRequest,
     LeaseGrant,
     PublishRequest,
@@ -55,26 +65,224 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
-from proxy.coordinator.dispatch import Dispatcher
-from proxy.coordinator.errors import NotTaskHolder, StateMissing
+from proxy.coordinator.dispatch import Dispatcher, DispatchError
+from proxy.coordinator.errors import NotTaskHolder, SnapshotFailed, StateMissing
 from proxy.coordinator.evaluations import Evaluations
-from proxy.coordinator.generate_tasks import GenerateTasks
-from proxy.coordinator.housekeeping import Housekeeping, TickReport
+from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
 from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.leases import Leases
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
-from proxy.coordinator.pacing import InflightPacer, WaitingAccount
-from proxy.coordinator.rebuild import StateRestorer
 from proxy.coordinator.redis_keys import RunKeys
-from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore
+from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, halted_reason
 from proxy.coordinator.retention import Retention
 from proxy.coordinator.rollouts import RolloutIntake
-from proxy.coordinator.snapshot import SnapshotWriter
+from proxy.coordinator.snapshot import SnapshotWriter, restore_state
 from proxy.coordinator.status import Workers, gauges, group_record, run_info, status
-from proxy.coordinator.step_failures import StepFailures
-from proxy.coordinator.step_sending import StepSending
-from proxy.coordinator.steps import Steps
-from proxy.coordinator.versions import Versions
+from proxy.coordinator.steps import StepFailures, Steps, StepSending, Versions
+
+MAX_TASKS_PER_TICK = 256
+
+
+class StateRestorer:
+    """Makes sure Redis holds the run's state: the first thing of every round, and of a request that found none
+    (a script answered NO_STATE). Only the holder of the proxy's leadership rebuilds."""
+
+    def __init__(
+        self, store: RedisStore, bucket: Bucket, config: RunConfig, fence: ProxyFence | None, retention: Retention
+    ) -> None:
+        self.store = store
+        self.bucket = bucket
+        self.config = config
+        self.fence = fence
+        self.retention = retention
+
+    def ensure(self) -> str:
+        """'present', or else 'fresh'/'rebuilt' from the bucket."""
+        if self.store.has_state():
+            return "present"
+        if self.fence is not None:
+            self.fence.confirm()  # only the lease holder rebuilds (after a FLUSHALL: a new, higher epoch)
+        outcome = restore_state(self.store, self.bucket, self.config)
+        self.store.mark_changed()
+        self.retention.forget_last_gc()
+        return outcome
+
+
+@dataclass
+class TickReport:
+    """What one ``tick()`` did; returned for tests and logged when anything happened."""
+
+    leases_expired: int = 0
+    tasks_cancelled: int = 0
+    tasks_worker_lost: int = 0
+    tasks_undone: int = 0
+    stale_dropped: int = 0
+    step_claimed: int | None = None
+    step_sent: int | None = None
+    tasks_sent: list[str] = field(default_factory=list)
+    versions_deleted: list[int] = field(default_factory=list)
+    rollouts_deleted: list[str] = field(default_factory=list)
+    rebuilt: str | None = None
+    evals_sent: list[str] = field(default_factory=list)
+
+    def busy(self) -> bool:
+        return any(
+            (
+                self.leases_expired,
+                self.tasks_cancelled,
+                self.tasks_worker_lost,
+                self.tasks_undone,
+                self.stale_dropped,
+                self.step_claimed is not None,
+                self.step_sent is not None,
+                self.tasks_sent,
+                self.versions_deleted,
+                self.rollouts_deleted,
+                self.rebuilt,
+                self.evals_sent,
+            )
+        )
+
+
+
+class Housekeeping:
+    """``tick()`` over the parts of one run's coordinator, handed in by ``Coordinator`` (``service``)."""
+
+    def __init__(
+        self,
+        *,
+        store: RedisStore,
+        config: RunConfig,
+        restorer: StateRestorer,
+        leases: Leases,
+        tasks: GenerateTasks,
+        steps: Steps,
+        sending: StepSending,
+        step_failures: StepFailures,
+        versions: Versions,
+        evals: Evaluations,
+        heartbeats: Workers,
+        pacer: InflightPacer,
+        accounting: WaitingAccount,
+        snapshots: SnapshotWriter,
+        retention: Retention,
+        metrics: ProxyMetrics,
+        require_generate_worker: bool,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.restorer = restorer
+        self.leases = leases
+        self.tasks = tasks
+        self.steps = steps
+        self.sending = sending
+        self.step_failures = step_failures
+        self.versions = versions
+        self.evals = evals
+        self.heartbeats = heartbeats
+        self.pacer = pacer
+        self.accounting = accounting
+        self.snapshots = snapshots
+        self.retention = retention
+        self.metrics = metrics
+        self.require_generate_worker = require_generate_worker
+        self.bucket_outage = False
+        """The last snapshot write failed: no new task is created until one succeeds."""
+
+    def tick(self, dispatcher: Dispatcher) -> TickReport:
+        """One round of housekeeping; the server runs it every ``tick_s`` and after submits and publishes.
+        ``dispatcher`` is passed per round: tests swap the coordinator's."""
+        report = TickReport()
+        outcome = self.restorer.ensure()
+        if outcome != "present":
+            report.rebuilt = outcome
+        report.leases_expired = self.leases.expire()
+        report.tasks_cancelled, _ = self.tasks.expire()
+        # Invariant 8: a task whose worker stopped sending heartbeats goes back in line now, not at its deadline.
+        report.tasks_worker_lost = self.tasks.reap_dead(self.heartbeats.alive_s)
+        self.versions.repair_missing_record()
+        self.versions.recheck_halt()  # a corrupted object restored by an operator lifts its halt
+        # The run ends at its final version (optimizer.total_steps): nothing more is claimed or dispatched.
+        finished = self.store.current_version() >= self.config.final_version
+        # A halted run claims no step (proxy.coordinator.steps); generation goes on until the buffer is full.
+        if not finished and halted_reason(self.store) is None:
+            claimed, report.stale_dropped = self.steps.claim()
+            if claimed is not None:
+                report.step_claimed = claimed.step
+        new_tasks: list[GenerateTaskMessage] = []
+        # Generate tasks wait for version 0 (nothing can be leased before), for the bucket to take snapshots
+        # again after an outage, and for a generate worker to be alive (no queue grows that nobody consumes).
+        if not finished and self.store.current_version() >= 0 and not self.bucket_outage and self._generate_consumed():
+            # Ghosts (leased tasks nobody renews) are left out of the paced limit, not out of queue_maxsize.
+            unattended = self.tasks.unattended_groups()
+            self.metrics.groups_unattended.set(unattended)
+            while len(new_tasks) < MAX_TASKS_PER_TICK:
+                message = self.tasks.dispatch_one(unattended)
+                if message is None:
+                    break
+                new_tasks.append(message)
+        if not self._write_tick_snapshot(new_tasks, report):
+            self.accounting.account()
+            return report
+        unsent = []
+        for message in new_tasks:
+            try:
+                dispatcher.send_generate(message)
+                report.tasks_sent.append(message.task_id)
+            except DispatchError as error:
+                log.warning("proxy.generate_send_failed", task_id=message.task_id, error=str(error))
+                unsent.append(message.task_id)
+        self.tasks.cancel(unsent, force=True)
+        # Send or re-send the step in flight if due (``steps.StepSending``): claimed, dead holder, timeout.
+        self.step_failures.review_halt()
+        report.step_sent = self.sending.send_due(dispatcher)
+        if report.step_sent is not None:
+            self.pacer.step_sent(report.step_sent)
+        try:
+            # Before GC, so a version that just became due is protected; sent only while a generate worker
+            # is alive (they run the evaluate tasks), or every attempt would time out unconsumed.
+            report.evals_sent = self.evals.tick(
+                dispatcher, self.heartbeats.alive_s, send=self._generate_consumed()
+            )
+        except (BucketError, OSError) as error:
+            log.warning("proxy.eval_tick_failed", error=str(error))
+        try:
+            report.versions_deleted = self.retention.collect_versions()
+        except (BucketError, OSError) as error:
+            log.warning("proxy.gc_failed", error=str(error))
+        report.rollouts_deleted = self.retention.collect_rollouts()
+        self.accounting.account()
+        if report.busy():
+            log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})
+        return report
+
+    # ---- invariant 8: no dispatch nobody consumes, no churn in a bucket outage ----
+
+    def _generate_consumed(self) -> bool:
+        """True if generate tasks may be sent: a generate worker is alive, or the check is off."""
+        return not self.require_generate_worker or self.heartbeats.alive_count("generate") > 0
+
+    def _write_tick_snapshot(self, new_tasks: list[GenerateTaskMessage], report: TickReport) -> bool:
+        """Write the round's snapshot; False (and the round's new tasks taken back) if the bucket refused it.
+
+        During an outage every round tries again (``force``: nothing may have changed) but creates no task;
+        the outage is logged once when it starts and once when it ends.
+        """
+        try:
+            self.snapshots.write(force=self.bucket_outage)
+        except SnapshotFailed as error:
+            # Never hand out work the bucket does not know about: a rebuild would hand it out again. Those
+            # tasks were never sent, so they are taken back, not cancelled.
+            report.tasks_undone = self.tasks.undo([m.task_id for m in new_tasks])
+            if not self.bucket_outage:
+                log.warning("proxy.snapshot_failed", error=str(error), hint="no new generate task until it succeeds")
+            self.bucket_outage = True
+            return False
+        if self.bucket_outage:
+            log.info("proxy.snapshot_recovered")
+            self.bucket_outage = False
+        return True
+
 
 log = structlog.get_logger()
 

@@ -14,7 +14,7 @@ the proxy holding the run's lease forwards: the threads stop once it is lost.
 
 The progress survives an empty Redis: each advance calls ``on_progress`` (the server's: the coordinator's
 ``store.mark_changed``), so the next housekeeping tick (``tick_s``) puts it in the snapshot, and a rebuild
-restores it (``proxy.coordinator.rebuild``). A tracker gets again at most what it was sent after the last
+restores it (``proxy.coordinator.snapshot``). A tracker gets again at most what it was sent after the last
 snapshot put before Redis emptied: one tick's worth, more only while the bucket refuses snapshots. While Redis
 holds no state for the run a follower sends nothing (it would start again from step 1) and waits for the
 rebuild; a running follower never moves its cursor back (it keeps the highest step it sent and writes it

@@ -16,19 +16,21 @@ from redis import Redis
 
 from proxy.coordinator import errors
 from proxy.coordinator.errors import StateMissing
-from proxy.coordinator.lua_script import (
+from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.scripts import (
+    ALL_SCRIPTS,
+    GRANT_LEASE,
     LUA_FOLDER,
     LUA_PACKAGE,
     PRELUDE,
     LuaScript,
     Refusal,
+    Scripts,
     contract_problems,
     lua_text,
     parse_contract,
     script_source,
 )
-from proxy.coordinator.redis_store import RedisStore
-from proxy.coordinator.scripts import ALL_SCRIPTS, GRANT_LEASE, Scripts
 
 
 @pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda s: s.name)

@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 from redis import Redis
 
 from asyncgrpo.run.config import AsyncConfig
-from proxy.coordinator.pacing import MIN_SAMPLES, InflightPacer
+from proxy.coordinator.generate_tasks import MIN_SAMPLES, InflightPacer
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (
     ManualClock,

@@ -17,7 +17,7 @@ from asyncgrpo.bucket.manifest import read_manifest, read_verified, read_version
 from asyncgrpo.protocol.schemas import CorruptReport, HeartbeatRequest, RepairTaskMessage
 from proxy.coordinator.errors import VersionNotFound
 from proxy.coordinator.service import Coordinator
-from proxy.coordinator.step_failures import halted_reason as halted
+from proxy.coordinator.steps import halted_reason as halted
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.proxy_harness import (
     ManualClock,

@@ -3,7 +3,7 @@ against.
 
 ``ModelState`` is what the coordinator should hold: every group's fate, the tasks, the buffer, the requeue
 line, the prompts' failed-attempt counts and the step in flight. ``rebuilt`` is what a rebuild from a snapshot
-of that state must give (``proxy.coordinator.rebuild``). ``FlakyDispatcher`` is the recording dispatcher that
+of that state must give (``proxy.coordinator.snapshot``). ``FlakyDispatcher`` is the recording dispatcher that
 also keeps what the broker refused, so the model sees the tasks a failed send created and took back.
 """
 
