@@ -51,8 +51,7 @@ from worker.generate.transformers_backend import TransformersBackend, sample_com
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.batch import MicroBatch
-from worker.optimize.trainer import Trainer, TrainSample
-from worker.optimize.trainer_state import write_adapter_folder
+from worker.optimize.trainer import Trainer, TrainSample, write_adapter_folder
 
 WORKLOADS = {"tiny": (8, 8, 8), "compute": (8, 8, 252)}  # prompts, group, max new tokens (positions <= 256)
 

@@ -25,7 +25,7 @@ from asyncgrpo.protocol.records import GenerateTimings, StepRecord, StepTimings,
 from asyncgrpo.protocol.schemas import GroupRef
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
-from worker.optimize.recording import build_step_record
+from worker.optimize.job import build_step_record
 from worker.process import metrics as worker_metrics
 
 

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.manifest import write_version
-from asyncgrpo.protocol.queues import generate_queue, optimize_queue
+from asyncgrpo.protocol.schemas import generate_queue, optimize_queue
 
 TOKEN = "bench-scale-token"
 RUN = "scale"

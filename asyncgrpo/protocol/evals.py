@@ -13,8 +13,17 @@ import math
 
 from pydantic import Field
 
-from asyncgrpo.protocol.input_bounds import MAX_INT, MAX_MAP_ENTRIES
-from asyncgrpo.protocol.schemas import Count, Id, Incarnation, LeaseGrant, Name, _Request, _Response
+from asyncgrpo.protocol.schemas import (
+    MAX_INT,
+    MAX_MAP_ENTRIES,
+    Count,
+    Id,
+    Incarnation,
+    LeaseGrant,
+    Name,
+    _Request,
+    _Response,
+)
 
 MAX_EXAMPLES = 64
 """Example completions one chunk may carry (``eval.examples`` is at most this)."""

@@ -178,7 +178,7 @@ class StepTimings(_Timings):
 class StepRecord(_Stored):
     """What one optimizer step did, for people and dashboards.
 
-    Hop: built by the optimize worker (``worker.optimize.recording``) and written as ``step_record.json``
+    Hop: built by the optimize worker (``worker.optimize.job``) and written as ``step_record.json``
     into the new version's folder (covered by its manifest), then copied to
     ``runs/<run>/metrics/step-S.json`` once published. Read by the optimize worker's metrics (the in-memory
     record), and from ``metrics/`` by ``asyncgrpo status``, ``asyncgrpo plot`` and the demo. Never read for

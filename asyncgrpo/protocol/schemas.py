@@ -1,24 +1,103 @@
-"""Every JSON message of the protocol: Celery task kwargs, HTTP request and response bodies.
+"""The wire: every JSON message (Celery task kwargs, HTTP request and response bodies), the limits on what a
+request may carry, the Celery task and queue names, and the staleness rule.
 
 The proxy validates what it receives with these models, the client returns them, and the workers validate
 their task kwargs with them. Requests forbid unknown fields (a misspelt field is a 422, not a silent
 default); responses allow extra fields so that a newer proxy can add some without breaking older clients.
+
+Limits, shared by the request schemas and the proxy's error answers.
+
+Everything a client sends is bounded: identifiers by ``ID_PATTERN``, numbers by ``MAX_INT``, text and
+lists by their lengths, free-form maps by entry count and encoded size, and the whole body by the proxy's
+``ASYNCGRPO_MAX_BODY_BYTES``. Text must be valid UTF-8: JSON's ``"\ud800"`` escape decodes to a lone
+surrogate, which no JSON encoder, Redis script or log line can write back.
+
+Celery task names and queues: the contract between the proxy, which sends tasks by name, and the workers.
+
+Queues are named per run, so several runs share one Redis broker without taking each other's tasks::
+
+    asyncgrpo:<run>:generate                  every generate worker of the run
+    asyncgrpo:<run>:optimize                  every optimize worker of the run
+    asyncgrpo:<run>:optimize:<worker_id>      only the optimize worker ``worker_id`` of the run
+
+``:`` never occurs in a run name (``asyncgrpo.bucket.keys``: letters, digits, ``.``, ``_``, ``-``), so the
+prefix ``asyncgrpo:<run>:`` names exactly one run: with ``.`` as the separator, the generate queue of run
+``a.optimize`` would be the own queue of worker ``generate`` of run ``a``. The coordinator's own keys are
+``asyncgrpo:{<run>}:...`` (braces, ``proxy.coordinator.redis_keys``), which no queue name matches.
+
+Every optimize worker consumes its run's ``optimize`` queue and a queue of its own (``worker_queue``), so
+the proxy can send a step to the trainer that already holds the step's base version in memory, and a repair
+to the one that holds a version's files; a step sent there while that worker is alive goes nowhere else.
+
+The staleness rule, in one place: the proxy (at admit and at claim) and the trainer both call it.
+
+A sample generated with policy version ``n`` and trained in an optimizer step that starts from version
+``c`` has staleness ``c - n``. It may be used iff ``c - n <= max_staleness`` (config field
+``async.max_staleness``). A sample from a version newer than ``c`` cannot exist; asking about one is a bug
+and raises ``ValueError``.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from asyncgrpo.protocol.input_bounds import (
-    MAX_INT,
-    MAX_LIST,
-    MAX_MAP_ENTRIES,
-    MAX_NAME_CHARS,
-    bounded_json,
-    valid_unicode,
-)
+MAX_INT = 2**31 - 1
+"""Versions, steps, pids and counts: far beyond any run, and exact as a double (Lua) and in every JSON reader."""
+MAX_LIST = 4096
+"""Entries of an id list in one request (a task's groups, a step's rollouts)."""
+MAX_MAP_ENTRIES = 64
+"""Entries of a free-form map (a submission's ``stats``, a heartbeat's ``info``)."""
+MAX_NAME_CHARS = 64
+"""A key of a free-form map."""
+MAX_INFO_BYTES = 16 * 1024
+"""A heartbeat's ``info`` map, encoded as JSON."""
+
+
+def is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def valid_unicode(value: Any) -> Any:
+    """``value`` unchanged if every string in it (keys included) is valid UTF-8; else ValueError."""
+    pending = [value]
+    while pending:  # iterative: a deeply nested value must not overflow the stack here
+        item = pending.pop()
+        if isinstance(item, str):
+            if not is_valid_unicode(item):
+                raise ValueError("text holds a lone surrogate (e.g. from a \\ud800 escape); send valid UTF-8")
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return value
+
+
+def bounded_json(value: dict[str, Any], limit: int = MAX_INFO_BYTES) -> dict[str, Any]:
+    """``value`` unchanged if it encodes to at most ``limit`` bytes of JSON (no NaN/Infinity); else ValueError."""
+    try:
+        size = len(json.dumps(value, allow_nan=False, separators=(",", ":")).encode())
+    except (ValueError, TypeError, RecursionError) as error:
+        raise ValueError(f"must be plain JSON (finite numbers, text, lists, maps): {error}") from None
+    if size > limit:
+        raise ValueError(f"encodes to {size} bytes of JSON; at most {limit} are kept")
+    return value
+
+
+def printable(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters and made safe to send back (lone surrogates escaped)."""
+    cut = text[:limit]
+    safe = cut.encode("utf-8", "backslashreplace").decode("utf-8")
+    return safe + ("..." if len(text) > limit else "")
+
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 """Every identifier (worker, task, lease, group): ASCII, at most 128 characters."""
@@ -31,7 +110,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 """Versions, steps, pids, sample counts: bounded so Lua's doubles and every JSON reader hold them exactly."""
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
 Incarnation = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
-"""The sending worker process's incarnation (``asyncgrpo.protocol.incarnation``); None from a client that sends
+"""The sending worker process's incarnation (``asyncgrpo.protocol.client``); None from a client that sends
 none, whose restart under the same worker id the proxy then sees only when its heartbeats stop."""
 Figure = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)] | float | None
 
@@ -225,7 +304,7 @@ class LatestVersion(_Response):
     """Answer to ``GET /v1/versions/latest?after=N&wait_s=S``: the current version, sent at once when it is
     newer than ``after``, else when one is published or ``wait_s`` runs out (then it is the same one).
 
-    Hop: from the proxy to each generate worker's adapter prefetcher (``worker.generate.prefetch``), which
+    Hop: from the proxy to each generate worker's adapter prefetcher (``worker.generate.adapters``), which
     fetches ``manifest_key`` and checks it against ``manifest_sha256`` exactly as for a lease.
     """
 
@@ -406,3 +485,108 @@ class RepairTaskMessage(_Request):
     version: Count
     key: str = Field(min_length=1, max_length=1024)
     manifest_sha256: str = _SHA
+
+
+# ---- the staleness rule: at admit, at claim and in the trainer ----
+
+
+class StaleRolloutError(Exception):
+    """A sample is too old to be used in a gradient step; the message says what to change."""
+
+    def __init__(self, sample_version: int, current: int, max_staleness: int) -> None:
+        self.sample_version = sample_version
+        self.current = current
+        self.max_staleness = max_staleness
+        self.behind = current - sample_version
+        super().__init__(
+            f"rollout v{sample_version} is {self.behind} versions behind v{current} "
+            f"(async.max_staleness={max_staleness}); add generate workers or raise async.max_staleness"
+        )
+
+
+def staleness(current: int, sample_version: int) -> int:
+    """How many versions the sample lags behind ``current`` (0: made with the current policy)."""
+    if sample_version < 0:
+        raise ValueError(f"sample version must be >= 0, got {sample_version}")
+    if sample_version > current:
+        raise ValueError(
+            f"sample version v{sample_version} is newer than the current version v{current}: "
+            "no such policy was published"
+        )
+    return current - sample_version
+
+
+def is_fresh(current: int, sample_version: int, max_staleness: int) -> bool:
+    """True iff a sample of ``sample_version`` may train a step that starts from ``current``."""
+    if max_staleness < 0:
+        raise ValueError(f"async.max_staleness must be >= 0, got {max_staleness}")
+    return staleness(current, sample_version) <= max_staleness
+
+
+def check_fresh(current: int, sample_version: int, max_staleness: int) -> None:
+    """Raise :class:`StaleRolloutError` unless the sample is fresh enough."""
+    if not is_fresh(current, sample_version, max_staleness):
+        raise StaleRolloutError(sample_version, current, max_staleness)
+
+
+# ---- Celery task names and queue names ----
+
+
+GENERATE_TASK_NAME = "asyncgrpo.generate"
+OPTIMIZE_TASK_NAME = "asyncgrpo.optimize"
+EVALUATE_TASK_NAME = "asyncgrpo.evaluate"
+"""Sent to the run's generate queue: evaluate one version on a chunk of the held-out prompts."""
+REPAIR_TASK_NAME = "asyncgrpo.repair_version"
+"""Sent only to a worker's own queue: put a corrupted object of a version back from the holder's memory."""
+
+QUEUE_PREFIX = "asyncgrpo"
+SEPARATOR = ":"
+ROLES = ("generate", "optimize")
+# The run names ``asyncgrpo.bucket.keys.check_run_name`` accepts (that layer is above this one): none
+# holds the separator, a comma (``celery worker --queues`` splits on it) or a space.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_WORKER_ID = re.compile(ID_PATTERN)
+
+
+def check_queue_run(run: str) -> str:
+    """``run`` if it can be part of a queue name, else ValueError saying which names are allowed."""
+    if not RUN_NAME.fullmatch(run):  # fullmatch: no trailing newline slips through
+        raise ValueError(
+            f"run name {run!r} cannot name a queue: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit"
+        )
+    return run
+
+
+def run_queue_prefix(run: str) -> str:
+    """What every queue of ``run`` starts with, and no queue of another run does."""
+    return f"{QUEUE_PREFIX}{SEPARATOR}{check_queue_run(run)}{SEPARATOR}"
+
+
+def role_queue(run: str, role: str) -> str:
+    """The queue every worker of ``role`` in ``run`` consumes."""
+    if role not in ROLES:
+        raise ValueError(f"worker role {role!r} is unknown; use one of {', '.join(ROLES)}")
+    return run_queue_prefix(run) + role
+
+
+def generate_queue(run: str) -> str:
+    return role_queue(run, "generate")
+
+
+def optimize_queue(run: str) -> str:
+    return role_queue(run, "optimize")
+
+
+def worker_queue(run: str, worker_id: str) -> str:
+    """The queue only the optimize worker ``worker_id`` of ``run`` consumes."""
+    if not _WORKER_ID.fullmatch(worker_id):  # fullmatch: no trailing newline slips through
+        raise ValueError(f"worker id {worker_id!r} cannot name a queue: it must match {ID_PATTERN}")
+    return optimize_queue(run) + SEPARATOR + worker_id
+
+
+def worker_queues(run: str, role: str, worker_id: str) -> list[str]:
+    """Every queue a worker of ``role`` in ``run`` consumes: its role's queue, plus its own for optimize workers."""
+    if role == "optimize":
+        return [optimize_queue(run), worker_queue(run, worker_id)]
+    return [role_queue(run, role)]

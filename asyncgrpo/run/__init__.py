@@ -1,11 +1,10 @@
 """A run as stored in the bucket: its config, its prompts, and creating or loading it.
 
 Modules:
-    config    the run config: one pydantic model loaded from TOML, every field documented and bounded
-    dataset_config  the `[dataset]` table: prompt source (file, Hub, generator), columns, chat template
+    config    the run config: one pydantic model loaded from TOML, every field documented and bounded, with
+              its `[dataset]` (prompt source, columns, chat template) and `[tracking]` tables
     datasets  prompt files (jsonl/json/csv/parquet) and the built-in prompt generators
     hub_datasets  Hub datasets and local dataset folders (save_to_disk, parquet/arrow) via `datasets`
     prompt_records  one dataset row -> one prompt record (prompt or chat, answer extraction)
-    tracking_config  the `[tracking]` table: experiment trackers (`report_to`), project and tracker run name
     creation  `asyncgrpo run create` and `load_run` (config and prompts verified against the run manifest)
 """

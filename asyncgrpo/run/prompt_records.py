@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
 
-from asyncgrpo.protocol.input_bounds import is_valid_unicode
+from asyncgrpo.protocol.schemas import is_valid_unicode
 from asyncgrpo.run.config import DatasetConfig
 
 

@@ -1,12 +1,11 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app            routes (the evaluate tasks' too), the tick loop, `serve()`
+    app            routes (the evaluate tasks' and the new-version long poll too), the tick loop, `serve()`
     refusals       which coordinator refusal is which error code; the error body and its handlers
     guards         start-up checks (Redis eviction policy, create-only writes, leadership); keeping leadership
     middleware     bearer-token auth, the body limit and request timing/logging, as plain ASGI
     openapi        `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
     token_policy   which tokens the proxy serves with: blank, placeholder and short ones refused at start-up
     settings       the proxy's environment variables
-    version_watch  `GET /v1/versions/latest`: the long poll that tells generate workers of a new version
 """

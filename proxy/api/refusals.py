@@ -19,8 +19,7 @@ from starlette.exceptions import HTTPException
 
 from asyncgrpo.bucket.backends import BucketError
 from asyncgrpo.protocol.errors import ErrorBody, error_code
-from asyncgrpo.protocol.input_bounds import printable
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import StaleRolloutError, printable
 from proxy.coordinator.errors import (
     BadRollout,
     BadStepFailure,

@@ -1,6 +1,6 @@
 """Sending Celery tasks by name: the proxy never imports worker code, it only knows task names and queues.
 
-Every message goes to a queue of the run it names (``asyncgrpo.protocol.queues``), so only that run's workers
+Every message goes to a queue of the run it names (``asyncgrpo.protocol.schemas``), so only that run's workers
 take it, whatever other runs share the broker.
 
 ``CeleryDispatcher`` is the real one (``celery.Celery(broker=redis_url).send_task``, JSON only; a generate
@@ -16,16 +16,18 @@ from typing import Any, Protocol
 import structlog
 
 from asyncgrpo.protocol.evals import EvaluateTaskMessage
-from asyncgrpo.protocol.queues import (
+from asyncgrpo.protocol.schemas import (
     EVALUATE_TASK_NAME,
     GENERATE_TASK_NAME,
     OPTIMIZE_TASK_NAME,
     REPAIR_TASK_NAME,
+    GenerateTaskMessage,
+    OptimizeTaskMessage,
+    RepairTaskMessage,
     generate_queue,
     optimize_queue,
     worker_queue,
 )
-from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
 
 log = structlog.get_logger()
 
@@ -46,7 +48,7 @@ class Dispatcher(Protocol):
     def send_optimize(
         self, message: OptimizeTaskMessage, queue: str | None = None, expires_s: float | None = None
     ) -> None:
-        """``queue``: one worker's own queue (``asyncgrpo.protocol.queues.worker_queue``); None: the run's shared one.
+        """``queue``: one worker's own queue (``asyncgrpo.protocol.schemas.worker_queue``); None: the run's shared one.
         ``expires_s``: a copy not started within this many seconds (e.g. redelivered late) is dropped unrun."""
         ...
 

@@ -18,8 +18,7 @@ import json
 import re
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.protocol.schemas import RolloutSubmission, SubmitResult
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import RolloutSubmission, StaleRolloutError, SubmitResult
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.errors import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
 from proxy.coordinator.redis_store import RedisStore

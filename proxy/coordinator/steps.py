@@ -65,7 +65,6 @@ import structlog
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
 from asyncgrpo.bucket.manifest import IntegrityError, Manifest, read_manifest, read_verified
-from asyncgrpo.protocol.queues import worker_queue
 from asyncgrpo.protocol.schemas import (
     CorruptReport,
     CorruptResult,
@@ -80,6 +79,7 @@ from asyncgrpo.protocol.schemas import (
     StepStartRequest,
     StepStartResult,
     VersionInfo,
+    worker_queue,
 )
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.dispatch import Dispatcher, DispatchError

@@ -237,7 +237,7 @@ def vllm_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMSetup]:
 
 
 def adapter_folder(setup: VLLMSetup, version: int, root: Path) -> Path:
-    from worker.optimize.trainer_state import write_adapter_folder
+    from worker.optimize.trainer import write_adapter_folder
 
     return write_adapter_folder(setup.versions[version], root / f"v{version}")
 
@@ -324,7 +324,7 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
     from asyncgrpo.bucket.backends import FileBucket
     from asyncgrpo.bucket.manifest import write_version
-    from worker.generate.adapter_cache import AdapterCache
+    from worker.generate.adapters import AdapterCache
     from worker.generate.backend import UnknownAdapter
 
     backend = vllm_setup.backend

@@ -19,15 +19,18 @@ from celery import Celery
 from redis import Redis
 
 from asyncgrpo.bucket.keys import check_run_name
-from asyncgrpo.protocol.queues import (
+from asyncgrpo.protocol.schemas import (
     REPAIR_TASK_NAME,
+    GenerateTaskMessage,
+    GroupRef,
+    OptimizeTaskMessage,
+    RepairTaskMessage,
     check_queue_run,
     generate_queue,
     optimize_queue,
     run_queue_prefix,
     worker_queue,
 )
-from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef, OptimizeTaskMessage, RepairTaskMessage
 from asyncgrpo.protocol.settings import SettingsError
 from proxy.coordinator.dispatch import CeleryDispatcher
 from tests.support.e2e_harness import stop_process_group

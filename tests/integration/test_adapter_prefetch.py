@@ -24,9 +24,8 @@ from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
-from worker.generate.adapter_cache import AdapterCache
+from worker.generate.adapters import AdapterCache, AdapterPrefetcher
 from worker.generate.job import GenerateResult, run_generate_task
-from worker.generate.prefetch import AdapterPrefetcher
 from worker.generate.settings import GenerateSettings
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy

@@ -33,9 +33,8 @@ from schemathesis.checks import (
 )
 
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
-from proxy.api.app import create_app
+from proxy.api.app import MAX_WAIT_S, create_app
 from proxy.api.guards import take_leadership
-from proxy.api.version_watch import MAX_WAIT_S
 from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.service import Coordinator
 from tests.support.dispatcher import RecordingDispatcher

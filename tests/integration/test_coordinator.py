@@ -11,8 +11,7 @@ from redis import Redis
 
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.manifest import list_versions, write_version
-from asyncgrpo.protocol.schemas import HeartbeatRequest
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import HeartbeatRequest, StaleRolloutError
 from proxy.coordinator.errors import (
     BadRollout,
     BadVersionNumber,

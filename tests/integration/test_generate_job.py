@@ -12,7 +12,7 @@ import pytest
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.manifest import write_version
-from asyncgrpo.protocol.incarnation import process_incarnation
+from asyncgrpo.protocol.client import process_incarnation
 from asyncgrpo.protocol.schemas import (
     GroupRef,
     LeaseGrant,
@@ -23,7 +23,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from worker.algo.rollout import decode_rollout, read_rollout_header
-from worker.generate.adapter_cache import AdapterCache
+from worker.generate.adapters import AdapterCache
 from worker.generate.job import GenerateResult, run_generate_task
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy

@@ -11,9 +11,14 @@ from redis import Redis
 from structlog.testing import capture_logs
 
 from asyncgrpo.bucket.backends import BucketError
-from asyncgrpo.protocol.queues import generate_queue
-from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef, HeartbeatRequest, TaskFailureReport
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import (
+    GenerateTaskMessage,
+    GroupRef,
+    HeartbeatRequest,
+    StaleRolloutError,
+    TaskFailureReport,
+    generate_queue,
+)
 from proxy.coordinator.dispatch import CeleryDispatcher
 from proxy.coordinator.errors import TaskEnded
 from proxy.coordinator.service import Coordinator

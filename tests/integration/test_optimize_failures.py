@@ -13,8 +13,7 @@ from asyncgrpo.bucket.manifest import sha256_hex
 from asyncgrpo.protocol.schemas import GroupRef, RolloutRef
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
-from worker.optimize.failures import RolloutUnusable, step_failure_of, validate_rollout
-from worker.optimize.job import _fetch_rollouts
+from worker.optimize.job import RolloutUnusable, _fetch_rollouts, step_failure_of, validate_rollout
 
 RUN = "r1"
 

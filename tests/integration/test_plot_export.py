@@ -24,7 +24,7 @@ from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.creation import create_run
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.model.policy import Policy, peft_lora_config
-from worker.optimize.recording import build_step_record
+from worker.optimize.job import build_step_record
 from worker.optimize.trainer import Trainer
 
 RUN = "export-run"

@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from redis import Redis
 
 from asyncgrpo.bucket.manifest import list_versions
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import StaleRolloutError
 from proxy.coordinator.errors import (
     BadRollout,
     LeaseLostError,

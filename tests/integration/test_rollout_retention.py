@@ -16,7 +16,7 @@ from redis import Redis
 
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import StaleRolloutError
 from proxy.coordinator.errors import TaskCancelled
 from proxy.coordinator.service import Coordinator
 from tests.support.dispatcher import RecordingDispatcher

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.protocol.queues import worker_queue
-from asyncgrpo.protocol.schemas import HeartbeatRequest, StepFailureReport, StepStartRequest
+from asyncgrpo.protocol.schemas import HeartbeatRequest, StepFailureReport, StepStartRequest, worker_queue
 from proxy.coordinator.errors import PublishConflict, StepNoLongerClaimed
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (

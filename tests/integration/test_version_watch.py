@@ -17,8 +17,7 @@ from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import BadRequest
 from asyncgrpo.protocol.schemas import LatestVersion
-from proxy.api.app import create_app
-from proxy.api.version_watch import VersionWatch
+from proxy.api.app import VersionWatch, create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import (

@@ -14,7 +14,7 @@ from asyncgrpo.protocol.schemas import GroupRef
 from tests.support.fixtures_redis import free_port
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
-from worker.optimize.recording import build_step_record
+from worker.optimize.job import build_step_record
 from worker.process import metrics as result_metrics
 from worker.process import metrics as wm
 

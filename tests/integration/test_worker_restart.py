@@ -15,8 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 from redis import Redis
 
-from asyncgrpo.protocol.queues import worker_queue
-from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
+from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest, worker_queue
 from proxy.coordinator.errors import TaskEnded
 from proxy.coordinator.service import Coordinator
 from tests.integration.test_evaluations import eval_config, make

@@ -1,7 +1,7 @@
 """``math_verify`` scoring in a long-lived helper process, so its timeouts never touch this process's signals.
 
 math-verify bounds its parsing and comparisons with ``signal.alarm``, which shares the one ITIMER_REAL of the
-process with the preemption grace timer of a worker (``worker.process.preemption``): a scoring call would
+process with the preemption grace timer of a worker (``worker.process.tasks``): a scoring call would
 replace that timer and then cancel it, and a preemption notice during scoring would never hand the task back.
 So math-verify runs in a child process, where its alarms are its own, and this process only waits on a pipe:
 

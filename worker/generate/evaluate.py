@@ -25,7 +25,7 @@ from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExampl
 from asyncgrpo.run.config import RunConfig
 from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.algo.rewards import RewardFailed, score_completions
-from worker.generate.adapter_cache import AdapterCache
+from worker.generate.adapters import AdapterCache
 from worker.generate.backend import GenerationBackend, GenerationResult
 from worker.generate.job import LeaseRenewer, release_quietly, report_corrupt_object
 from worker.generate.prompt_format import fed_prompts

@@ -18,16 +18,15 @@ import structlog
 from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.manifest import IntegrityError, sha256_hex
-from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.client import ProxyClient, process_incarnation
 from asyncgrpo.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
-from asyncgrpo.protocol.incarnation import process_incarnation
 from asyncgrpo.protocol.records import GenerateTimings, RolloutExtra
 from asyncgrpo.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import group_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
-from worker.generate.adapter_cache import AdapterCache
+from worker.generate.adapters import AdapterCache
 from worker.generate.backend import GenerationBackend
 from worker.generate.prompt_format import FedPrompts, fed_prompts
 
@@ -132,7 +131,7 @@ def run_generate_task(
     backend_lock: AbstractContextManager[object] | None = None,
 ) -> GenerateResult:
     """``backend_lock``: held while the task loads its adapter and samples, the same lock the worker's adapter
-    prefetcher (``worker.generate.prefetch``) holds to load a version, so neither sees the other half-done."""
+    prefetcher (``worker.generate.adapters``) holds to load a version, so neither sees the other half-done."""
     started = time.perf_counter()
     key = bucket_keys.rollout_key(run, task_id)
 

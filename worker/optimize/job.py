@@ -1,11 +1,12 @@
-"""One optimize task as a plain function: one published version from one claimed batch.
+"""One optimize task as a plain function: one published version from one claimed batch, its step record, and
+why a step could not be trained when it could not.
 
 Steps: make sure the trainer holds version ``base_version`` (memory when it matches, else the bucket),
 fetch the claimed rollouts (sha256 checked), check staleness again, check each rollout's ratio under the
 version it claims (the check that flags a generator serving the wrong weights: fresh samples reuse the first
 update's training forward, a seeded sample of the others is rescored, see ``worker.optimize.rescore``), take
 ``publish_every`` optimizer updates, upload version ``step`` (files under this attempt's own folder, then
-the create-only manifest naming them, with the step record ``worker.optimize.recording`` among the files)
+the create-only manifest naming them, with the step record ``worker.optimize.job`` among the files)
 and publish it by compare-and-set; the proxy copies the record to ``metrics/step-S.json`` as it publishes.
 
 Idempotent: a redelivered step that is already published is a no-op; one whose upload finished but whose
@@ -16,13 +17,27 @@ the last version uploaded or loaded stay in memory (``worker.optimize.held_versi
 
 Before any work the task tells the proxy it holds the step (``POST /v1/steps/{S}/start``), so the step is
 re-sent at once if this worker dies; a copy whose batch is no longer the step's ends there. A step it cannot
-train raises a ``worker.optimize.failures.StepFailure`` naming why (an unusable rollout, an unloadable base)
+train raises a ``worker.optimize.job.StepFailure`` naming why (an unusable rollout, an unloadable base)
 for the task to report.
+
+Why an optimize task could not train its step, as the proxy's failure report names it (invariant 9).
+
+The job raises one of these (or the trainer's ``NonFiniteError``); the Celery task reports it with
+``POST /v1/steps/{S}/failure`` and ends acknowledged, so the proxy -- not a retry loop -- decides what
+happens next: a named rollout is rejected and the step claimed again without it, a step failure counts an
+attempt, an unloadable base goes to another trainer or halts the run.
+
+The step record of one optimize step: what it trained on and how the policy moved.
+
+``build_step_record`` turns the step's rollouts, their rescoring ratios and the trainer's per-update metrics
+into a ``asyncgrpo.protocol.records.StepRecord``; the optimize job stores it with the new version and copies it
+to ``runs/<run>/metrics/``. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,18 +53,23 @@ from asyncgrpo.bucket.manifest import (
     read_verified,
     write_version,
 )
-from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.client import ProxyClient, process_incarnation
 from asyncgrpo.protocol.errors import Conflict, NotFound, StepGone
-from asyncgrpo.protocol.incarnation import process_incarnation
-from asyncgrpo.protocol.records import StepRecord, StepTimings
-from asyncgrpo.protocol.schemas import PublishRequest, RolloutRef, StepStartRequest
-from asyncgrpo.protocol.staleness import check_fresh
+from asyncgrpo.protocol.records import FlaggedRollout, RolloutEntry, StepRecord, StepTimings, UpdateMetrics
+from asyncgrpo.protocol.schemas import (
+    PublishRequest,
+    RolloutRef,
+    StepFailureKind,
+    StepFailureReport,
+    StepStartRequest,
+    check_fresh,
+    staleness,
+)
 from asyncgrpo.run.config import RunConfig
+from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, decode_rollout
 from worker.optimize import held_version
 from worker.optimize.batch import build_train_samples, split_indices_by_group
-from worker.optimize.failures import BaseUnloadable, ForeignUpload, RolloutUnusable, validate_rollout
-from worker.optimize.recording import build_step_record
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
     forget_adapter_weights,
@@ -67,6 +87,162 @@ from worker.optimize.version_io import (
     stored_step_record,
     uploaded_attempt,
 )
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _std(values: list[float]) -> float | None:
+    """Population std (all completions of the step are the population)."""
+    mean = _mean(values)
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / len(values)) if mean is not None else None
+
+
+def build_step_record(
+    *,
+    run: str,
+    step: int,
+    base_version: int,
+    worker_id: str,
+    rollouts: list[Rollout],
+    ratios: list[float | None],
+    flagged: list[FlaggedRollout],
+    updates: list[UpdateMetrics],
+    timings: StepTimings,
+) -> StepRecord:
+    """The record of step ``step`` (from ``base_version``); ``ratios`` are the rollouts' rescoring ratios."""
+    samples = [sample for rollout in rollouts for sample in rollout.samples]
+    rewards = [sample.reward for sample in samples]
+    stalenesses = [staleness(base_version, rollout.version) for rollout in rollouts]
+    reward_names = sorted({name for sample in samples for name in sample.rewards_by_name})
+    by_name = {name: [sample.rewards_by_name.get(name, 0.0) for sample in samples] for name in reward_names}
+    completion_lengths = [len(sample.completion_token_ids) for sample in samples]
+    truncated = sum(1 for sample in samples if sample.finish_reason == "length")
+    return StepRecord(
+        run=run,
+        step=step,
+        version=step,
+        base_version=base_version,
+        worker_id=worker_id,
+        published_at=time.time(),
+        samples=len(samples),
+        groups=sum(len(rollout.groups) for rollout in rollouts),
+        tokens=sum(completion_lengths),
+        reward_mean=_mean(rewards),
+        reward_std=_std(rewards),
+        rewards_by_name={name: _mean(values) for name, values in by_name.items()},
+        rewards_std_by_name={name: _std(values) for name, values in by_name.items()},
+        completion_length_mean=_mean([float(length) for length in completion_lengths]),
+        truncated_fraction=truncated / len(samples) if samples else 0.0,
+        staleness=stalenesses,
+        max_staleness=max(stalenesses, default=0),
+        ratio=_mean([update.ratio for update in updates]),
+        rescore_ratio=_mean([ratio for ratio in ratios if ratio is not None]),
+        kl=_mean([update.kl for update in updates]),
+        entropy=_mean([update.entropy for update in updates]),
+        clip_low=_mean([update.clip_low for update in updates]),
+        clip_high=_mean([update.clip_high for update in updates]),
+        clip_region=_mean([update.clip_region for update in updates]),
+        loss=_mean([update.loss for update in updates]),
+        grad_norm=_mean([update.grad_norm for update in updates]),
+        lr=_mean([update.lr for update in updates]),
+        updates=updates,
+        rollouts=[
+            RolloutEntry(
+                task_id=rollout.task_id,
+                version=rollout.version,
+                worker_id=rollout.worker_id,
+                ratio=ratio,
+                group_ids=[group.group_id for group in rollout.groups],
+                prompt_indices=[group.prompt_index for group in rollout.groups],
+                samples=len(rollout.samples),
+            )
+            for rollout, ratio in zip(rollouts, ratios, strict=True)
+        ],
+        flagged_rollouts=flagged,
+        timings=timings,
+    )
+
+
+class StepFailure(Exception):
+    """The step cannot be trained by this attempt; ``kind``/``reason``/``task_id`` as the report carries them."""
+
+    kind: StepFailureKind = "step"
+
+    def __init__(self, reason: str, detail: str, task_id: str | None = None) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.task_id = task_id
+
+    def report(self, worker_id: str) -> StepFailureReport:
+        return StepFailureReport(
+            worker_id=worker_id, kind=self.kind, reason=self.reason, detail=self.detail[:4000], task_id=self.task_id
+        )
+
+
+class RolloutUnusable(StepFailure):
+    """A claimed rollout the trainer cannot use: missing, failing its sha256, malformed or non-finite."""
+
+    kind: StepFailureKind = "rollout"
+
+    def __init__(self, task_id: str, reason: str, detail: str) -> None:
+        super().__init__(reason, f"rollout {task_id}: {detail}", task_id)
+
+
+class BaseUnloadable(StepFailure):
+    """The step's base version cannot be loaded from the bucket (its files fail their check, or are gone)."""
+
+    kind: StepFailureKind = "base"
+
+
+class ForeignUpload(StepFailure):
+    """The step's version already has a manifest made from another batch, not yet published: an attempt from
+    before the step was claimed again. The proxy removes it and re-sends the step."""
+
+    kind: StepFailureKind = "upload"
+
+
+def step_failure_of(error: BaseException) -> StepFailure | None:
+    """The failure to report for ``error``, or None if it is not a step failure (a bug, a transient error)."""
+    if isinstance(error, StepFailure):
+        return error
+    if isinstance(error, NonFiniteError):
+        # Deterministic for a given batch and base: counted as an attempt, the batch rejected at the limit.
+        return StepFailure("non_finite_gradient", str(error))
+    return None
+
+
+def _finite(values: list[float]) -> bool:
+    return all(math.isfinite(value) for value in values)
+
+
+def validate_rollout(rollout: Rollout) -> None:
+    """Raise RolloutUnusable unless every sample is well formed and finite (before any training)."""
+    groups = len(rollout.groups)
+    for index, sample in enumerate(rollout.samples):
+        where = f"sample {index}"
+        if not sample.prompt_token_ids or len(sample.completion_token_ids) != len(sample.behavior_logprobs):
+            raise RolloutUnusable(
+                rollout.task_id,
+                "rollout_malformed",
+                f"{where} has {len(sample.prompt_token_ids)} prompt tokens, {len(sample.completion_token_ids)} "
+                f"completion tokens and {len(sample.behavior_logprobs)} behaviour logprobs",
+            )
+        if not 0 <= sample.group_index < groups:
+            raise RolloutUnusable(
+                rollout.task_id, "rollout_malformed", f"{where} names group {sample.group_index} of {groups}"
+            )
+        if not _finite(sample.behavior_logprobs):
+            raise RolloutUnusable(rollout.task_id, "rollout_non_finite", f"{where} has non-finite logprobs")
+        if not _finite([sample.advantage, sample.reward]):
+            raise RolloutUnusable(
+                rollout.task_id,
+                "rollout_non_finite",
+                f"{where} has advantage {sample.advantage} and reward {sample.reward}",
+            )
+
 
 log = structlog.get_logger()
 

@@ -29,8 +29,7 @@ from asyncgrpo.protocol.records import FlaggedRollout
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER
 from worker.optimize.batch import TrainSample
-from worker.optimize.trainer import RatioSums, Trainer
-from worker.optimize.trainer_state import load_adapter_weights
+from worker.optimize.trainer import RatioSums, Trainer, load_adapter_weights
 
 log = structlog.get_logger()
 

@@ -3,10 +3,10 @@
 Modules:
     celery_app        the Celery app, configured for preemptible machines (JSON only, acks late, prefetch 1)
     launcher          `asyncgrpo worker`: execs `celery worker` with its run's queues for the role, pool and flags
-    tasks             the thin Celery tasks; a generate task that failed for good is reported to the proxy
+    tasks             the thin Celery tasks; a generate task that failed for good is reported to the proxy;
+                      SIGTERM: stop taking tasks, grace period, then the running task goes back to the queue
     runtime           what a worker process builds once: bucket, client, model, caches, heartbeat
     settings          the workers' environment variables
-    preemption        SIGTERM: stop taking tasks, grace period, then the running task goes back to the queue
     heartbeat         heartbeats to the proxy from a background thread
     inspect_commands  custom `celery inspect` commands
     metrics           the workers' Prometheus metrics, and those each task's result moves

@@ -9,10 +9,10 @@ Why each setting, for workers on preemptible machines:
   (interval lowered, throttle 1), so a kill -9'd worker's task comes back soon after the timeout rather
   than a ~100 s sweep later.
 - SIGTERM: a preempted worker gets a short grace period (ASYNCGRPO_SOFT_SHUTDOWN_S), then hands its task
-  back to the queue (``worker.process.preemption``; Celery's own cold shutdown cannot stop a solo-pool task).
+  back to the queue (``worker.process.tasks``; Celery's own cold shutdown cannot stop a solo-pool task).
 - solo pool (set by the launcher): a forked child hangs on torch once its parent has run a torch op.
 - one run per worker (``ASYNCGRPO_RUN``): its tasks are routed to that run's queues
-  (``asyncgrpo.protocol.queues``), and remote control (``celery inspect``, mingle, gossip) goes over a control
+  (``asyncgrpo.protocol.schemas``), and remote control (``celery inspect``, mingle, gossip) goes over a control
   exchange of the run's own, so runs sharing one Redis neither take each other's tasks nor answer each other's
   ``celery inspect``. A worker process (``ASYNCGRPO_WORKER_ROLE`` set by the launcher) without a run does not
   start; a client without one (``celery inspect`` with ASYNCGRPO_RUN unset) reaches no asyncgrpo worker.
@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import Celery
 
-from asyncgrpo.protocol.queues import (
+from asyncgrpo.protocol.schemas import (
     GENERATE_TASK_NAME,
     OPTIMIZE_TASK_NAME,
     generate_queue,

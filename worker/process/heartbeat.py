@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 import structlog
 
-from asyncgrpo.protocol.client import ProxyClient, ProxyError
-from asyncgrpo.protocol.incarnation import process_incarnation
+from asyncgrpo.protocol.client import ProxyClient, ProxyError, process_incarnation
 from asyncgrpo.protocol.schemas import HeartbeatRequest
 
 log = structlog.get_logger()

@@ -1,6 +1,6 @@
 """``asyncgrpo worker generate|optimize``: start ``celery worker`` with the queues, pool and flags a role needs.
 
-The queues are those of the run named by ``ASYNCGRPO_RUN`` (``asyncgrpo.protocol.queues``); without it the worker
+The queues are those of the run named by ``ASYNCGRPO_RUN`` (``asyncgrpo.protocol.schemas``); without it the worker
 does not start.
 """
 
@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import get_args
 
-from asyncgrpo.protocol.queues import worker_queues
+from asyncgrpo.protocol.schemas import worker_queues
 from worker.process.settings import WorkerRole, load_worker_settings
 
 ROLES: tuple[str, ...] = get_args(WorkerRole)
@@ -56,7 +56,7 @@ def run_worker(role: str, extra_args: list[str]) -> int:
     settings = load_worker_settings()
     argv = celery_worker_argv(role, settings.require_run(), settings.worker_id, extra_args, settings.celery_loglevel)
     env = dict(os.environ)
-    # SIGTERM (spot preemption, systemctl stop) is handled by worker.process.preemption: a short grace period, then
+    # SIGTERM (spot preemption, systemctl stop) is handled by worker.process.tasks: a short grace period, then
     # the running task goes back to the queue.
     env[ROLE_ENV] = role
     os.execvpe(argv[0], argv, env)

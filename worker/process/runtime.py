@@ -19,8 +19,7 @@ from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_eval_prompts, load_run
-from worker.generate.adapter_cache import AdapterCache
-from worker.generate.prefetch import AdapterPrefetcher
+from worker.generate.adapters import AdapterCache, AdapterPrefetcher
 from worker.process.heartbeat import Heartbeat
 from worker.process.settings import WorkerSettings, process_settings
 

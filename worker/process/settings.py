@@ -14,8 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from asyncgrpo.protocol.queues import check_queue_run
-from asyncgrpo.protocol.schemas import ID_PATTERN
+from asyncgrpo.protocol.schemas import ID_PATTERN, check_queue_run
 from asyncgrpo.protocol.settings import CacheSettings, CommonSettings, SettingsError, env_name
 from worker.generate.settings import GenerateSettings
 

@@ -1,19 +1,39 @@
 """The Celery tasks, kept thin: validate the JSON message, bind log context, call a plain function, return
 a small JSON result. All the work is in ``worker.generate.job``, ``worker.generate.evaluate`` and
 ``worker.optimize.job``. A generate task that failed for good is reported to the proxy
-(``report_task_failure``: cancel it now, count the attempt of its prompts)."""
+(``report_task_failure``: cancel it now, count the attempt of its prompts).
+
+Preemption: a SIGTERM (spot reclaim, ``systemctl stop``) hands the running task back to the queue.
+
+Celery's own cold shutdown cannot stop a task in the solo pool (the solo pool has no ``kill_job``; the task
+fails with NotImplementedError, is acknowledged, and its prompts wait for the proxy's timeout). So a worker
+handles SIGTERM itself:
+
+1. it stops taking tasks at once (Celery's warm-shutdown flag);
+2. a running task gets ``ASYNCGRPO_SOFT_SHUTDOWN_S`` seconds to finish (a SIGALRM timer);
+3. past that, ``WorkerPreempted`` is raised inside the task, which the task wrapper turns into
+   ``Reject(requeue=True)``: the message goes straight back to its queue, where another worker takes it
+   without waiting for the broker's visibility timeout. Every task is idempotent by id, so that worker
+   simply does it again.
+
+Signals are delivered to the main thread, which is where a solo worker runs its task, so the exception
+lands in the task's own stack.
+"""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import structlog
 import torch
 from celery import signals
 from celery.exceptions import Reject
+from celery.worker import state as worker_state
 
 from asyncgrpo.bucket.backends import BucketError, ObjectNotFound
 from asyncgrpo.bucket.manifest import IntegrityError
@@ -21,21 +41,70 @@ from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
 from asyncgrpo.protocol.evals import EvaluateTaskMessage
 from asyncgrpo.protocol.log_setup import configure_logging
-from asyncgrpo.protocol.queues import EVALUATE_TASK_NAME, REPAIR_TASK_NAME
-from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage, TaskFailureReport
-from asyncgrpo.protocol.staleness import StaleRolloutError
-from worker.generate.adapter_cache import AdapterCache
+from asyncgrpo.protocol.schemas import (
+    EVALUATE_TASK_NAME,
+    REPAIR_TASK_NAME,
+    GenerateTaskMessage,
+    OptimizeTaskMessage,
+    RepairTaskMessage,
+    StaleRolloutError,
+    TaskFailureReport,
+)
+from worker.generate.adapters import AdapterCache
 from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import run_generate_task
 from worker.optimize import held_version
-from worker.optimize.failures import step_failure_of
-from worker.optimize.job import OptimizeResult, run_initialize, run_optimize_step
+from worker.optimize.job import OptimizeResult, run_initialize, run_optimize_step, step_failure_of
 from worker.process import metrics as worker_metrics
-from worker.process import preemption
 from worker.process.celery_app import app
 from worker.process.runtime import RunContext, WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
 from worker.process.settings import process_settings
+
+
+class WorkerPreempted(BaseException):
+    """Raised inside a running task when the worker was told to stop and the grace period is over."""
+
+
+_grace_s = 0.0
+_task_running = False
+
+
+def install(grace_s: float) -> None:
+    """Take over SIGTERM for this worker process (call from the main thread once the worker is ready)."""
+    global _grace_s
+    _grace_s = max(0.0, grace_s)
+    signal.signal(signal.SIGTERM, _on_terminate)
+    signal.signal(signal.SIGALRM, _on_grace_over)
+
+
+@contextmanager
+def task_running() -> Iterator[None]:
+    """Marks the block as the running task: the one a SIGTERM hands back."""
+    global _task_running
+    _task_running = True
+    try:
+        yield
+    finally:
+        _task_running = False
+        signal.setitimer(signal.ITIMER_REAL, 0)  # the task ended within its grace period
+
+
+def _on_terminate(signum: int, _frame: FrameType | None) -> None:
+    worker_state.should_stop = 0  # warm shutdown: no new task; Celery exits after the current one
+    if not _task_running:
+        log.warning("worker.stopping", signal=signum)
+        return
+    log.warning("worker.stopping_after_grace", signal=signum, grace_s=_grace_s)
+    if _grace_s <= 0:
+        raise WorkerPreempted(f"signal {signum}")
+    signal.setitimer(signal.ITIMER_REAL, _grace_s)
+
+
+def _on_grace_over(_signum: int, _frame: FrameType | None) -> None:
+    if _task_running:
+        raise WorkerPreempted(f"grace period of {_grace_s} s over")
+
 
 log = structlog.get_logger()
 
@@ -109,7 +178,7 @@ def _on_worker_ready(**_: Any) -> None:
     if runtime.settings.torch_threads is not None:
         torch.set_num_threads(runtime.settings.torch_threads)
     worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
-    preemption.install(runtime.settings.soft_shutdown_s)
+    install(runtime.settings.soft_shutdown_s)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     start_heartbeat(role)
     start_prefetcher(role)
@@ -154,9 +223,9 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
     runtime.current_task = task_name
     started = time.perf_counter()
     try:
-        with worker_metrics.task_in_flight(role), preemption.task_running():
+        with worker_metrics.task_in_flight(role), task_running():
             yield
-    except preemption.WorkerPreempted as error:
+    except WorkerPreempted as error:
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
         log.warning("worker.task_handed_back", task=task_name, reason=str(error))
         raise Reject(str(error), requeue=True) from error

@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from asyncgrpo.bucket.backends import BucketError
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import ERROR_CODES, ProxyError, error_code, exception_for
-from asyncgrpo.protocol.staleness import StaleRolloutError
+from asyncgrpo.protocol.schemas import StaleRolloutError
 from proxy.api import refusals as api
 from proxy.coordinator.errors import (
     BadRollout,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncgrpo.protocol.staleness import StaleRolloutError, check_fresh, is_fresh, staleness
+from asyncgrpo.protocol.schemas import StaleRolloutError, check_fresh, is_fresh, staleness
 
 
 def test_staleness_counts_versions_behind() -> None:

@@ -1,7 +1,7 @@
 """``math_verify`` scoring keeps the worker's signals: the preemption grace timer holds while it scores.
 
 math-verify's own timeouts use ``signal.alarm``; the reward runs it in a helper process
-(``worker.algo.math_scoring``), so the SIGALRM grace timer of ``worker.process.preemption`` still fires.
+(``worker.algo.math_scoring``), so the SIGALRM grace timer of ``worker.process.tasks`` still fires.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from celery.worker import state as worker_state
 from worker.algo import math_scoring
 from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import math_verify_reward
-from worker.process import preemption
+from worker.process import tasks as preemption
 
 pytest.importorskip("math_verify")
 
