@@ -56,7 +56,7 @@ class RolloutExtra(_Stored):
     redelivered task resubmits them with the rollout."""
     prompts: list[str] | None = None
     """Per accepted group, in header order: the prompt text actually fed to the model (after the chat template,
-    if the run uses one; see ``worker.generate.prompt_format``). None (and not written) in rollouts made before
+    if the run uses one; see ``worker.generate.backend``). None (and not written) in rollouts made before
     it existed, which still read and write the same bytes."""
 
     @model_serializer(mode="wrap")

@@ -69,17 +69,18 @@ from asyncgrpo.protocol.schemas import (
     VersionInfo,
     WorkersResponse,
 )
-from proxy.api.guards import ProxyStartupError, keep_leadership, leadership_guard, start_checks, stop_this_process
-from proxy.api.middleware import OPEN_PATHS, AuthAndTiming
-from proxy.api.openapi import install_openapi
-from proxy.api.refusals import (
+from proxy.api.edge import (
     AUTH_REFUSAL,
+    OPEN_PATHS,
     TOO_LARGE,
     UNAVAILABLE,
+    AuthAndTiming,
     error_body,
     install_error_handlers,
     refuse_unknown_query,
 )
+from proxy.api.guards import ProxyStartupError, keep_leadership, leadership_guard, start_checks, stop_this_process
+from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.api.token_policy import check_can_serve
 from proxy.coordinator.service import Coordinator

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from redis import Redis
 
 from proxy.api.app import create_app, serve
+from proxy.api.edge import OPEN_PATHS
 from proxy.api.guards import ProxyStartupError
-from proxy.api.middleware import OPEN_PATHS
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.api.token_policy import PLACEHOLDER_TOKENS, check_can_serve
 from proxy.coordinator.service import Coordinator

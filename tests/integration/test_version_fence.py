@@ -27,7 +27,7 @@ from tests.support.proxy_harness import (
     small_config,
     submission,
 )
-from worker.optimize import held_version
+from worker.optimize import version_io as held_version
 
 RUN = "r1"
 

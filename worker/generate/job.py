@@ -27,8 +27,7 @@ from worker.algo.grpo import group_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
 from worker.generate.adapters import AdapterCache
-from worker.generate.backend import GenerationBackend
-from worker.generate.prompt_format import FedPrompts, fed_prompts
+from worker.generate.backend import FedPrompts, GenerationBackend, fed_prompts
 
 log = structlog.get_logger()
 

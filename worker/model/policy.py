@@ -86,7 +86,7 @@ class Policy:
 
     def encode_prompts(self, prompts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt, as the model sees them: with the tokenizer's own special tokens, unless
-        the text already holds them (a chat template's output, see ``worker.generate.prompt_format``)."""
+        the text already holds them (a chat template's output, see ``worker.generate.backend``)."""
         return [list(ids) for ids in self.tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 

@@ -13,7 +13,7 @@ Idempotent: a redelivered step that is already published is a no-op; one whose u
 publish did not (the worker died in between) publishes the uploaded version instead of training again. An
 attempt whose manifest write or CAS another attempt won ends with status ``conflict`` (an info line, not an
 error); which manifest won is judged by the sha the proxy recorded, never by the bucket alone. The bytes of
-the last version uploaded or loaded stay in memory (``worker.optimize.held_version``) to repair the bucket.
+the last version uploaded or loaded stay in memory (``worker.optimize.version_io``) to repair the bucket.
 
 Before any work the task tells the proxy it holds the step (``POST /v1/steps/{S}/start``), so the step is
 re-sent at once if this worker dies; a copy whose batch is no longer the step's ends there. A step it cannot
@@ -68,7 +68,7 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, decode_rollout
-from worker.optimize import held_version
+from worker.optimize import version_io as held_version
 from worker.optimize.batch import build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
     flag_drifting_rollouts,

@@ -54,7 +54,7 @@ from worker.generate.adapters import AdapterCache
 from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import run_generate_task
-from worker.optimize import held_version
+from worker.optimize import version_io as held_version
 from worker.optimize.job import OptimizeResult, run_initialize, run_optimize_step, step_failure_of
 from worker.process import metrics as worker_metrics
 from worker.process.celery_app import app

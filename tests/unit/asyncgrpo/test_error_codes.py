@@ -13,7 +13,7 @@ from asyncgrpo.bucket.backends import BucketError
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import ERROR_CODES, ProxyError, error_code, exception_for
 from asyncgrpo.protocol.schemas import StaleRolloutError
-from proxy.api import refusals as api
+from proxy.api import edge as api
 from proxy.coordinator.errors import (
     BadRollout,
     BadStepFailure,

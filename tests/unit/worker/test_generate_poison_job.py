@@ -11,8 +11,8 @@ import pytest
 from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.config import RunConfig
 from tests.support.poison_rewards import NAN_DIGIT, RAISE_DIGIT
+from worker.generate.backend import fed_prompts
 from worker.generate.job import _score, _split_bad_prompts
-from worker.generate.prompt_format import fed_prompts
 from worker.generate.transformers_backend import TransformersBackend
 from worker.process.tasks import failure_reason
 
