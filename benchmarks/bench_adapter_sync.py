@@ -43,7 +43,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.fixtures_s3, from a plain clone too
 
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.bucket.manifest import write_version
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
@@ -51,6 +50,7 @@ from asyncgrpo.protocol.log_setup import configure_logging
 from asyncgrpo.protocol.schemas import PublishRequest
 from asyncgrpo.run.config import load_run_config
 from asyncgrpo.run.creation import create_run
+from tests.support.fixtures_s3 import open_env_bucket
 
 # Rank 268 on every linear layer of the tiny model (2 layers, hidden 128) is 268 * 4096 fp32 parameters.
 CONFIG_TOML = """\
@@ -152,7 +152,7 @@ def measure(backend: str, mode: str, versions: int, rank: int, root: Path, s3: A
     try:
         config_path = workdir / "run.toml"
         config_path.write_text(CONFIG_TOML.format(rank=rank))
-        bucket = open_bucket(cluster.bucket_url)
+        bucket = open_env_bucket(cluster.bucket_url)
         create_run(config_path, run, bucket)
         from worker.model.policy import Policy
         from worker.optimize.trainer import Trainer

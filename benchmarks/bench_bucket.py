@@ -27,8 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.backends import Bucket, FileBucket, open_bucket
+from asyncgrpo.bucket.backends import Bucket, FileBucket
 from asyncgrpo.bucket.manifest import fetch_version, write_version
+from tests.support.fixtures_s3 import open_env_bucket
 
 ADAPTER_BYTES = 4_400_000
 
@@ -112,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-") as tmp:
         workdir = Path(tmp)
         if args.bucket:
-            results[args.bucket] = measure(open_bucket(args.bucket), args.reps, workdir)
+            results[args.bucket] = measure(open_env_bucket(args.bucket), args.reps, workdir)
         else:
             for name in args.backends.split(","):
                 backend_dir = workdir / name

@@ -49,13 +49,13 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.config import RunConfig, load_run_config
 from asyncgrpo.run.creation import create_run
 from asyncgrpo.run.datasets import build_dataset
+from tests.support.fixtures_s3 import open_env_bucket
 from worker.algo.grpo import group_advantages
 from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions
@@ -313,7 +313,7 @@ def run_system(workdir: Path, toml: str, run: str, generate_workers: int, bucket
         cluster.ensure_redis()
         config_path = workdir / "run.toml"
         config_path.write_text(toml)
-        bucket = open_bucket(cluster.bucket_url)
+        bucket = open_env_bucket(cluster.bucket_url)
         create_run(config_path, run, bucket)
         cluster.start_proxy()
         threads = {"ASYNCGRPO_TORCH_THREADS": "1"}  # each process one core, as the demo does

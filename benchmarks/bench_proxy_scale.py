@@ -48,9 +48,9 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from proxy_load import KINDS, RUN, TOKEN, generate_process, publish_steps  # noqa: E402
 
-from asyncgrpo.bucket.backends import open_bucket  # noqa: E402
 from asyncgrpo.run.creation import create_run  # noqa: E402
 from tests.support.fixtures_redis import free_port, start_redis_server  # noqa: E402
+from tests.support.fixtures_s3 import open_env_bucket  # noqa: E402
 
 GROUPS_PER_STEP = 128
 CONFIG = f"""\
@@ -167,7 +167,7 @@ def main() -> None:
         proxy = None
         try:
             os.environ.update(extra_env)
-            bucket = open_bucket(bucket_url)
+            bucket = open_env_bucket(bucket_url)
             (workdir / "run.toml").write_text(CONFIG)
             create_run(workdir / "run.toml", RUN, bucket)
             proxy, proxy_url = start_proxy(workdir, redis_url, bucket_url, extra_env)

@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.bucket.manifest import read_manifest
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_keys import RunKeys
 from tests.support.e2e_harness import wait_for
+from tests.support.fixtures_s3 import open_env_bucket
 
 CONFIG = """\
 seed = 3
@@ -189,7 +189,7 @@ def corrupt_adapter(cluster: LocalCluster, keys: RunKeys, client: redis.Redis) -
     cluster.expect_dead(first)
     first.kill_hard()  # the only generator stops: no version moves until a new one loads the current one
     time.sleep(1)
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
     version = _version(cluster)
     manifest, _ = read_manifest(bucket, cluster.run, version)
     bucket.put(manifest.file_key(cluster.run, bucket_keys.ADAPTER_WEIGHTS_NAME), b"not the published weights")
@@ -215,7 +215,7 @@ def measure(name: str, workdir: Path, bucket_url: str | None, bucket_env: dict[s
         cluster.ensure_redis()
         config = workdir / f"{run}.toml"
         config.write_text(CONFIG)
-        create_run(config, run, open_bucket(cluster.bucket_url))
+        create_run(config, run, open_env_bucket(cluster.bucket_url))
         cluster.start_proxy()
         client = redis.Redis.from_url(cluster.redis_url or "", decode_responses=True)
         return SCENARIOS[name](cluster, RunKeys(run), client)

@@ -22,9 +22,10 @@ import redis
 import redis.asyncio as aioredis
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.manifest import write_version
 from asyncgrpo.protocol.schemas import generate_queue, optimize_queue
+from tests.support.fixtures_s3 import open_env_bucket
 
 TOKEN = "bench-scale-token"
 RUN = "scale"
@@ -61,7 +62,7 @@ async def _generate_workers(
     tasks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
     outcome = {"cycles": 0, "refused": 0, "errors": 0, "durable_checked": 0, "durable_missing": 0}
-    bucket = open_bucket(bucket_url)
+    bucket = open_env_bucket(bucket_url)
     snapshot_key = bucket_keys.proxy_snapshot_key(RUN)
     admitted = 0
 

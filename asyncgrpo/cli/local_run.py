@@ -58,7 +58,9 @@ def configured_services(settings: CommonSettings) -> tuple[str | None, str | Non
     """The Redis URL and the bucket the environment names (ASYNCGRPO_REDIS_URL, ASYNCGRPO_BUCKET), None
     where unset (the local run then starts a private redis-server, or keeps a bucket in its work folder)."""
     redis_url = settings.redis_url if "redis_url" in settings.model_fields_set else None
-    return redis_url, settings.bucket
+    # Set by the user, not a settings class's default (a worker's own default bucket is not this run's).
+    bucket = settings.bucket if "bucket" in settings.model_fields_set else None
+    return redis_url, bucket
 
 
 def torch_threads_env(worker_processes: int, settings: WorkerSettings) -> dict[str, str]:

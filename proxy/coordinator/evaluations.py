@@ -135,7 +135,7 @@ class Evaluations:
         ]
         tasks = [f"{m.task_id}:{m.prompt_start}:{m.prompt_count}" for m in messages]
         reply = self.store.scripts.schedule_eval(deadline_ms=deadline, version=version, cursor=version + 1, tasks=tasks)
-        if not int(reply["scheduled"]):
+        if not reply["scheduled"]:
             return []
         log.info("proxy.eval_scheduled", version=version, tasks=len(messages))
         return self._send(dispatcher, messages)
@@ -164,7 +164,7 @@ class Evaluations:
             deadline_ms=deadline,
             max_attempts=self.config.async_.max_group_attempts,
         )
-        for version in json.loads(reply["failed_json"]):
+        for version in reply["failed_json"]:
             log.warning(
                 "proxy.eval_given_up", version=int(version), attempts=self.config.async_.max_group_attempts
             )
@@ -177,7 +177,7 @@ class Evaluations:
                 prompt_count=int(item["count"]),
                 expires_at=deadline / 1000.0,
             )
-            for item in json.loads(reply["resend_json"])
+            for item in reply["resend_json"]
         ]
         if messages:
             log.warning("proxy.eval_resent", task_ids=[m.task_id for m in messages])
@@ -241,7 +241,7 @@ class Evaluations:
             deadline_ms=now + self._timeout_ms,
             incarnation=incarnation,
         )
-        version = int(reply["version"])
+        version = reply["version"]
         return EvalLeaseGrant(
             lease_id=lease_id,
             version=version,
@@ -249,9 +249,9 @@ class Evaluations:
             manifest_key=bucket_keys.manifest_key(store.run, version),
             manifest_sha256=reply["manifest_sha256"] or "",
             ttl_s=ttl_s,
-            expires_at=int(reply["expires_ms"]) / 1000.0,
-            prompt_start=int(reply["prompt_start"]),
-            prompt_count=int(reply["prompt_count"]),
+            expires_at=reply["expires_ms"] / 1000.0,
+            prompt_start=reply["prompt_start"],
+            prompt_count=reply["prompt_count"],
         )
 
     def result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
@@ -263,7 +263,7 @@ class Evaluations:
             summary_json=request.summary.model_dump_json(),
             worker_id=request.worker_id,
         )
-        return EvalResultAnswer(version=int(reply["version"]), chunks_left=int(reply["chunks_left"]))
+        return EvalResultAnswer(version=reply["version"], chunks_left=reply["chunks_left"])
 
     def fail(self, task_id: str, worker_id: str) -> bool:
         """The worker holding ``task_id`` reports it failed for good: make it due now, so the next tick sends it

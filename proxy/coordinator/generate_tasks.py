@@ -41,7 +41,6 @@ two sides of the same balance, shown as the bottleneck pair of metrics.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -261,7 +260,7 @@ class GenerateTasks:
         """Groups of in-flight tasks no worker is known to work on (leased, no live lease): the paced limit leaves
         them out, so a ghost task does not hold the room a step needs (``lua/unattended_groups.lua``)."""
         reply = self.store.scripts.unattended_groups(now_ms=self.store.clock_ms())
-        return int(reply["groups"])
+        return reply["groups"]
 
     def dispatch_one(self, unattended: int = 0) -> GenerateTaskMessage | None:
         """Create one generate task if the buffer has room (the caller sends it); None when full. ``unattended``:
@@ -301,7 +300,7 @@ class GenerateTasks:
             except EpochMoved:
                 continue
             store.mark_changed()
-            groups = [GroupRef(**g) for g in json.loads(reply["groups_json"])]
+            groups = [GroupRef(**g) for g in reply["groups_json"]]
             return GenerateTaskMessage(
                 run=store.run, task_id=reply["task_id"], groups=groups, expires_at=deadline / 1000.0
             )
@@ -338,7 +337,7 @@ class GenerateTasks:
         if not task_ids:
             return 0
         reply = self.store.scripts.undo_dispatch(task_ids=task_ids)
-        undone = int(reply["tasks_undone"])
+        undone = reply["tasks_undone"]
         if undone:
             self.store.mark_changed()
         return undone
@@ -366,7 +365,7 @@ class GenerateTasks:
             task_ids=task_ids,
         )
         tasks, groups, rejected = (
-            int(reply[name]) for name in ("tasks_cancelled", "groups_requeued", "groups_rejected")
+            reply[name] for name in ("tasks_cancelled", "groups_requeued", "groups_rejected")
         )
         if tasks:
             self.store.mark_changed()

@@ -78,10 +78,10 @@ class Leases:
             task_prefix=task_id_prefix(self.store.run),
             incarnation=incarnation,
         )
-        version = int(reply["version"])
+        version = reply["version"]
         if version > self._first_use_marked:
             self._observe_first_use(version, now)
-        return self._grant(lease_id, version, reply["manifest_sha256"], int(reply["expires_ms"]))
+        return self._grant(lease_id, version, reply["manifest_sha256"], reply["expires_ms"])
 
     def _observe_first_use(self, version: int, now_ms: int) -> None:
         """At the first lease on ``version``, observe the seconds since it was published.
@@ -111,12 +111,12 @@ class Leases:
     def renew(self, lease_id: str) -> LeaseGrant:
         """Push a live lease's expiry on; raises LeaseLostError if it already expired."""
         reply = self.store.scripts.renew_lease(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
-        return self._grant(lease_id, int(reply["version"]), reply["manifest_sha256"], int(reply["expires_ms"]))
+        return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
 
     def release(self, lease_id: str) -> bool:
         """Drop a lease; False if it was already gone (releasing is idempotent)."""
-        return bool(int(self.store.scripts.release_lease(lease_id=lease_id)["released"]))
+        return bool(self.store.scripts.release_lease(lease_id=lease_id)["released"])
 
     def expire(self) -> int:
         """Forget the leases past their expiry; returns how many."""
-        return int(self.store.scripts.expire_leases(now_ms=self.store.clock_ms())["expired"])
+        return self.store.scripts.expire_leases(now_ms=self.store.clock_ms())["expired"]

@@ -118,7 +118,7 @@ def halt(store: RedisStore, reason: str, *, by: str) -> None:
 
 def clear_halt(store: RedisStore, *, by: str) -> bool:
     """Lift a halt set by ``by`` (another source's halt stays); True if one was lifted."""
-    lifted = int(store.scripts.clear_halt(by=by)["cleared"]) > 0
+    lifted = store.scripts.clear_halt(by=by)["cleared"] > 0
     if lifted:
         store.mark_changed()
         log.warning("proxy.run_halt_cleared", by=by)

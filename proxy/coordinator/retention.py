@@ -115,7 +115,7 @@ class Retention:
             return []
         max_version = current - retention
         reply = store.scripts.due_rollouts(max_version=max_version, limit=MAX_ROLLOUT_DELETES_PER_TICK)
-        due, protected = list(reply["due"]), list(reply["protected"])
+        due, protected = reply["due"], reply["protected"]
         if protected:
             # A bug elsewhere queued a rollout that may still be trained: never delete it.
             log.error("proxy.rollout_retention_skipped_needed", task_ids=protected)

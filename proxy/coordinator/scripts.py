@@ -27,14 +27,15 @@ and starts with comment lines that state its contract, in this form::
     -- <name>: what it does
     -- KEYS[1] <RunKeys attribute>  KEYS[2] ...
     -- ARGV[1] prefix  ARGV[2] <argument> <what it is>  ...  ARGV[n..] <argument> (the rest, a list)
-    -- returns {"OK", <field>, ...} | {"<CODE>", <field>, ...} (why) | ...
+    -- returns {"OK", <field>[:<type>], ...} | {"<CODE>", <field>, ...} (why) | ...
 
-``lua/prelude.lua`` (the key helpers) is prepended at load time. The header is the one statement of the
-script's KEYS (by ``RunKeys`` attribute), ARGV (by name) and reply fields: ``LuaScript.contract`` parses it. The
-Python declaration (``scripts``) adds only what the header cannot say: which codes are answers (``answers``)
-and, for every other code, the one exception of ``proxy.coordinator.errors`` it raises (``errors``).
-``contract_problems`` finds every disagreement (a code neither answered nor mapped, a code the body returns
-that the header omits, a refusal naming a value nobody has); a test runs it over every script.
+``lua/prelude.lua`` (the key helpers) is prepended at load time. The header is the one statement of the script's
+KEYS (by ``RunKeys`` attribute), ARGV (by name) and reply fields, each with its type where it is not text
+(``int``, ``json``, ``list``, ``rows``: ``FIELD_TYPES``), so a reply reaches its caller as typed values:
+``LuaScript.contract`` parses it. The Python declaration (``scripts``) adds only what the header cannot say: which
+codes are answers (``answers``) and, for every other code, the one exception of ``proxy.coordinator.errors`` it
+raises (``errors``). ``contract_problems`` finds every disagreement (a code neither answered nor mapped, a code
+the body returns that the header omits, a refusal naming a value nobody has); a test runs it over every script.
 
 A call reads like a method: ``store.scripts.grant_lease(now_ms=..., ttl_ms=..., ...)``. The store passes the
 key prefix (``ARGV[1]``) and the keys; the answer is a ``ScriptReply`` with the code and named fields.
@@ -43,6 +44,7 @@ key prefix (``ARGV[1]``) and the keys; the answer is a ``ScriptReply`` with the 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -140,9 +142,19 @@ class ScriptReply:
 
 _KEY = re.compile(r"KEYS\[(\d+)\] (\w+)")
 _ARG = re.compile(r"ARGV\[(\d+)(\.\.)?\] (\w+)")
-_CODE = re.compile(r'\{"([A-Z_]+)"((?:, *\w+)*)\}')
+_CODE = re.compile(r'\{"([A-Z_]+)"((?:, *\w+(?::\w+)?)*)\}')
 # codes the body can return: a literal first element of a returned table, or assigned to `code` first
 _BODY_CODE = re.compile(r"(?:return \{|code = )'([A-Z_]+)'")
+
+
+def _rows(packed: str) -> list[tuple[int, ...]]:
+    """``"a:b:c,d:e:f"`` -> ``[(a, b, c), (d, e, f)]``: rows of numbers packed into one reply string."""
+    return [tuple(int(part) for part in row.split(":")) for row in packed.split(",") if row]
+
+
+FIELD_TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "json": json.loads, "list": list, "rows": _rows}
+"""What a typed reply field becomes: Lua answers text and integers; the header's type says which Python value
+each field is, so callers read typed results, never parse a reply themselves."""
 
 
 class ScriptHeaderError(ValueError):
@@ -161,6 +173,8 @@ class ScriptContract:
     """Every return code the header states, with its reply fields."""
     body_codes: frozenset[str]
     """The codes the body returns (a literal first element of a returned table)."""
+    types: Mapping[str, str] = field(default_factory=dict)
+    """The type a field's name carries in the header (``version:int``): one of ``FIELD_TYPES``; text if none."""
 
 
 def parse_contract(text: str) -> ScriptContract:
@@ -182,14 +196,23 @@ def parse_contract(text: str) -> ScriptContract:
             raise ScriptHeaderError(f"{what} numbered {numbers} in the header")
     if [name for _, name in argv[:1]] != ["prefix"]:
         raise ScriptHeaderError("ARGV[1] must be prefix")
-    codes = {
-        code: tuple(part.strip() for part in fields.split(",") if part.strip())
-        for code, fields in _CODE.findall(" ".join(returns))
-    }
+    codes: dict[str, tuple[str, ...]] = {}
+    types: dict[str, str] = {}
+    for code, fields in _CODE.findall(" ".join(returns)):
+        names = []
+        for part in filter(None, (part.strip() for part in fields.split(","))):
+            name, _, kind = part.partition(":")
+            if kind and kind not in FIELD_TYPES:
+                raise ScriptHeaderError(f"field {name} of {code} has type {kind!r}; use one of {sorted(FIELD_TYPES)}")
+            if kind:
+                types[name] = kind
+            names.append(name)
+        codes[code] = tuple(names)
     return ScriptContract(
         keys=tuple(name for _, name in keys),
         argv=tuple(name for _, name in argv[1:]),
         codes=codes,
+        types=types,
         body_codes=frozenset(_BODY_CODE.findall(body)),
     )
 
@@ -231,7 +254,11 @@ class LuaScript:
             raise RuntimeError(
                 f"script {self.name} answered {code!r} with {len(reply) - 1} fields; its header states {list(names)}"
             )
-        named = dict(zip(names, reply[1:], strict=False))
+        types = self.contract.types
+        named = {
+            name: FIELD_TYPES[types[name]](value) if name in types else value
+            for name, value in zip(names, reply[1:], strict=False)
+        }
         if code in self.answers:
             return ScriptReply(code, named)
         refusal = self.errors.get(code)

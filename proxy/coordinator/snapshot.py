@@ -383,7 +383,7 @@ def restore_state(store: RedisStore, bucket: Bucket, config: RunConfig) -> str:
         reply = store.scripts.restore_state(ops_json=json.dumps(ops.ops, separators=(",", ":")))
     except StateExists:
         return "present"
-    log.info("proxy.state_restored", run=store.run, outcome=outcome, latest_in_bucket=latest, ops=int(reply["applied"]))
+    log.info("proxy.state_restored", run=store.run, outcome=outcome, latest_in_bucket=latest, ops=reply["applied"])
     return outcome
 
 

@@ -41,14 +41,14 @@ class Workers:
             role=report.role,
             incarnation=report.incarnation or "",
         )
-        restarted = int(reply["restarted"]) == 1
+        restarted = reply["restarted"] == 1
         if restarted:
             log.warning(
                 "proxy.worker_restarted",
                 worker_id=report.worker_id,
                 role=report.role,
                 incarnation=report.incarnation,
-                leases_ended=int(reply["leases_ended"]),
+                leases_ended=reply["leases_ended"],
             )
         return restarted
 

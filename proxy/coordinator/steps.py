@@ -154,7 +154,7 @@ class StepFailures:
             return StepFailureResult(outcome="not_claimed")
         store.mark_changed()
         if reply.code == "OK":
-            rejected, requeued = int(reply["groups_rejected"]), int(reply["groups_requeued"])
+            rejected, requeued = reply["groups_rejected"], reply["groups_requeued"]
             log.warning(
                 "proxy.step_unclaimed",
                 **fields,
@@ -164,7 +164,7 @@ class StepFailures:
                 detail=report.detail,
             )
             return StepFailureResult(outcome="unclaimed", groups_rejected=rejected, groups_requeued=requeued)
-        attempts = int(reply["attempts"])
+        attempts = reply["attempts"]
         log.warning("proxy.step_failed", **fields, attempts=attempts, detail=report.detail)
         if report.kind == "base" and self.base_blocked(step - 1, reply["base_failed"]):
             halt(
@@ -598,14 +598,13 @@ class Steps:
                 log.info("proxy.stale_dropped_at_claim", groups=not_ready.dropped)
             return None, not_ready.dropped
         store.mark_changed()
-        step, base = int(reply["step"]), int(reply["base_version"])
-        for item in filter(None, reply["claimed"].split(",")):
-            version, admitted_ms, groups = (int(part) for part in item.split(":"))
+        step, base = reply["step"], reply["base_version"]
+        for version, admitted_ms, groups in reply["claimed"]:
             for _ in range(groups):
                 self.metrics.sample_staleness.observe(base - version)
                 self.metrics.time_in_buffer.observe(max(0, now - admitted_ms) / 1000.0)
-        rollouts = _refs(reply["rollouts_json"])
-        dropped = int(reply["dropped"])
+        rollouts = [RolloutRef(**ref) for ref in reply["rollouts_json"]]
+        dropped = reply["dropped"]
         log.info("proxy.step_claimed", step=step, base_version=base, rollouts=len(rollouts), dropped=dropped)
         return OptimizeTaskMessage(run=store.run, step=step, base_version=base, rollouts=rollouts), dropped
 
@@ -692,4 +691,4 @@ class Steps:
         except SnapshotFailed as error:
             # The CAS is done; a rebuild adopts the version from its manifest, so this answer stays true.
             log.error("proxy.snapshot_after_publish_failed", error=str(error))
-        return PublishResult(current_version=int(reply["current"]))
+        return PublishResult(current_version=reply["current"])

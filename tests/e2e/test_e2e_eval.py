@@ -13,13 +13,13 @@ import pytest
 from rich.console import Console
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.cli.history import load_eval_records, load_step_records
 from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.cli.plot import EVAL_PANEL_TITLE, draw_records, plot_run
 from asyncgrpo.cli.status import collect_status, render_status
 from asyncgrpo.protocol.client import ProxyClient
 from tests.support.e2e_harness import assert_run_invariants, metric_value, records_of, wait_for
+from tests.support.fixtures_s3 import open_env_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_eval_records_for_due_versions_reach_metrics_status_and_plot(
     cluster.start_worker("optimize", name="opt-1")
     cluster.start_worker("generate", name="gen-1")
     cluster.start_worker("generate", name="gen-2")
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
 
     def evaluated() -> bool:
         status = cluster.status()

@@ -14,7 +14,6 @@ import httpx
 import pytest
 import redis
 
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.cli.local_cluster import LocalCluster, free_port
 from proxy.coordinator.redis_keys import RunKeys
 from tests.support.e2e_harness import (
@@ -26,6 +25,7 @@ from tests.support.e2e_harness import (
     version_reached,
     wait_for,
 )
+from tests.support.fixtures_s3 import open_env_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def test_a_corrupted_rollout_is_rejected_and_the_run_reaches_its_final_version(
                 ref = json.loads(client.hget(keys.rollout(task_id), "ref"))
                 groups = len(ref["group_ids"])
                 # The object no longer matches the sha256 the generate worker submitted.
-                open_bucket(cluster.bucket_url).put(ref["key"], b"not a rollout")
+                open_env_bucket(cluster.bucket_url).put(ref["key"], b"not a rollout")
         finally:
             os.kill(trainer.pid, signal.SIGCONT)
         if task_id is not None:

@@ -12,13 +12,14 @@ import httpx
 import pytest
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.backends import ObjectNotFound, open_bucket
+from asyncgrpo.bucket.backends import ObjectNotFound
 from asyncgrpo.bucket.manifest import read_manifest, read_version_files
 from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import OptimizeTaskMessage
 from asyncgrpo.run.creation import load_run
 from tests.support.e2e_harness import records_of, version_reached, wait_for
+from tests.support.fixtures_s3 import open_env_bucket
 from worker.model.policy import Policy
 from worker.optimize.job import run_optimize_step
 from worker.optimize.trainer import Trainer
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 def _published_versions_verify(cluster: LocalCluster) -> None:
     """Every published version still in the bucket reads back intact against the sha the proxy recorded,
     and every trained step has its metrics record."""
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
     client = ProxyClient(cluster.proxy_url, cluster.token)
     current = cluster.status()["current_version"]
     for version in range(current + 1):
@@ -56,7 +57,7 @@ def test_a_paused_attempt_cannot_tear_the_version_another_published(
     zombie = cluster.start_worker("optimize", name="opt-zombie", env={"ASYNCGRPO_UPLOAD_PAUSE_S": "0.5"})
     cluster.start_worker("generate", name="gen-1")
     wait_for(version_reached(cluster, 1), 240, "version 1", cluster)
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
 
     def first_file_of_next_step() -> int | None:
         step = cluster.status()["current_version"] + 1
@@ -111,7 +112,7 @@ def test_a_corrupted_current_adapter_is_repaired_by_its_trainer_and_the_run_move
     cluster = make_cluster(defaults=True)
     cluster.start_worker("optimize", name="opt-1")
     wait_for(lambda: cluster.status()["current_version"] >= 0, 240, "version 0", cluster)
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
     manifest, _ = read_manifest(bucket, cluster.run, 0)
     key = manifest.file_key(cluster.run, bucket_keys.ADAPTER_WEIGHTS_NAME)
     bucket.put(key, b"other bytes")  # the bucket corrupts the current adapter; opt-1 holds it in memory

@@ -11,7 +11,6 @@ import pytest
 import redis
 
 from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest
 from asyncgrpo.cli.local_cluster import LocalCluster, free_port
 from tests.support.e2e_harness import (
@@ -27,6 +26,7 @@ from tests.support.e2e_harness import (
     version_reached,
     wait_for,
 )
+from tests.support.fixtures_s3 import open_env_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_short_run_publishes_contiguous_versions_within_staleness(make_cluster: 
     status = cluster.status()
     assert status["counters"].get("publish", 0) >= 5  # version 0 and at least 4 steps
     # Retention (async.rollout_retention_versions = 2): rollouts of the first steps are gone from the bucket.
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
     first_steps = {ro.task_id for r in records[:2] for ro in r.rollouts}
     wait_for(
         lambda: (
@@ -154,7 +154,7 @@ def test_kill_optimize_worker_mid_step_continues_from_bucket(make_cluster: Calla
     assert_run_invariants(records)
     # opt-b had no state in memory: it loaded the killed step's base version from the bucket.
     assert any(r.worker_id == "opt-b" for r in records)
-    bucket = open_bucket(cluster.bucket_url)
+    bucket = open_env_bucket(cluster.bucket_url)
     latest = latest_complete_version(bucket, cluster.run)
     assert latest is not None and latest >= killed_step + 2
     manifest, _ = read_manifest(bucket, cluster.run, latest)

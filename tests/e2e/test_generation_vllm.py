@@ -25,6 +25,7 @@ import pytest
 
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.config import RunConfig, load_run_config
+from tests.support.fixtures_s3 import open_env_bucket
 from tests.support.paths import REPO_ROOT
 from worker.generate.factory import (
     VLLM_ENGINE_ARGS_ENV,
@@ -462,7 +463,6 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
     on this interpreter; returns the step records and the generate worker's log."""
     import time
 
-    from asyncgrpo.bucket.backends import open_bucket
     from asyncgrpo.cli.history import load_step_records
     from asyncgrpo.cli.local_cluster import LocalCluster
     from asyncgrpo.run.creation import create_run
@@ -472,12 +472,12 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
     try:
         config_path = workdir / "run.toml"
         config_path.write_text(E2E_CONFIG_TOML)
-        create_run(config_path, cluster.run, open_bucket(cluster.bucket_url))
+        create_run(config_path, cluster.run, open_env_bucket(cluster.bucket_url))
         cluster.ensure_redis()
         cluster.start_proxy()
         cluster.start_worker("optimize", name="opt-1")
         cluster.start_worker("generate", name="gen-1", env={"ASYNCGRPO_GENERATION_BACKEND": backend})
-        bucket = open_bucket(cluster.bucket_url)
+        bucket = open_env_bucket(cluster.bucket_url)
         deadline = time.monotonic() + 400
         records: list[StepRecord] = []
         while len(records) < E2E_STEPS:

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from redis import Redis
 
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.run.creation import create_run
 from proxy.coordinator.leadership import DEFAULT_LEASE_TTL_S, Leader
 from proxy.coordinator.redis_keys import RunKeys
 from tests.support.fixtures_redis import free_port
+from tests.support.fixtures_s3 import open_env_bucket
 from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ TOKEN = "t" * 32
 @pytest.fixture
 def bucket_url(tmp_path: Path) -> str:
     url = f"file://{tmp_path / 'bucket'}"
-    create_run(ROOT / "examples" / "demo.toml", RUN, open_bucket(url))
+    create_run(ROOT / "examples" / "demo.toml", RUN, open_env_bucket(url))
     return url
 
 

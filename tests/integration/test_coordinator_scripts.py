@@ -19,6 +19,7 @@ from proxy.coordinator.errors import StateMissing
 from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.scripts import (
     ALL_SCRIPTS,
+    CLAIM_STEP,
     GRANT_LEASE,
     LUA_FOLDER,
     LUA_PACKAGE,
@@ -119,8 +120,27 @@ def test_a_bad_refusal_is_reported(refusal: Any, expected: str) -> None:
 def test_a_reply_with_more_fields_than_its_header_states_is_refused() -> None:
     values = {"now_ms": 1, "ttl_ms": 1, "lease_id": "l", "worker_id": "w", "task_id": "t", "task_prefix": "p",
               "incarnation": ""}
-    assert parse_contract(lua_text(GRANT_LEASE.name)).codes["OK"] == ("version", "manifest_sha256", "expires_ms")
-    assert GRANT_LEASE.answer(["OK", 3, "abc", 99], values, "r1")["manifest_sha256"] == "abc"
+    contract = parse_contract(lua_text(GRANT_LEASE.name))
+    assert contract.codes["OK"] == ("version", "manifest_sha256", "expires_ms")
+    assert contract.types == {"version": "int", "expires_ms": "int"}
+    answer = GRANT_LEASE.answer(["OK", "3", "abc", "99"], values, "r1")
+    assert (answer["version"], answer["manifest_sha256"], answer["expires_ms"]) == (3, "abc", 99)
     with pytest.raises(RuntimeError, match="its header states"):
         GRANT_LEASE.answer(["OK", 3, "abc", 99, "extra"], values, "r1")
+
+
+def test_typed_reply_fields_are_converted_in_one_place() -> None:
+    claim = {"now_ms": 1, "min_groups": 1, "max_staleness": 1, "record_ttl_s": 1, "track": "1", "final_version": 9}
+    names = [name.lstrip("*") for name in CLAIM_STEP.contract.argv]
+    values = {name: claim.get(name, 0) for name in names}
+    answer = CLAIM_STEP.answer(["OK", 4, "3", '[{"task_id": "t1"}]', "2:1000:1,3:2000:2", 0], values, "r1")
+    assert answer["step"] == 4 and answer["base_version"] == 3
+    assert answer["rollouts_json"] == [{"task_id": "t1"}]
+    assert answer["claimed"] == [(2, 1000, 1), (3, 2000, 2)]
+    assert CLAIM_STEP.answer(["OK", 4, 3, "[]", "", 0], values, "r1")["claimed"] == []
+
+
+def test_an_unknown_field_type_is_reported() -> None:
+    text = lua_text(GRANT_LEASE.name).replace("expires_ms:int}", "expires_ms:float}", 1)
+    assert any("has type 'float'" in problem for problem in contract_problems(GRANT_LEASE, text))
 

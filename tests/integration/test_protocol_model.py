@@ -154,7 +154,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             m.force_cancel(message["task_id"])
         if report.rollouts_deleted:
             self._durable(leases_seen=True)  # written again before rollout objects are deleted
-        m.check_liveness(self.needed, self.config.async_.queue_maxsize)
+        m.check_liveness(self.needed, self.config.async_.queue_maxsize, self.coord.pacer.limit())
 
     @rule()
     def tick_while_the_broker_refuses(self) -> None:

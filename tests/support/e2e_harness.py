@@ -26,13 +26,12 @@ import httpx
 import pytest
 import redis
 
-from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_keys import RunKeys
-from tests.support.fixtures_s3 import S3Endpoint
+from tests.support.fixtures_s3 import S3Endpoint, open_env_bucket
 
 MAX_STALENESS = 1
 SAMPLES_PER_PROMPT = 4
@@ -125,7 +124,7 @@ def make_cluster(
             toml += SHORT_TIMEOUTS_TOML.format(task_timeout=task_timeout_s)
         # extra_toml goes after the [async] keys: start it with a table header for another table.
         config.write_text(toml + extra_toml)
-        create_run(config, run, open_bucket(cluster.bucket_url))
+        create_run(config, run, open_env_bucket(cluster.bucket_url))
         cluster.ensure_redis()
         cluster.start_proxy()
         return cluster
@@ -148,7 +147,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, cluster:
 
 
 def records_of(cluster: LocalCluster) -> list[StepRecord]:
-    return load_step_records(open_bucket(cluster.bucket_url), cluster.run)
+    return load_step_records(open_env_bucket(cluster.bucket_url), cluster.run)
 
 
 def version_reached(cluster: LocalCluster, version: int) -> Callable[[], bool]:

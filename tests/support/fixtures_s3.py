@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from asyncgrpo.bucket.backends import Bucket, FileBucket, S3Bucket, make_s3_client
+from asyncgrpo.bucket.backends import Bucket, FileBucket, S3Bucket, make_s3_client, open_bucket
+from asyncgrpo.protocol.settings import StorageSettings
 
 _STARTUP_TIMEOUT_S = 60.0
 
@@ -221,3 +222,9 @@ def s3_bucket_factory(request: pytest.FixtureRequest) -> Callable[..., S3Bucket]
         return endpoint.open(_unique_prefix(request), **kwargs)
 
     return factory
+
+
+def open_env_bucket(url: str) -> Bucket:
+    """``open_bucket(url)`` with the S3 endpoint this process's environment names, read as a process's entry
+    reads it: for tests and benchmarks that read the bucket of processes they started."""
+    return open_bucket(url, s3_endpoint_url=StorageSettings().s3_endpoint_url)

@@ -172,13 +172,15 @@ class ModelState:
             self.group_prompt[gid] = group["prompt_index"]
             self.task_groups[tid].append(gid)
 
-    def check_liveness(self, needed: int, queue_maxsize: int) -> None:
-        """After a tick: a step is claimed whenever one can be; the buffer is fed up to its bound."""
+    def check_liveness(self, needed: int, queue_maxsize: int, paced_limit: int) -> None:
+        """After a tick: a step is claimed whenever one can be; the buffer is fed up to its paced bound (the
+        pacer's limit, ``queue_maxsize`` until it has measured the trainer and the generators) and never past
+        ``queue_maxsize``."""
         if self.step_inflight is None and self.current >= 0:
             assert self.count("buffered") < needed
         assert self.count("inflight") + self.count("buffered") <= queue_maxsize
         if self.current >= 0 and not self.requeue and len(self.quarantined) < NUM_PROMPTS:
-            assert self.count("inflight") + self.count("buffered") + 2 > queue_maxsize
+            assert self.count("inflight") + self.count("buffered") + 2 > min(queue_maxsize, paced_limit)
 
     def drop_stale(self, max_staleness: int) -> int:
         """Buffered rollouts too stale for the next step end as stale (at claim); returns groups dropped."""

@@ -11,7 +11,7 @@
 -- ARGV[6] max_attempts (0: never reject)  ARGV[7] reason: the reported failure ("failed" mode)
 -- ARGV[8] alive_since_ms ("dead" mode)  ARGV[9] worker_id: the reporter ("failed" mode)
 -- ARGV[10..] task_ids (only tasks still in flight and matching the mode are cancelled)
--- returns {"OK", tasks_cancelled, groups_requeued, groups_rejected} | {"NO_STATE"}
+-- returns {"OK", tasks_cancelled:int, groups_requeued:int, groups_rejected:int} | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, ttl, mode, track = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local max_attempts, reported, alive_since = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])

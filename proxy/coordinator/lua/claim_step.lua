@@ -5,9 +5,9 @@
 -- ARGV[6] track: rollouts for retention ("1") or keep them all ("0")
 -- ARGV[7] final_version: the run ends there, so no step is claimed from it (checked here, atomically with the
 --   claim: a publish may land between the caller's own check and this script)
--- returns {"OK", step, base_version, rollouts_json, claimed, dropped}
+-- returns {"OK", step:int, base_version:int, rollouts_json:json, claimed:rows, dropped:int}
 --   claimed = "version:admitted_ms:groups,..." per claimed rollout
---   | {"NOT_READY", why, dropped} | {"NO_STATE"}
+--   | {"NOT_READY", why, dropped:int} | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, needed, max_staleness, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 if num(KEYS[1], 'step_inflight', -1) >= 0 then return {'NOT_READY', 'a step is in flight', 0} end

@@ -1,7 +1,7 @@
 -- clear_halt: lift the halt iff the given source set it.
 -- KEYS[1] state
 -- ARGV[1] prefix  ARGV[2] by
--- returns {"OK", cleared} (1 if lifted, else 0)
+-- returns {"OK", cleared:int} (1 if lifted, else 0)
 local cleared = 0
 if redis.call('HGET', KEYS[1], 'halted_by') == ARGV[2] then
   redis.call('HDEL', KEYS[1], 'halted', 'halted_by')

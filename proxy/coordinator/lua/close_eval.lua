@@ -2,7 +2,7 @@
 -- if no later version's is kept already.
 -- KEYS[1] counters  KEYS[2] evals
 -- ARGV[1] prefix  ARGV[2] version  ARGV[3] summary_json ({"version", "metrics"})
--- returns {"OK", closed} (0 when the version was not pending)
+-- returns {"OK", closed:int} (0 when the version was not pending)
 local vfield = 'v:' .. ARGV[2]
 local vraw = redis.call('HGET', KEYS[2], vfield)
 if not vraw then return {'OK', 0} end

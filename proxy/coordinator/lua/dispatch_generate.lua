@@ -7,7 +7,7 @@
 -- ARGV[10..] candidates: the prompt indices of the permutation from (epoch, epoch_pos) on, groups_per_task
 --   plus as many as there are quarantined prompts (prompt_attempts "quarantined:<index>": rejected after
 --   async.max_group_attempts failed attempts), which are skipped: a poison prompt never comes back
--- returns {"OK", task_id, groups_json} | {"NO_ROOM"} (buffer full) | {"RETRY"} (epoch_pos moved)
+-- returns {"OK", task_id, groups_json:json} | {"NO_ROOM"} (buffer full) | {"RETRY"} (epoch_pos moved)
 --   | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, k, n = ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[8])

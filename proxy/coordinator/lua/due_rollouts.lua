@@ -2,7 +2,7 @@
 -- KEYS[1] state  KEYS[2] rollout_retention
 -- ARGV[1] prefix  ARGV[2] max_version (current - async.rollout_retention_versions)
 -- ARGV[3] limit (at most this many)
--- returns {"OK", due, protected} (task ids) | {"NO_STATE"}
+-- returns {"OK", due:list, protected:list} (task ids) | {"NO_STATE"}
 --   protected: buffered, claimed or in the step in flight; they leave the queue and are never deleted
 --   (a publish puts them back once trained). A correct run has none.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end

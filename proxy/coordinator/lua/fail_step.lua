@@ -10,7 +10,7 @@
 -- batch goes back to the front of the buffer, the step record is dropped, and the next claim makes the
 -- step again with a new batch. A "step" failure is re-sent at once until max_attempts, then its whole
 -- batch is rejected the same way. A "base" failure records the worker and re-sends at once.
--- returns {"OK", groups_rejected, groups_requeued} (un-claimed) | {"RETRY", attempts, base_failed}
+-- returns {"OK", groups_rejected:int, groups_requeued:int} (un-claimed) | {"RETRY", attempts:int, base_failed}
 --   | {"NOT_CLAIMED"} (published or un-claimed meanwhile) | {"NOT_IN_STEP"} (the rollout is not in the batch)
 --   | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end

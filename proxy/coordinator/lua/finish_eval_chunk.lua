@@ -3,7 +3,7 @@
 -- another task, another worker's, or one that expired is refused and changes nothing.
 -- KEYS[1] counters  KEYS[2] leases  KEYS[3] evals  KEYS[4] evals_inflight
 -- ARGV[1] prefix  ARGV[2] task_id  ARGV[3] lease_id  ARGV[4] summary_json  ARGV[5] worker_id
--- returns {"OK", version, chunks_left} | {"EVAL_ENDED"} (already done, given up, or unknown)
+-- returns {"OK", version:int, chunks_left:int} | {"EVAL_ENDED"} (already done, given up, or unknown)
 --   | {"NOT_HOLDER", message}
 local tfield = 't:' .. ARGV[2]
 local raw = redis.call('HGET', KEYS[3], tfield)

@@ -3,7 +3,7 @@
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] leases  KEYS[4] versions  KEYS[5] evals  KEYS[6] evals_inflight
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] ttl_ms  ARGV[4] lease_id  ARGV[5] worker_id  ARGV[6] task_id
 -- ARGV[7] deadline_ms  ARGV[8] incarnation: of the worker process ("" when it sent none)
--- returns {"OK", version, manifest_sha256, expires_ms, prompt_start, prompt_count}
+-- returns {"OK", version:int, manifest_sha256, expires_ms:int, prompt_start:int, prompt_count:int}
 --   | {"EVAL_ENDED"} (its version is evaluated or given up, or the task is unknown) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local tfield = 't:' .. ARGV[6]

@@ -3,7 +3,7 @@
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] ttl_ms  ARGV[4] lease_id  ARGV[5] worker_id  ARGV[6] task_id
 -- ARGV[7] task_prefix: the form of this run's task ids; an unknown id of that form was forgotten
 -- ARGV[8] incarnation: of the worker process ("" when it sent none); a new one of the worker id ends the task
--- returns {"OK", version, manifest_sha256, expires_ms} | {"NO_VERSION"} | {"TASK_ENDED", task_state}
+-- returns {"OK", version:int, manifest_sha256, expires_ms:int} | {"NO_VERSION"} | {"TASK_ENDED", task_state}
 --   (the task was cancelled, ended or forgotten: its work is not wanted) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local MAX_TASK_LEASES = 16

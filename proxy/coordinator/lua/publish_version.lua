@@ -2,8 +2,8 @@
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] versions  KEYS[4] rollout_retention
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] version  ARGV[4] base_version  ARGV[5] step  ARGV[6] manifest_sha256
 -- ARGV[7] worker_id  ARGV[8] record_ttl_s  ARGV[9] track: rollouts for retention ("1") or keep them all ("0")
--- returns {"OK", current} | {"ALREADY", current} (this worker already published this very manifest: a retry)
---   | {"BAD_VERSION", current} | {"CAS_LOST", current} | {"STEP_NOT_CLAIMED", current} | {"NO_STATE"}
+-- returns {"OK", current:int} | {"ALREADY", current:int} (this worker already published this very manifest: a retry)
+--   | {"BAD_VERSION", current:int} | {"CAS_LOST", current:int} | {"STEP_NOT_CLAIMED", current:int} | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local now, version, base, step, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[8]
 local current = num(KEYS[1], 'current_version', -1)

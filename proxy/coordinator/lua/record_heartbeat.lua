@@ -4,7 +4,8 @@
 -- KEYS[1] workers  KEYS[2] workers_generate  KEYS[3] workers_optimize  KEYS[4] counters  KEYS[5] leases
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] worker_id  ARGV[4] report_json  ARGV[5] forget_after_ms
 -- ARGV[6] record_ttl_s  ARGV[7] role  ARGV[8] incarnation ("" from a worker that sends none)
--- returns {"OK", forgotten, restarted, leases_ended} (restarted: 1 for a new incarnation of a known worker id)
+-- returns {"OK", forgotten:int, restarted:int, leases_ended:int}
+--   (restarted: 1 for a new incarnation of a known worker id)
 local wk = key(WORKER, ARGV[3])
 local incarnation = ARGV[8]
 local restarted, ended = 0, 0

@@ -1,7 +1,7 @@
 -- renew_lease: push a live lease's expiry to now + ttl.
 -- KEYS[1] state  KEYS[2] leases  KEYS[3] versions
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] ttl_ms  ARGV[4] lease_id
--- returns {"OK", version, manifest_sha256, expires_ms} | {"LEASE_LOST"} (expired or unknown) | {"NO_STATE"}
+-- returns {"OK", version:int, manifest_sha256, expires_ms:int} | {"LEASE_LOST"} (expired or unknown) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local lk = key(LEASE, ARGV[4])
 local now = tonumber(ARGV[2])

@@ -2,7 +2,7 @@
 -- KEYS[1] state
 -- ARGV[1] prefix  ARGV[2] ops_json: [[command, key, args...], ...] with command in HSET, RPUSH, ZADD,
 --   PEXPIRE, EXPIRE and every key under the prefix; the ops must write the state key
--- returns {"OK", applied} (ops) | {"EXISTS"} (a state is already there; nothing written)
+-- returns {"OK", applied:int} (ops) | {"EXISTS"} (a state is already there; nothing written)
 --   Idempotent on a partly evicted Redis (the state key gone, a list left): a list is emptied before its first
 --   RPUSH, so restoring never duplicates buffer or requeue entries (hashes and sorted sets merge by key).
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'EXISTS'} end

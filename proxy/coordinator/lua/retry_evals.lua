@@ -3,7 +3,7 @@
 -- max_attempts their version's evaluation is given up (its chunks forgotten, counted).
 -- KEYS[1] counters  KEYS[2] evals  KEYS[3] evals_inflight  KEYS[4] workers
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] alive_since_ms  ARGV[4] deadline_ms  ARGV[5] max_attempts
--- returns {"OK", resend_json, failed_json} (tasks to send again: [{task_id, version, start, count}];
+-- returns {"OK", resend_json:json, failed_json:json} (tasks to send again: [{task_id, version, start, count}];
 --   versions given up: [version])
 local now, alive_since = tonumber(ARGV[2]), tonumber(ARGV[3])
 local resend, failed = {}, {}

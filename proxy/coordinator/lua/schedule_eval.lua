@@ -2,7 +2,7 @@
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] evals  KEYS[4] evals_inflight
 -- ARGV[1] prefix  ARGV[2] deadline_ms  ARGV[3] version  ARGV[4] cursor (the next version to consider)
 -- ARGV[5..] tasks ("<task_id>:<prompt_start>:<prompt_count>"; none: the version is passed over)
--- returns {"OK", scheduled} (0 when the version was already pending or had no task) | {"NO_STATE"}
+-- returns {"OK", scheduled:int} (0 when the version was already pending or had no task) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local scheduled = 0
 local vfield = 'v:' .. ARGV[3]

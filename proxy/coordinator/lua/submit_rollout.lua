@@ -12,7 +12,7 @@
 -- clears the failed-attempt counts of its prompts
 -- a submission is bound to its lease: it must come from the task's holder (grant_lease.lua), with a version
 -- (and lease, when named) the holder leased for the task; a repeated one must match the admitted rollout
--- returns {"OK", current} | {"DUPLICATE", current} | {"STALE", current} (groups requeued)
+-- returns {"OK", current:int} | {"DUPLICATE", current:int} | {"STALE", current:int} (groups requeued)
 --   | {"CANCELLED"} | {"UNKNOWN_TASK"} | {"BAD_ROLLOUT", message} (nothing changed)
 --   | {"NOT_HOLDER", message} (not this worker's lease, version or rollout: nothing changed) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end

@@ -5,7 +5,7 @@
 -- admitted as usual. Reads only.
 -- KEYS[1] tasks_inflight  KEYS[2] leases
 -- ARGV[1] prefix  ARGV[2] now_ms
--- returns {"OK", groups, tasks}
+-- returns {"OK", groups:int, tasks:int}
 local now = tonumber(ARGV[2])
 local groups, tasks = 0, 0
 for _, tid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do

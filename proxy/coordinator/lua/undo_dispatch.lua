@@ -2,7 +2,7 @@
 -- no cancellation is counted, and their prompts go back to the front of the line in their order.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] requeue  KEYS[4] tasks_inflight
 -- ARGV[1] prefix  ARGV[2..] task_ids, in the order they were dispatched (only tasks still in flight are undone)
--- returns {"OK", tasks_undone, groups_undone} | {"NO_STATE"}
+-- returns {"OK", tasks_undone:int, groups_undone:int} | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local tasks, groups = 0, 0
 for i = #ARGV, 2, -1 do

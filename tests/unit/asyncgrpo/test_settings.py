@@ -290,3 +290,14 @@ def test_settings_are_parsed_only_at_a_process_entry() -> None:
                 offenders[relative] = lines
     assert not offenders, f"pass the process's settings object down instead of parsing them here: {offenders}"
 
+
+
+def test_a_local_run_uses_only_the_services_the_user_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's own default bucket (``file://work/bucket``) is not a bucket the user named: the local run
+    keeps its bucket in its work folder unless ASYNCGRPO_BUCKET is set."""
+    from asyncgrpo.cli.local_run import configured_services
+
+    assert configured_services(WorkerSettings()) == (None, None)
+    monkeypatch.setenv("ASYNCGRPO_BUCKET", "file:///data/bucket")
+    monkeypatch.setenv("ASYNCGRPO_REDIS_URL", "redis://10.0.0.5:6379/0")
+    assert configured_services(WorkerSettings()) == ("redis://10.0.0.5:6379/0", "file:///data/bucket")
