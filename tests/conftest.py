@@ -1,8 +1,12 @@
 """Fixtures live in role-named plugin modules; this file loads them, and sets how this process logs."""
 
 import sys
+from collections.abc import Iterator
 
+import pytest
 import structlog
+
+from worker.process.settings import process_settings
 
 pytest_plugins = [
     "tests.support.fixtures_redis",
@@ -24,3 +28,12 @@ structlog.configure(
     ],
     logger_factory=structlog.PrintLoggerFactory(sys.__stderr__),
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_worker_settings() -> Iterator[None]:
+    """A worker process parses its settings once (``process_settings``); each test is a process of its own,
+    with the environment it set."""
+    process_settings.cache_clear()
+    yield
+    process_settings.cache_clear()

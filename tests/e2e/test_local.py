@@ -19,6 +19,7 @@ from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.cli.local_run import torch_threads_env
 from proxy.coordinator.redis_keys import RunKeys
 from tests.support.paths import REPO_ROOT
+from worker.process.settings import WorkerSettings
 
 REPO = REPO_ROOT
 RUN = "tiny-local"
@@ -153,10 +154,10 @@ def test_a_new_run_refuses_state_of_its_name_in_a_shared_redis(tmp_path: Path, r
 def test_torch_threads_split_the_cores_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ASYNCGRPO_TORCH_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
-    assert torch_threads_env(3) == {"ASYNCGRPO_TORCH_THREADS": str(max(1, cores // 3))}
-    assert torch_threads_env(10_000) == {"ASYNCGRPO_TORCH_THREADS": "1"}
+    assert torch_threads_env(3, WorkerSettings()) == {"ASYNCGRPO_TORCH_THREADS": str(max(1, cores // 3))}
+    assert torch_threads_env(10_000, WorkerSettings()) == {"ASYNCGRPO_TORCH_THREADS": "1"}
     monkeypatch.setenv("ASYNCGRPO_TORCH_THREADS", "5")
-    assert torch_threads_env(3) == {}  # the workers inherit the user's value
+    assert torch_threads_env(3, WorkerSettings()) == {}  # the workers inherit the user's value
 
 
 # ---- real runs ---------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from proxy.coordinator.dispatch import CeleryDispatcher
 from tests.support.e2e_harness import stop_process_group
 from tests.support.fixtures_redis import free_port
 from worker.process import celery_app
+from worker.process.settings import process_settings
 
 RUN_A = "run-a"
 RUN_B = "run-b"
@@ -73,6 +74,7 @@ def test_a_worker_process_without_a_run_does_not_build_its_app(monkeypatch: pyte
     with pytest.raises(SettingsError, match="ASYNCGRPO_RUN is not set"):
         celery_app.build_celery_app()
     monkeypatch.setenv("ASYNCGRPO_RUN", RUN_B)
+    process_settings.cache_clear()  # the next worker process, started with a run
     app = celery_app.build_celery_app()
     assert app.conf.control_exchange == "asyncgrpo:run-b:control"
     assert app.conf.task_routes["asyncgrpo.optimize"] == {"queue": optimize_queue(RUN_B)}
