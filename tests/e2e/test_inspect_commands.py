@@ -27,7 +27,7 @@ from worker.generate.transformers_backend import TransformersBackend
 from worker.process import runtime as runtime_module
 from worker.process.celery_app import control_exchange
 from worker.process.runtime import RunContext, WorkerRuntime
-from worker.process.settings import WorkerSettings
+from worker.process.settings import WorkerSettings, process_settings
 
 RUN = "inspect-run"
 
@@ -105,9 +105,11 @@ def test_commands_say_what_to_fix_without_a_role(
     generate_runtime: WorkerRuntime, celery_worker_app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ASYNCGRPO_WORKER_ROLE", "trainer")
+    process_settings.cache_clear()  # a worker process started with this environment
     answer = _ask(celery_worker_app, "model_info")
     assert "ASYNCGRPO_WORKER_ROLE='trainer' is invalid: Input should be 'generate' or 'optimize'" in answer["error"]
     monkeypatch.delenv("ASYNCGRPO_WORKER_ROLE")
+    process_settings.cache_clear()
     answer = _ask(celery_worker_app, "model_info")
     assert "ASYNCGRPO_WORKER_ROLE is not set; start workers with `asyncgrpo worker" in answer["error"]
 
