@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.fixtures_s3, from a plain clone too
 
-from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.log_setup import configure_logging

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, FileBucket
-from asyncgrpo.bucket.manifest import fetch_version, write_version
+from asyncgrpo.bucket.layout import fetch_version, write_version
 from tests.support.fixtures_s3 import open_env_bucket
 
 ADAPTER_BYTES = 4_400_000

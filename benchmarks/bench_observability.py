@@ -17,7 +17,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.cli.plot import plot_run

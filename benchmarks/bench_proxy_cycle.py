@@ -32,9 +32,9 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import open_bucket
-from asyncgrpo.bucket.manifest import sha256_hex, write_version
+from asyncgrpo.bucket.layout import sha256_hex, write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import LeaseRequest, PublishRequest, RolloutSubmission
 from asyncgrpo.run.config import RunConfig

@@ -9,7 +9,7 @@ dispatched from the Celery broker list in Redis, lease the current version, subm
 task's groups, release the lease; every ``CHECK_EVERY``-th admitted rollout is looked up in the snapshot in the
 bucket right after its answer (durable before "admitted"). Each also heartbeats every ``HEARTBEAT_S``. A
 simulated optimizer takes each ``optimize`` task from the broker, writes a small real version with
-``asyncgrpo.bucket.manifest.write_version`` and publishes it (``POST /v1/versions``), so the buffer drains and
+``asyncgrpo.bucket.layout.write_version`` and publishes it (``POST /v1/versions``), so the buffer drains and
 dispatch goes on; ``/metrics`` is scraped once a second. The simulators write no rollout objects (the proxy
 never reads them), so the bucket traffic is the proxy's.
 

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 
-from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.manifest import read_manifest
+from asyncgrpo.bucket import layout as bucket_keys
+from asyncgrpo.bucket.layout import read_manifest
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_keys import RunKeys

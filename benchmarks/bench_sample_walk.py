@@ -294,7 +294,7 @@ def trace_one_sample(workdir: Path, redis_url: str) -> Walk:
     from fastapi.testclient import TestClient
 
     import worker.process.tasks as tasks
-    from asyncgrpo.bucket import keys as bucket_keys
+    from asyncgrpo.bucket import layout as bucket_keys
     from asyncgrpo.bucket.backends import open_bucket
     from asyncgrpo.protocol.client import ProxyClient
     from asyncgrpo.protocol.log_setup import configure_logging
@@ -302,9 +302,9 @@ def trace_one_sample(workdir: Path, redis_url: str) -> Walk:
     from asyncgrpo.run.creation import create_run
     from proxy.api.app import create_app
     from proxy.coordinator.dispatch import CeleryDispatcher
-    from proxy.coordinator.leadership import ProxyFence
     from proxy.coordinator.scripts import BoundScript
     from proxy.coordinator.service import Coordinator
+    from proxy.coordinator.snapshot import ProxyFence
     from worker.generate.adapters import AdapterPrefetcher
     from worker.process.heartbeat import Heartbeat
     from worker.process.runtime import get_runtime

@@ -21,9 +21,9 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.schemas import generate_queue, optimize_queue
 from tests.support.fixtures_s3 import open_env_bucket
 

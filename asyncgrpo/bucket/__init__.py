@@ -1,10 +1,9 @@
-"""The bucket every run lives in: its interface, its backends, its keys and its manifests.
+"""The bucket every run lives in: its backends, and where each object lives in it.
 
 Modules:
-    interface     the `Bucket` interface, `ObjectInfo`, the errors and the key rules
-    file_backend  the `file://` backend: atomic writes, create-only by link
-    s3_backend    the `s3://` backend: If-None-Match, multipart
-    backends      `open_bucket(url)`, and every bucket name importable from one place
-    keys          every bucket key; nothing else formats keys
-    manifest      version manifests: files first, manifest last; verified reads and fetches
+    backends    the `Bucket` interface, `ObjectInfo`, the errors and the key rules; the `file://` backend
+                (atomic writes, create-only by link); `open_bucket(url)`
+    s3_backend  the `s3://` backend: If-None-Match, multipart (apart: it alone needs boto3)
+    layout      every bucket key (nothing else formats keys); version manifests: files first, manifest last;
+                verified reads and fetches
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from asyncgrpo.bucket.interface import (
+from asyncgrpo.bucket.backends import (
     Bucket,
     BucketError,
     InvalidBucketURL,

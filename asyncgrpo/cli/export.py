@@ -20,9 +20,9 @@ from typing import Any
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
-from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest, read_verified, sha256_hex
+from asyncgrpo.bucket.layout import latest_complete_version, read_manifest, read_verified, sha256_hex
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 

@@ -14,7 +14,7 @@ import re
 import structlog
 from pydantic import ValidationError
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
 from asyncgrpo.protocol.records import EvalRecord, StepRecord
 

@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, open_bucket
-from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.bucket.layout import IntegrityError
 from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.cli.local_cluster import ClusterError, LocalCluster, redis_reachable
 from asyncgrpo.protocol.log_setup import configure_logging

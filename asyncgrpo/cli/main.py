@@ -18,7 +18,7 @@ from proxy.__main__ import main as proxy_main
 from worker.process.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from asyncgrpo.bucket.interface import Bucket
+    from asyncgrpo.bucket.backends import Bucket
 
 
 def from_settings(
@@ -73,7 +73,7 @@ def run() -> None:
 def run_create(config_path: Path, run_name: str, bucket: str) -> None:
     """Validate CONFIG_PATH (TOML) and write the config and the prompts into the bucket."""
     from asyncgrpo.bucket.backends import BucketError
-    from asyncgrpo.bucket.manifest import IntegrityError
+    from asyncgrpo.bucket.layout import IntegrityError
     from asyncgrpo.run.config import ConfigError
     from asyncgrpo.run.creation import RunExistsError, create_run
 
@@ -166,7 +166,7 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
     ASYNCGRPO_TORCH_THREADS is set. Exit codes: 2 for a config or run name to fix, 1 for a process that failed,
     130 when interrupted.
     """
-    from asyncgrpo.bucket.keys import InvalidKeyPart, check_run_name
+    from asyncgrpo.bucket.layout import InvalidKeyPart, check_run_name
     from asyncgrpo.cli.local_run import configured_services, run_local
 
     try:
@@ -260,7 +260,7 @@ def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool,
     import json
 
     from asyncgrpo.bucket.backends import ObjectNotFound
-    from asyncgrpo.bucket.manifest import IntegrityError
+    from asyncgrpo.bucket.layout import IntegrityError
     from asyncgrpo.cli.export import ExportError, export_version
 
     try:

@@ -20,7 +20,7 @@ Queues are named per run, so several runs share one Redis broker without taking 
     asyncgrpo:<run>:optimize                  every optimize worker of the run
     asyncgrpo:<run>:optimize:<worker_id>      only the optimize worker ``worker_id`` of the run
 
-``:`` never occurs in a run name (``asyncgrpo.bucket.keys``: letters, digits, ``.``, ``_``, ``-``), so the
+``:`` never occurs in a run name (``asyncgrpo.bucket.layout``: letters, digits, ``.``, ``_``, ``-``), so the
 prefix ``asyncgrpo:<run>:`` names exactly one run: with ``.`` as the separator, the generate queue of run
 ``a.optimize`` would be the own queue of worker ``generate`` of run ``a``. The coordinator's own keys are
 ``asyncgrpo:{<run>}:...`` (braces, ``proxy.coordinator.redis_keys``), which no queue name matches.
@@ -542,7 +542,7 @@ REPAIR_TASK_NAME = "asyncgrpo.repair_version"
 QUEUE_PREFIX = "asyncgrpo"
 SEPARATOR = ":"
 ROLES = ("generate", "optimize")
-# The run names ``asyncgrpo.bucket.keys.check_run_name`` accepts (that layer is above this one): none
+# The run names ``asyncgrpo.bucket.layout.check_run_name`` accepts (that layer is above this one): none
 # holds the separator, a comma (``celery worker --queues`` splits on it) or a space.
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _WORKER_ID = re.compile(ID_PATTERN)

@@ -20,9 +20,9 @@ from pathlib import Path
 import structlog
 from pydantic import ValidationError
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
-from asyncgrpo.bucket.manifest import FileDigest, IntegrityError, RunManifest, read_verified, sha256_hex
+from asyncgrpo.bucket.layout import FileDigest, IntegrityError, RunManifest, read_verified, sha256_hex
 from asyncgrpo.run.config import (
     BUILTIN_REWARD_NAMES,
     EVAL_SEED_OFFSET,

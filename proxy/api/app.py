@@ -24,23 +24,51 @@ Wake-ups: a publish through this process calls ``VersionWatch.notify()`` (from t
 wakes every waiter at once. A publish this process did not see (another proxy process, a state rebuilt
 while it was restarting) is caught by each waiter re-reading Redis every ``fallback_s`` seconds. On
 shutdown ``close()`` answers every waiter at once, so open polls never hold up uvicorn's graceful exit.
+
+Start-up (``serve()``) checks, before anything listens; each is refused with what to change, unless a
+setting allows it (see docs/operations.md):
+
+- The token must be something a client can send exactly: printable ASCII without spaces (RFC 6750's token
+  characters), so no header parser trims or mangles it. On an address other than loopback it must also be a
+  secret: at least ``MIN_TOKEN_CHARS`` long, not a placeholder from the shipped examples, and not one
+  character repeated. Without a token the proxy serves only on loopback with ``--insecure-loopback``.
+- Redis ``maxmemory-policy`` must be ``noeviction``: an evicted key of the run's state loses admitted work
+  (``ASYNCGRPO_ALLOW_REDIS_EVICTION=1`` starts anyway). Where ``CONFIG`` is disabled (some managed Redis),
+  the proxy warns and goes on.
+- The bucket must honour create-only writes: a throwaway key under the run's prefix is put twice with
+  ``if_absent``; the second put must be refused (``ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1`` starts anyway).
+- The run's proxy lease (``proxy.coordinator.snapshot``): taken with an epoch above the snapshot's; held
+  by another proxy, start-up is refused, or a stand-by waits for it.
+
+Once serving, ``keep_leadership`` renews the lease every third of its TTL. A proxy that finds it taken stops
+coordinating at once: state-changing requests are refused (503), and the process stops itself (SIGTERM to
+itself, then ``serve`` exits non-zero) so that systemd restarts it, as a stand-by if so configured.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+import ipaddress
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio.to_thread
 import structlog
-from fastapi import Body, Depends, FastAPI, Path, Query
+from fastapi import Body, Depends, FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError
+from redis import Redis
+from redis.exceptions import RedisError, ResponseError
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
+from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
 from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import (
     ID_PATTERN,
@@ -79,16 +107,195 @@ from proxy.api.edge import (
     install_error_handlers,
     refuse_unknown_query,
 )
-from proxy.api.guards import ProxyStartupError, keep_leadership, leadership_guard, start_checks, stop_this_process
 from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
-from proxy.api.token_policy import check_can_serve
 from proxy.coordinator.service import Coordinator
+from proxy.coordinator.snapshot import FenceLost, LeadershipHeld, ProxyFence, snapshot_epoch
 from proxy.tracking.forwarder import start_forwarding
 
 if TYPE_CHECKING:
     import uvicorn
 
+
+log = structlog.get_logger()
+
+
+# ---- start-up: the token, Redis, the bucket, leadership ----
+
+class ProxyStartupError(Exception):
+    """The proxy cannot start as configured; the message says what to change."""
+
+
+MIN_TOKEN_CHARS = 32
+"""``openssl rand -hex 32`` makes 64."""
+TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+PLACEHOLDER_TOKENS = frozenset({"change-me-to-a-long-random-string"})
+"""The example values shipped in deploy/ (a test keeps this list in step with deploy/asyncgrpo.env.example)."""
+MAKE_ONE = "make one with `openssl rand -hex 32` and give the same value to the proxy and every worker"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def token_problem(token: str, *, public: bool) -> str | None:
+    """Why ``token`` must not be served with (``public``: on a non-loopback address), or None."""
+    if not token.strip():
+        return "ASYNCGRPO_TOKEN is blank"
+    if not TOKEN_PATTERN.match(token):
+        return (
+            "ASYNCGRPO_TOKEN holds characters a client cannot send exactly in `Authorization: Bearer` "
+            "(only letters, digits and -._~+/ with trailing =)"
+        )
+    if not public:
+        return None
+    if token in PLACEHOLDER_TOKENS or "change-me" in token.lower() or "changeme" in token.lower():
+        return "ASYNCGRPO_TOKEN is still the example's placeholder"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"ASYNCGRPO_TOKEN is {len(token)} characters long; at least {MIN_TOKEN_CHARS} are needed"
+    if len(set(token)) < 8:
+        return "ASYNCGRPO_TOKEN repeats too few characters to be a secret"
+    return None
+
+
+def check_can_serve(host: str, token: str | None, insecure_loopback: bool) -> None:
+    """Refuse to serve without a usable token, except on a loopback address with --insecure-loopback."""
+    if token is not None:
+        problem = token_problem(token, public=not is_loopback(host))
+        if problem:
+            raise ProxyStartupError(f"{problem}: {MAKE_ONE}")
+        return
+    if not insecure_loopback:
+        raise ProxyStartupError(
+            f"ASYNCGRPO_TOKEN is not set: {MAKE_ONE}, or pass --insecure-loopback with --host 127.0.0.1 for a "
+            "local test"
+        )
+    if not is_loopback(host):
+        raise ProxyStartupError(
+            f"--insecure-loopback is only allowed with a loopback --host (127.0.0.1, ::1, localhost), not "
+            f"{host!r}; set ASYNCGRPO_TOKEN to serve on other addresses"
+        )
+
+
+def check_eviction_policy(redis: Redis, *, allow: bool) -> str | None:
+    """Refuse a Redis that may evict the run's keys; returns the policy (None if CONFIG is disabled)."""
+    try:
+        reply = redis.config_get("maxmemory-policy")
+    except ResponseError as error:
+        log.warning(
+            "proxy.redis_config_unavailable",
+            error=str(error),
+            hint="cannot check maxmemory-policy; make sure the Redis service is set to noeviction",
+        )
+        return None
+    policy = str(reply.get("maxmemory-policy", "noeviction"))
+    if policy != "noeviction":
+        message = (
+            f"Redis runs with maxmemory-policy {policy!r}: under memory pressure it evicts keys of the run's "
+            "state and admitted work is lost. Set `maxmemory-policy noeviction` (redis.conf, or CONFIG SET), or "
+            "set ASYNCGRPO_ALLOW_REDIS_EVICTION=1 to start anyway"
+        )
+        if not allow:
+            raise ProxyStartupError(message)
+        log.warning("proxy.redis_eviction_allowed", policy=policy)
+    return policy
+
+
+def check_conditional_writes(bucket: Bucket, run: str, *, allow: bool) -> bool:
+    """Probe create-only writes with a throwaway key under the run's prefix; True if the store honours them."""
+    key = bucket_keys.proxy_probe_key(run, uuid.uuid4().hex)
+    try:
+        bucket.put(key, b"probe", if_absent=True)
+        try:
+            bucket.put(key, b"probe again", if_absent=True)
+            honoured = False
+        except ObjectExists:
+            honoured = True
+    finally:
+        bucket.delete(key)
+    if not honoured:
+        message = (
+            f"the bucket {bucket.url} ignores create-only writes (a second put of {key} with If-None-Match: * "
+            "succeeded): two trainers could overwrite one version's manifest. Use a store that honours "
+            "conditional writes (AWS S3, SeaweedFS, MinIO recent), or set ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1 "
+            "to start anyway"
+        )
+        if not allow:
+            raise ProxyStartupError(message)
+        log.warning("proxy.unconditional_bucket_allowed", bucket=bucket.url)
+    return honoured
+
+
+def take_leadership(
+    fence: ProxyFence, bucket: Bucket, *, standby: bool, sleep: Callable[[float], object] = time.sleep
+) -> int:
+    """Take the run's proxy lease with an epoch above the bucket snapshot's; returns the epoch. Held by
+    another proxy: refuse (``ProxyStartupError``), or with ``standby`` wait until it lapses."""
+    with contextlib.suppress(ObjectNotFound):
+        fence.raise_floor(snapshot_epoch(bucket.get(bucket_keys.proxy_snapshot_key(fence.run))))
+    announced = False
+    while True:
+        try:
+            return fence.acquire()
+        except LeadershipHeld as error:
+            if not standby:
+                raise ProxyStartupError(str(error)) from error
+            if not announced:
+                log.warning("proxy.standby_waiting", run=fence.run, holder=error.holder.describe())
+                announced = True
+        sleep(fence.renew_every_s)
+
+
+async def keep_leadership(fence: ProxyFence, stop: Callable[[], object]) -> None:
+    """Renew the lease every third of its TTL until it is lost; then call ``stop`` once and return."""
+    while True:
+        try:
+            await asyncio.to_thread(fence.confirm)
+        except FenceLost as error:
+            log.critical("proxy.stopping_lease_lost", run=fence.run, error=str(error))
+            stop()
+            return
+        except RedisError as error:  # Redis away: nobody else can take the lease either; retry
+            log.warning("proxy.lease_renew_failed", run=fence.run, error=str(error))
+        await asyncio.sleep(fence.renew_every_s)
+
+
+def stop_this_process() -> None:
+    """Ask uvicorn to shut down as on SIGTERM; ``serve`` then exits non-zero since the lease is lost."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def start_checks(redis: Redis, bucket: Bucket, run: str, settings: ProxySettings, *, standby: bool) -> ProxyFence:
+    """Every start-up check, then the run's lease (waiting for it if ``standby``); raises
+    ``ProxyStartupError`` with what to change."""
+    check_eviction_policy(redis, allow=settings.allow_redis_eviction)
+    check_conditional_writes(bucket, run, allow=settings.allow_unconditional_bucket)
+    fence = ProxyFence(redis, run, ttl_s=settings.proxy_lease_ttl_s)
+    take_leadership(fence, bucket, standby=standby or settings.proxy_standby)
+    return fence
+
+
+CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def leadership_guard(fence: ProxyFence | None, refuse: Callable[[str], Response]) -> Callable[..., Any]:
+    """An HTTP middleware: once the lease is lost, every state-changing request is refused (``refuse``)."""
+
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        # Only the methods of state-changing routes: any other one is routed on, to be answered 405 or 404.
+        if fence is not None and fence.lost is not None and request.method in CHANGING_METHODS:
+            return refuse(f"this proxy lost the run's lease to {fence.lost.describe()}; retry shortly")
+        return await call_next(request)
+
+    return guard
+
+
+# ---- the new-version long poll ----
 
 MAX_WAIT_S = 30.0
 """Longest wait a client may ask for: below the usual 60 s idle timeout of load balancers."""
@@ -192,6 +399,8 @@ def releasing_server(config: uvicorn.Config, watch: VersionWatch) -> uvicorn.Ser
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
+# ---- the evaluate tasks' routes, and the app ----
+
 def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[], None]) -> None:
     """Add the two routes, and the eval gauges when the run evaluates. ``poke``: run a housekeeping round
     soon (a result may complete a version, whose record the round writes)."""
@@ -211,7 +420,6 @@ def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[
             poke()
 
 
-log = structlog.get_logger()
 
 LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
@@ -253,7 +461,7 @@ def create_app(
         # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         tasks = [asyncio.create_task(housekeeping())] if run_loop else []
-        if coordinator.fence is not None:  # one live proxy per run (proxy.api.guards)
+        if coordinator.fence is not None:  # one live proxy per run (proxy.api.app)
             tasks.append(asyncio.create_task(keep_leadership(coordinator.fence, stop_on_lost_lease)))
         try:
             yield
@@ -481,3 +689,5 @@ def serve(
     if fence.lost is not None:  # non-zero, so that systemd restarts it (as a stand-by if so configured)
         raise SystemExit(f"asyncgrpo proxy: lost the lease of run {run_name!r} to {fence.lost.describe()}")
     fence.release()  # a clean stop: a stand-by takes over at once
+
+

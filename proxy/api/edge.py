@@ -42,7 +42,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from asyncgrpo.bucket.backends import BucketError
 from asyncgrpo.protocol.errors import ErrorBody, error_code
 from asyncgrpo.protocol.schemas import StaleRolloutError, printable
-from proxy.coordinator.errors import (
+from proxy.coordinator.metrics import ProxyMetrics
+from proxy.coordinator.scripts import (
     BadRollout,
     BadStepFailure,
     LeaseLostError,
@@ -55,7 +56,6 @@ from proxy.coordinator.errors import (
     StepNotFound,
     TaskCancelled,
 )
-from proxy.coordinator.metrics import ProxyMetrics
 
 # Which coordinator refusal is which protocol error code; the HTTP status comes from the shared table. A
 # subclass takes its nearest listed ancestor's code (UnknownTask is cancelled, CasLost a conflict).

@@ -31,7 +31,7 @@ from contextlib import suppress
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectExists
 from asyncgrpo.protocol.evals import (
     EvalChunkSummary,

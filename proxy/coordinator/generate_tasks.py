@@ -52,10 +52,10 @@ import structlog
 
 from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef
 from asyncgrpo.run.config import AsyncConfig, RunConfig
-from proxy.coordinator.errors import BufferFull, EpochMoved
+from proxy.coordinator.leases import track_flag
 from proxy.coordinator.redis_store import RedisStore, halt
-from proxy.coordinator.retention import track_flag
 from proxy.coordinator.rollouts import MAX_REJECT_REASONS, normalise_reason
+from proxy.coordinator.scripts import BufferFull, EpochMoved
 
 
 class WaitingAccount:

@@ -21,7 +21,7 @@ Fixed keys:
 - ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
   from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
 - ``proxy_lease`` string (JSON, with a TTL): the one live proxy of the run and its fencing epoch
-- ``proxy_epoch`` counter: the last fencing epoch handed out (``proxy.coordinator.leadership``)
+- ``proxy_epoch`` counter: the last fencing epoch handed out (``proxy.coordinator.snapshot``)
 - ``prompt_attempts`` hash: prompt index -> failed attempts of its group since it last ran to a submission
   (and ``reason:<index>`` -> the last failure its worker reported); at ``async.max_group_attempts`` the
   group is rejected and ``quarantined:<index>`` -> the reason keeps the prompt from being dispatched again
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncgrpo.bucket.keys import check_run_name
+from asyncgrpo.bucket.layout import check_run_name
 
 GROUP_KIND = "group"
 TASK_KIND = "task"

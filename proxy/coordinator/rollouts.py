@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import re
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.protocol.schemas import RolloutSubmission, StaleRolloutError, SubmitResult
 from asyncgrpo.run.config import AsyncConfig
-from proxy.coordinator.errors import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
+from proxy.coordinator.leases import track_flag
 from proxy.coordinator.redis_store import RedisStore
-from proxy.coordinator.retention import track_flag
+from proxy.coordinator.scripts import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
 from proxy.coordinator.snapshot import SnapshotWriter
 
 MAX_REJECT_REASONS = 32

@@ -33,9 +33,14 @@ and starts with comment lines that state its contract, in this form::
 KEYS (by ``RunKeys`` attribute), ARGV (by name) and reply fields, each with its type where it is not text
 (``int``, ``json``, ``list``, ``rows``: ``FIELD_TYPES``), so a reply reaches its caller as typed values:
 ``LuaScript.contract`` parses it. The Python declaration (``scripts``) adds only what the header cannot say: which
-codes are answers (``answers``) and, for every other code, the one exception of ``proxy.coordinator.errors`` it
+codes are answers (``answers``) and, for every other code, the one exception of ``proxy.coordinator.scripts`` it
 raises (``errors``). ``contract_problems`` finds every disagreement (a code neither answered nor mapped, a code
 the body returns that the header omits, a refusal naming a value nobody has); a test runs it over every script.
+
+Refusals: one exception per non-OK code (``CoordinatorError`` and its subclasses, below). The API maps each
+refusal a worker can meet to an HTTP status and error code; the worker's client maps the code back to its own
+exception, so a refusal keeps its meaning across the wire. The last group of them are answers the coordinator
+handles itself (they never reach the API).
 
 A call reads like a method: ``store.scripts.grant_lease(now_ms=..., ttl_ms=..., ...)``. The store passes the
 key prefix (``ARGV[1]``) and the keys; the answer is a ``ScriptReply`` with the code and named fields.
@@ -56,29 +61,6 @@ from typing import Any
 from redis import Redis
 from redis.commands.core import Script
 
-from proxy.coordinator import errors
-from proxy.coordinator.errors import (
-    BadRollout,
-    BadStepFailure,
-    BadVersionNumber,
-    BufferFull,
-    CasLost,
-    CoordinatorError,
-    EpochMoved,
-    EvalEnded,
-    LeaseLostError,
-    NotTaskHolder,
-    NoVersionYet,
-    RolloutTooStale,
-    StateExists,
-    StateMissing,
-    StepNoLongerClaimed,
-    StepNotClaimed,
-    StepNotReady,
-    TaskCancelled,
-    TaskEnded,
-    UnknownTask,
-)
 from proxy.coordinator.redis_keys import (
     GROUP_KIND,
     LEASE_KIND,
@@ -89,6 +71,134 @@ from proxy.coordinator.redis_keys import (
     RunKeys,
 )
 
+
+# ---- refusals: one exception per non-OK code ----
+class CoordinatorError(Exception):
+    """Base of every refusal by the coordinator."""
+
+
+class StateMissing(CoordinatorError):
+    """Redis holds no state for the run (it was flushed or restarted empty); the run must be rebuilt."""
+
+
+class NoVersionYet(CoordinatorError):
+    """No version is published yet (the init step has not finished); nothing can be leased."""
+
+
+class LeaseLostError(CoordinatorError):
+    """The lease expired or never existed; the version it named may be collected."""
+
+
+class TaskCancelled(CoordinatorError):
+    """The generate task timed out or was superseded; its groups were already requeued."""
+
+
+class UnknownTask(TaskCancelled):
+    """The proxy never dispatched this task (or forgot it in a rebuild); its work is not wanted."""
+
+
+class TaskEnded(TaskCancelled):
+    """A lease asked for a generate task that is no longer in flight (cancelled, submitted, or forgotten):
+    the worker skips the task and acks its message."""
+
+
+class EvalEnded(TaskCancelled):
+    """An evaluate task whose version is evaluated already or was given up (or an unknown one): the worker
+    drops it."""
+
+
+class BadRollout(CoordinatorError):
+    """A submission that does not match its task (foreign or repeated groups, a future version, a bad key)."""
+
+
+class NotTaskHolder(CoordinatorError):
+    """A submission not bound to its lease: the task was never leased, another worker holds it, the version
+    (or lease) is not one its holder leased for it, or another rollout was admitted for it. Nothing changed;
+    the worker drops its work (the task is someone else's, or already done), reporting no failure."""
+
+
+class StepNotFound(CoordinatorError):
+    """No step with this number was claimed."""
+
+
+class PublishConflict(CoordinatorError):
+    """A publish that must not happen; the version is unchanged. Subclasses say why."""
+
+    def __init__(self, message: str, current_version: int) -> None:
+        super().__init__(message)
+        self.current_version = current_version
+
+
+class CasLost(PublishConflict):
+    """``current != base_version``: another trainer published first (or this one is a zombie)."""
+
+
+class BadVersionNumber(PublishConflict):
+    """``version`` is not ``base_version + 1`` or ``step`` is not ``version``."""
+
+
+class StepNotClaimed(PublishConflict):
+    """No claimed step of this number starts from ``base_version``."""
+
+
+class ManifestMissing(PublishConflict):
+    """The version's MANIFEST.json is not in the bucket: the upload is incomplete."""
+
+
+class ManifestMismatch(PublishConflict):
+    """The manifest in the bucket is not the one the trainer says it wrote."""
+
+
+class SnapshotFailed(CoordinatorError):
+    """The snapshot could not be written to the bucket; the change is in Redis but not yet durable."""
+
+
+class RolloutTooStale(CoordinatorError):
+    """SUBMIT_ROLLOUT refused a rollout as too stale (its groups were requeued); the coordinator raises the
+    protocol's ``StaleRolloutError`` in its place, which names the versions and the knob to change."""
+
+    def __init__(self, message: str, current: int) -> None:
+        super().__init__(message)
+        self.current = int(current)
+
+
+# ---- answers the coordinator handles itself ----
+
+
+class BufferFull(CoordinatorError):
+    """In-flight plus buffered groups would pass ``async.queue_maxsize``: no generate task now."""
+
+
+class EpochMoved(CoordinatorError):
+    """The prompt order position moved between reading it and dispatching; read it again."""
+
+
+class StepNotReady(CoordinatorError):
+    """No step can be claimed now (one is in flight, or too few groups are buffered)."""
+
+    def __init__(self, message: str, dropped: int) -> None:
+        super().__init__(message)
+        self.dropped = int(dropped)
+        """Groups dropped as too stale on the way (a change even though nothing was claimed)."""
+
+
+class StepNoLongerClaimed(CoordinatorError):
+    """The step was published (or forgotten) between reading it and marking its optimize task sent."""
+
+
+class BadStepFailure(CoordinatorError):
+    """A step failure report that does not match the step (it names a rollout outside the batch)."""
+
+
+class StateExists(CoordinatorError):
+    """A restore found the run's state already in Redis (another restore won); nothing was written."""
+
+
+class VersionNotFound(StepNotFound):
+    """No published version with this number is recorded (never published, or collected)."""
+
+
+# ---- declaring, loading and calling a script ----
 LUA_PACKAGE = "proxy.coordinator"
 LUA_FOLDER = "lua"
 PRELUDE = "prelude"
@@ -306,8 +416,8 @@ def contract_problems(script: LuaScript, text: str | None = None) -> list[str]:
 def _refusal_problems(code: str, refusal: Refusal, names: set[str]) -> list[str]:
     problems = []
     error = refusal.error
-    if not (issubclass(error, CoordinatorError) and getattr(errors, error.__name__, None) is error):
-        problems.append(f"{code} maps to {error!r}, not an exception of proxy.coordinator.errors")
+    if not (issubclass(error, CoordinatorError) and globals().get(error.__name__) is error):
+        problems.append(f"{code} maps to {error!r}, not an exception of proxy.coordinator.scripts")
     used = {name for _, name, _, _ in string.Formatter().parse(refusal.message) if name}
     if not used <= names:
         problems.append(f"{code} message uses {sorted(used - names)}, which neither ARGV nor the reply has")

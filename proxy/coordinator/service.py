@@ -25,20 +25,23 @@ Three classes, top down, each handed what it uses (nothing calls back up):
   step, keeps the generate queue fed (only while a generate worker is alive and the bucket takes snapshots),
   writes the snapshot before sending anything, sends or re-sends the step in flight, sends due evaluations,
   and collects old versions and rollouts.
-- ``StateRestorer`` makes sure Redis holds the run's state (``snapshot.restore_state``), fenced by the proxy's
+- ``StateRestorer`` makes sure Redis holds the run's state (``rebuild.restore_state``), fenced by the proxy's
   leadership.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 from redis import Redis
+from redis.client import Pipeline
 
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError
 from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import (
@@ -47,6 +50,7 @@ from asyncgrpo.protocol.schemas import (
     GenerateTaskMessage,
     HeartbeatRequest,
     LeaseGrant,
+    LeaseRecord,
     PublishRequest,
     PublishResult,
     RolloutSubmission,
@@ -66,18 +70,16 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.errors import NotTaskHolder, SnapshotFailed, StateMissing
 from proxy.coordinator.evaluations import Evaluations
 from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
-from proxy.coordinator.leadership import ProxyFence
-from proxy.coordinator.leases import Leases
+from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
+from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, halted_reason
-from proxy.coordinator.retention import Retention
 from proxy.coordinator.rollouts import RolloutIntake
-from proxy.coordinator.snapshot import SnapshotWriter, restore_state
-from proxy.coordinator.status import Workers, gauges, group_record, run_info, status
+from proxy.coordinator.scripts import NotTaskHolder, SnapshotFailed, StateMissing
+from proxy.coordinator.snapshot import ProxyFence, SnapshotWriter
 from proxy.coordinator.steps import StepFailures, Steps, StepSending, Versions
 
 MAX_TASKS_PER_TICK = 256
@@ -321,7 +323,7 @@ class Coordinator:
         require_generate_worker: bool = True,
         num_eval_prompts: int = 0,
     ) -> None:
-        """``fence``: the run's proxy lease (``proxy.coordinator.leadership``), None unfenced (tests).
+        """``fence``: the run's proxy lease (``proxy.coordinator.snapshot``), None unfenced (tests).
         ``require_generate_worker``: dispatch generate tasks only while a generate worker is alive by its
         heartbeats (tests that never send heartbeats turn it off). ``num_eval_prompts``: the run's held-out
         prompts (``[eval]``; 0: no evaluation)."""
@@ -574,3 +576,172 @@ class Coordinator:
     @_rebuilding
     def group_record(self, group_id: str) -> dict[str, str]:
         return group_record(self.store, group_id)
+
+
+# ---- views of the state: /v1/status, /v1/run, /v1/workers; worker heartbeats ----
+log = structlog.get_logger()
+
+WORKER_FORGET_S = 3600.0
+"""A worker silent this long disappears from ``/v1/workers``."""
+
+
+class Workers:
+    """The heartbeats of one run's workers."""
+
+    def __init__(self, store: RedisStore, alive_s: float) -> None:
+        self.store = store
+        self.alive_s = alive_s
+
+    def heartbeat(self, report: HeartbeatRequest) -> bool:
+        """Record ``report``; True if it is the first of a new incarnation of a known worker id (restarted)."""
+        reply = self.store.scripts.record_heartbeat(
+            now_ms=self.store.clock_ms(),
+            worker_id=report.worker_id,
+            report_json=report.model_dump_json(),
+            forget_after_ms=int(WORKER_FORGET_S * 1000),
+            # Not the run's record TTL (days): a worker id heard from once, or made up, is gone in an hour.
+            record_ttl_s=int(WORKER_FORGET_S),
+            role=report.role,
+            incarnation=report.incarnation or "",
+        )
+        restarted = reply["restarted"] == 1
+        if restarted:
+            log.warning(
+                "proxy.worker_restarted",
+                worker_id=report.worker_id,
+                role=report.role,
+                incarnation=report.incarnation,
+                leases_ended=reply["leases_ended"],
+            )
+        return restarted
+
+    def alive_count(self, role: str) -> int:
+        """Workers of ``role`` heard from within ``alive_s`` (one ZCOUNT)."""
+        store = self.store
+        key = store.keys.workers_optimize if role == "optimize" else store.keys.workers_generate
+        return int(store.redis.zcount(key, store.clock_ms() - int(self.alive_s * 1000), "+inf"))
+
+    def list(self) -> list[WorkerRecord]:
+        """Every worker heard from within ``WORKER_FORGET_S``, with its last report."""
+        store = self.store
+        now = store.clock_ms()
+        ids = store.redis.zrange(store.keys.workers, 0, -1)
+        pipe = store.redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hmget(store.keys.worker(worker_id), ["report", "last_seen_ms", "incarnation", "restarts"])
+        out = []
+        for report, last_seen, incarnation, restarts in pipe.execute():
+            if report is None:
+                continue
+            seen = int(last_seen)
+            out.append(
+                WorkerRecord(
+                    **{**json.loads(report), "incarnation": incarnation},
+                    restarts=int(restarts or 0),
+                    last_seen=seen / 1000.0,
+                    alive=now - seen <= self.alive_s * 1000,
+                )
+            )
+        return out
+
+
+def run_info(store: RedisStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
+    """What ``/v1/run`` tells a worker: the run's inputs with their digests, so it can verify what it reads."""
+    return RunInfo(
+        run=store.run,
+        config_key=bucket_keys.config_key(store.run),
+        config_sha256=config_sha256,
+        prompts_key=bucket_keys.prompts_key(store.run),
+        prompts_sha256=prompts_sha256,
+        num_prompts=num_prompts,
+        current_version=store.current_version(),
+    )
+
+
+def _live_leases(store: RedisStore, leases: list[tuple[str, float]]) -> list[LeaseRecord]:
+    pipe = store.redis.pipeline(transaction=False)
+    for lease_id, _ in leases:
+        pipe.hgetall(store.keys.lease(lease_id))
+    return [
+        LeaseRecord(
+            lease_id=lease_id,
+            version=int(rec["version"]),
+            worker_id=rec["worker_id"],
+            task_id=rec["task_id"],
+            expires_at=expires / 1000.0,
+        )
+        for (lease_id, expires), rec in zip(leases, pipe.execute(), strict=True)
+        if rec
+    ]
+
+
+def _queue_common_reads(store: RedisStore, pipe: Pipeline) -> None:
+    """The reads ``status`` and ``gauges`` share, in this order (see ``_common_fields``)."""
+    keys = store.keys
+    pipe.hgetall(keys.state)
+    pipe.hgetall(keys.counters)
+    pipe.hgetall(keys.rejected_reasons)
+    pipe.llen(keys.requeue)
+    pipe.zcard(keys.tasks_inflight)
+
+
+def _common_fields(config: RunConfig, replies: list[Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The run's state hash, and the fields ``StatusResponse`` and ``StateGauges`` both carry."""
+    state, counters, reasons, requeued, tasks = replies
+    step_inflight = int(state.get("step_inflight", -1))
+    return state, {
+        "current_version": int(state.get("current_version", -1)),
+        "final_version": config.final_version,
+        "step_inflight": step_inflight if step_inflight >= 0 else None,
+        "epoch": int(state.get("epoch", 0)),
+        "groups_buffered": int(state.get("groups_buffered", 0)),
+        "groups_inflight": int(state.get("groups_inflight", 0)),
+        "groups_requeued": requeued,
+        "tasks_inflight": tasks,
+        "counters": {k: int(v) for k, v in counters.items()},
+        "rejected_by_reason": {k: int(v) for k, v in reasons.items()},
+        "halted": state.get("halted") or None,
+    }
+
+
+def status(store: RedisStore, config: RunConfig, workers: Workers) -> StatusResponse:
+    """The run's state and counters, read in one transaction (leases and workers just after)."""
+    pipe = store.redis.pipeline(transaction=True)
+    _queue_common_reads(store, pipe)
+    pipe.zrangebyscore(store.keys.leases, f"({store.clock_ms()}", "+inf", withscores=True)
+    *common, leases = pipe.execute()
+    state, fields = _common_fields(config, common)
+    alive: dict[str, int] = {}
+    for worker in workers.list():
+        if worker.alive:
+            alive[worker.role] = alive.get(worker.role, 0) + 1
+    return StatusResponse(
+        run=store.run,
+        finished=fields["current_version"] >= config.final_version,
+        epoch_pos=int(state.get("epoch_pos", 0)),
+        leases=_live_leases(store, leases),
+        workers_alive_by_role=alive,
+        **fields,
+    )
+
+
+def gauges(store: RedisStore, config: RunConfig, alive_s: float) -> StateGauges:
+    """What ``/metrics`` exports, in one transaction of counts (ZCOUNT, LLEN, ZCARD): no per-lease or
+    per-worker read, unlike ``status``, so a scrape stays cheap however many workers there are."""
+    keys = store.keys
+    now = store.clock_ms()
+    alive_since = now - int(alive_s * 1000)
+    pipe = store.redis.pipeline(transaction=True)
+    _queue_common_reads(store, pipe)
+    pipe.zcount(keys.leases, f"({now}", "+inf")
+    pipe.zcount(keys.workers_generate, alive_since, "+inf")
+    pipe.zcount(keys.workers_optimize, alive_since, "+inf")
+    *common, leases, generate, optimize = pipe.execute()
+    _, fields = _common_fields(config, common)
+    alive = {role: count for role, count in (("generate", generate), ("optimize", optimize)) if count}
+    return StateGauges(leases_active=leases, workers_alive_by_role=alive, **fields)
+
+
+def group_record(store: RedisStore, group_id: str) -> dict[str, str]:
+    """A group's Redis record as it stands (empty once expired)."""
+    return store.redis.hgetall(store.keys.group(group_id))

@@ -1,5 +1,5 @@
-"""Snapshot and rebuild: a run's coordinator state in the bucket (the document, its writer and its reader), and
-its restoration into an empty Redis.
+"""The snapshot: a run's coordinator state in the bucket (the document, its writer and its reader), and the
+leadership that lets exactly one proxy write it.
 
 ``runs/<run>/proxy/snapshot.json`` holds what is needed to go on (invariant 6): the current version and the
 manifest sha256 of each published version, the prompt order position, the requeue line, every admitted and
@@ -9,384 +9,218 @@ the last step and the sorted versions of the evals sent; absent from older snaps
 The coordinator writes it after every change that matters, always before it tells a worker that a rollout was
 admitted and before it sends any task (so a rebuilt proxy never hands out work twice under one name); tracker
 progress only marks a change, which the next housekeeping tick writes. ``restore_state`` reads it
-back into an empty Redis (below).
+back into an empty Redis (``proxy.coordinator.rebuild``).
 
 Writes are group commits (``SnapshotWriter``): every change that arrives while a put is running is made
 durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.
 
-Fencing (``proxy.coordinator.leadership``): the document records the writing proxy's epoch
+Fencing: the document records the writing proxy's epoch
 (``proxy_epoch``). A put happens only right after the proxy confirmed its lease in Redis, and never over a
 snapshot of a higher epoch (read back at a new epoch and every ``READ_BACK_S``). The document ends with
 ``"sha256"``, the sha256 of every byte before that field; the reader verifies it and refuses a mismatch with
 an error naming the key.
 
-Rebuild of an empty Redis from the bucket, when Redis holds nothing for the run (invariant 6):
+Leadership (``ProxyFence``): one live proxy per run, a lease in Redis that carries a fencing epoch (invariant 6).
 
-- no snapshot and no version in the bucket: a fresh run (current = -1, the init step will be sent);
-- no snapshot but versions: start at the latest complete version (the prompt order restarts);
-- a snapshot: restore it; if the bucket holds complete, contiguous versions above the snapshot's current one whose
-  batches the snapshot accounts for (the claimed step's manifest must name that very batch), adopt them, newest as
-  current, and mark their groups trained; otherwise keep the step claimed and send it again. A rebuild never goes
-  back behind a version it can account for. Generate tasks that were in flight are cancelled and their prompts
-  requeued (their broker messages may be gone with Redis); leases that have not expired are restored. Task ids
-  carry an incarnation number bumped by every rebuild, so a task handed out before the crash never shares its id
-  with one handed out after.
+Leadership is the proxy's own lease, never to be mixed up with the version leases of generate workers.
 
-Rollout retention survives a rebuild: the snapshot carries the ``rollout_retention`` queue, and a rebuild
-(from a snapshot or from the versions alone) also lists ``runs/<run>/rollouts/`` and queues every object
-that is neither in the restored buffer nor in the restored step in flight, at the restored current version
-(their tasks are finished, cancelled by the rebuild, or unknown to it: none of them can be trained any more).
-So a flushed Redis leaks no rollout object, except one a worker writes after the rebuild for a task the
-rebuilt proxy does not know (its submission is refused). A brand-new run lists nothing.
+The lease is one key per run (``RunKeys.proxy_lease``), set with a TTL of a few seconds and renewed by the
+proxy's loop well within it. Its value names the holder (host, pid, since when) and the fencing **epoch**: a
+Redis ``INCR`` counter, never below the epoch of the snapshot in the bucket (an emptied Redis does not reset
+it). A second proxy finds the lease held and refuses to start (or, stand-by, waits until it lapses); a proxy
+that finds its lease taken by another stops coordinating (``lost``). A proxy whose lease simply vanished (Redis
+flushed, or the key expired while nobody else took it) takes it again with a new, higher epoch and goes on.
 
-Tracker progress survives a rebuild too: the snapshot's ``tracking`` (per tracker the last step sent and the
-versions whose eval was sent) becomes the ``tracking`` hash again, so the forwarder sends nothing twice that
-the snapshot knew was sent. A snapshot written before the field existed restores none (every record is sent
-again, as before); without a snapshot there is no progress to restore.
-
-Which versions a rebuild adopts (``adopt_newer_versions``): never go back behind the latest published version,
-never a foreign batch.
-
-A snapshot can lag the bucket: a trainer uploads version N+1 and Redis dies before the publish reaches it,
-or the last snapshot writes failed. The rebuild then walks the complete, contiguous manifests above the
-snapshot's current version, oldest first, and adopts each one whose batch it can account for:
-
-- the step the snapshot recorded as claimed: the manifest must name that step, its base version, and
-  (``rollouts`` in its metadata) exactly the claimed task ids; a manifest written before the metadata had
-  ``rollouts`` is matched on step and base alone;
-- any later version: a step claimed after the snapshot was written, so its ``rollouts`` must all be admitted
-  rollouts of the snapshot's buffer; they count as trained into that version.
-
-The first manifest that fails these (another batch, a gap, a base that is not the version before) stops the
-walk: it is logged (``proxy.rebuild_version_not_adopted``) and counted (``versions_not_adopted``), and the
-claimed step, if any, is sent again.
+Every snapshot put is preceded by ``confirm()``: the lease is checked (and renewed) atomically in Redis right
+before the put, and the snapshot records the epoch, so a proxy never regresses a newer proxy's snapshot.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import socket
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectNotFound
-from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest
-from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.errors import SnapshotFailed, StateExists, StateMissing
-from proxy.coordinator.leadership import FenceLost, Leader, ProxyFence
-from proxy.coordinator.redis_keys import tracking_eval_field, tracking_step_field
+from proxy.coordinator.redis_keys import RunKeys
 from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.scripts import CoordinatorError, SnapshotFailed, StateMissing
 
-
-@dataclass(frozen=True)
-class Claimed:
-    """The step the snapshot recorded as claimed (in flight)."""
-
-    step: int
-    base: int
-    task_ids: list[str]
-
-
-@dataclass
-class Adoption:
-    """What the walk decided: the new current version, the manifests adopted, and where each buffered task
-    went (trained into which version)."""
-
-    current: int
-    versions: dict[int, str] = field(default_factory=dict)
-    claimed_adopted: bool = False
-    trained_from_buffer: dict[str, int] = field(default_factory=dict)
-    not_adopted: int = 0
-
-
-def _newer_manifests(bucket: Bucket, run: str, current: int, latest: int | None) -> Iterator[tuple[int, dict, str]]:
-    """Manifests of current+1, current+2, ... up to the first missing one (a gap ends the contiguous run)."""
-    if latest is None:
-        return
-    for version in range(current + 1, latest + 1):
-        try:
-            manifest, sha = read_manifest(bucket, run, version)
-        except ObjectNotFound:
-            return
-        yield version, manifest.metadata, sha
-
-
-def _refusal(meta: dict[str, Any], version: int, current: int, claimed: Claimed | None, buffered: set[str]) -> str:
-    """Why version ``version`` cannot be adopted on top of ``current`` ('' if it can)."""
-    if meta.get("step") != version or meta.get("base_version") != current:
-        return f"it names step {meta.get('step')} on base {meta.get('base_version')}, not step {version} on {current}"
-    rollouts = meta.get("rollouts")
-    if claimed is not None:
-        if claimed.step != version or claimed.base != current:
-            return f"the snapshot claimed step {claimed.step} on base {claimed.base} for it"
-        if rollouts is not None and sorted(rollouts) != sorted(claimed.task_ids):
-            return f"its batch {sorted(rollouts)} is not the claimed batch {sorted(claimed.task_ids)}"
-        return ""
-    if not isinstance(rollouts, list):
-        return "its manifest names no rollouts, so its batch cannot be matched with the snapshot's buffer"
-    unknown = sorted(set(rollouts) - buffered)
-    if unknown:
-        return f"its batch holds rollouts the snapshot's buffer does not: {unknown[:5]}"
-    return ""
-
-
-def adopt_newer_versions(
-    bucket: Bucket, run: str, current: int, latest: int | None, claimed: Claimed | None, buffered: set[str]
-) -> Adoption:
-    """Walk the manifests above ``current`` (see the module doc); ``buffered``: task ids of the snapshot's
-    buffer."""
-    result = Adoption(current=current)
-    remaining = set(buffered)
-    for version, meta, sha in _newer_manifests(bucket, run, current, latest):
-        pending = None if result.claimed_adopted else claimed
-        reason = _refusal(meta, version, result.current, pending, remaining)
-        if reason:
-            result.not_adopted += 1
-            log.error(
-                "proxy.rebuild_version_not_adopted",
-                run=run,
-                version=version,
-                current=result.current,
-                reason=reason,
-                hint="the bucket holds a version this run's snapshot does not explain; inspect it before going on",
-            )
-            break
-        result.versions[version] = sha
-        if pending is not None:
-            result.claimed_adopted = True
-        else:
-            for tid in meta["rollouts"]:
-                result.trained_from_buffer[tid] = version
-                remaining.discard(tid)
-        result.current = version
-        log.warning("proxy.rebuild_adopted_version", run=run, version=version, base_version=version - 1)
-    return result
-
-
+# ---- leadership: one live proxy per run, and its fencing epoch ----
 log = structlog.get_logger()
 
-_MAX_ARGS_PER_OP = 1000
+DEFAULT_LEASE_TTL_S = 6.0
+
+# KEYS[1] lease  KEYS[2] epoch counter
+# ARGV[1] holder id  ARGV[2] holder JSON (host, pid, since_ms; no epoch)  ARGV[3] ttl ms  ARGV[4] floor epoch
+# returns {"RENEWED", lease_json} (ours, TTL renewed) | {"ACQUIRED", lease_json} (was free: a new epoch, above
+#   both the counter and the floor) | {"HELD", lease_json} (another holder; nothing changed)
+ACQUIRE_LUA = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local lease = cjson.decode(current)
+  if lease['holder'] ~= ARGV[1] then return {'HELD', current} end
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {'RENEWED', current}
+end
+local epoch = redis.call('INCR', KEYS[2])
+local floor = tonumber(ARGV[4])
+if epoch <= floor then
+  epoch = floor + 1
+  redis.call('SET', KEYS[2], epoch)
+end
+local lease = cjson.decode(ARGV[2])
+lease['holder'] = ARGV[1]
+lease['epoch'] = epoch
+local encoded = cjson.encode(lease)
+redis.call('SET', KEYS[1], encoded, 'PX', ARGV[3])
+return {'ACQUIRED', encoded}
+"""
+
+# KEYS[1] lease  ARGV[1] holder id
+# returns 1 if the lease was ours and is now deleted, else 0
+RELEASE_LUA = """
+local current = redis.call('GET', KEYS[1])
+if current and cjson.decode(current)['holder'] == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)
-class _Sources:
-    """What a rebuild reads: the store it writes into, the bucket and the run's config."""
+class Leader:
+    """Who holds a run's proxy lease, as stored in Redis."""
 
-    store: RedisStore
-    bucket: Bucket
-    config: RunConfig
+    holder: str
+    epoch: int
+    host: str
+    pid: int
+    since_ms: int
 
+    @classmethod
+    def parse(cls, encoded: str) -> Leader:
+        raw: dict[str, Any] = json.loads(encoded)
+        return cls(str(raw["holder"]), int(raw["epoch"]), str(raw["host"]), int(raw["pid"]), int(raw["since_ms"]))
 
-class _Ops:
-    """Redis writes for the restore script, every value a string."""
-
-    def __init__(self, ttl_s: int) -> None:
-        self.ops: list[list[str]] = []
-        self.ttl_s = str(ttl_s)
-
-    def hset(self, key: str, mapping: dict[str, Any], *, retire: bool = False) -> None:
-        flat = [str(part) for item in mapping.items() for part in item]
-        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
-            self.ops.append(["HSET", key, *flat[start : start + _MAX_ARGS_PER_OP]])
-        if retire:
-            self.ops.append(["EXPIRE", key, self.ttl_s])
-
-    def rpush(self, key: str, values: list[Any]) -> None:
-        for start in range(0, len(values), _MAX_ARGS_PER_OP):
-            self.ops.append(["RPUSH", key, *(str(v) for v in values[start : start + _MAX_ARGS_PER_OP])])
-
-    def zadd(self, key: str, scores: dict[str, int]) -> None:
-        flat = [str(part) for member, score in scores.items() for part in (score, member)]
-        for start in range(0, len(flat), _MAX_ARGS_PER_OP):
-            self.ops.append(["ZADD", key, *flat[start : start + _MAX_ARGS_PER_OP]])
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since_ms / 1000))
+        return f"host {self.host} pid {self.pid} (epoch {self.epoch}, since {since})"
 
 
-def _rollout_retention(src: _Sources, current: int, known: dict[str, int], needed: set[str]) -> dict[str, int]:
-    """The retention queue of a rebuilt run: every rollout object in the bucket but the ``needed`` ones.
+class LeadershipHeld(CoordinatorError):
+    """Another live proxy holds the run's lease; ``holder`` says who."""
 
-    ``known`` (the snapshot's queue) keeps its versions; any other object is queued at ``current``.
-    Nothing is queued when the run keeps every rollout (``rollout_retention_versions = -1``).
+    def __init__(self, run: str, holder: Leader) -> None:
+        super().__init__(
+            f"run {run!r} is already coordinated by another proxy: {holder.describe()}. Stop that proxy first, "
+            "or start this one as a stand-by (--standby or ASYNCGRPO_PROXY_STANDBY=1) to take over when its "
+            "lease lapses"
+        )
+        self.holder = holder
+
+
+class FenceLost(SnapshotFailed):
+    """This proxy no longer holds the run's lease (another proxy took over); it must stop coordinating."""
+
+
+class ProxyFence:
+    """This proxy's lease on one run: acquire, renew (``confirm``), release; ``epoch`` is its fencing token.
+
+    ``lost`` turns true (and stays true) once another holder is seen; every later ``confirm`` raises.
     """
-    if src.config.async_.rollout_retention_versions < 0:
-        return {}
-    prefix = bucket_keys.rollouts_prefix(src.store.run)
-    queue: dict[str, int] = {}
-    for key in src.bucket.list(prefix):
-        task_id = key.removeprefix(prefix).removesuffix(".safetensors")
-        # Only objects named exactly as the proxy names rollouts; anything else in the folder is left alone.
-        if "/" in task_id or task_id in needed or not _is_rollout_key(src.store.run, task_id, key):
-            continue
-        queue[task_id] = min(known.get(task_id, current), current)
-    return queue
+
+    def __init__(self, redis: Redis, run: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        self.redis = redis
+        self.run = run
+        self.keys = RunKeys(run)
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.holder_id = uuid.uuid4().hex
+        self._info = {"host": socket.gethostname(), "pid": os.getpid()}
+        self._acquire = redis.register_script(ACQUIRE_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
+        self._lock = threading.Lock()
+        self.epoch = 0
+        """The epoch of the lease this proxy holds (0 before the first ``acquire``)."""
+        self.floor = 0
+        """The highest epoch known from elsewhere (the bucket's snapshot); a new epoch is always above it."""
+        self.lost: Leader | None = None
+        self.acquisitions = 0
+
+    @property
+    def renew_every_s(self) -> float:
+        """How often the loop renews: a third of the TTL, so two renewals may fail before it lapses."""
+        return self.ttl_ms / 3000
+
+    def raise_floor(self, epoch: int) -> None:
+        with self._lock:
+            self.floor = max(self.floor, epoch)
+
+    def holder(self) -> Leader | None:
+        encoded = self.redis.get(self.keys.proxy_lease)
+        return None if encoded is None else Leader.parse(encoded)
+
+    def acquire(self) -> int:
+        """Take or renew the lease; returns the epoch. Raises ``LeadershipHeld`` if another proxy holds it
+        (and ``FenceLost`` if this proxy held it before: it was taken over)."""
+        with self._lock:
+            if self.lost is not None:
+                raise FenceLost(self._lost_message(self.lost))
+            info = json.dumps({**self._info, "since_ms": int(time.time() * 1000)})
+            floor = max(self.floor, self.epoch)
+            code, encoded = self._acquire(
+                keys=[self.keys.proxy_lease, self.keys.proxy_epoch], args=[self.holder_id, info, self.ttl_ms, floor]
+            )
+            lease = Leader.parse(encoded)
+            if code == "HELD":
+                if self.epoch:
+                    self.lost = lease
+                    log.critical("proxy.lease_lost", run=self.run, epoch=self.epoch, taken_by=lease.describe())
+                    raise FenceLost(self._lost_message(lease))
+                raise LeadershipHeld(self.run, lease)
+            if code == "ACQUIRED":
+                self.acquisitions += 1
+                log.warning("proxy.lease_acquired", run=self.run, epoch=lease.epoch, previous_epoch=self.epoch or None)
+            self.epoch = lease.epoch
+            return self.epoch
+
+    def confirm(self) -> int:
+        """Right before a state-changing write to the bucket: still ours (renewed or re-taken after a flush)?
+        Returns the epoch; raises ``FenceLost`` if another proxy holds the lease."""
+        try:
+            return self.acquire()
+        except LeadershipHeld as error:
+            # Never held (acquire was skipped): treat as lost all the same; someone else coordinates the run.
+            self.lost = error.holder
+            raise FenceLost(self._lost_message(error.holder)) from error
+
+    def release(self) -> bool:
+        """Give the lease up (clean shutdown), so a stand-by takes over at once; True if it was ours."""
+        if self.lost is not None:
+            return False
+        return bool(self._release(keys=[self.keys.proxy_lease], args=[self.holder_id]))
+
+    def _lost_message(self, holder: Leader) -> str:
+        return (
+            f"this proxy (epoch {self.epoch}) lost the lease of run {self.run!r} to {holder.describe()}; it stops "
+            "coordinating (restart it with --standby to wait for the lease)"
+        )
 
 
-def _is_rollout_key(run: str, task_id: str, key: str) -> bool:
-    try:
-        return bucket_keys.rollout_key(run, task_id) == key
-    except ValueError:
-        return False
-
-
-def _fresh_ops(src: _Sources, latest: int | None, now: int) -> tuple[_Ops, str]:
-    ops = _Ops(src.store.record_ttl_s)
-    state: dict[str, Any] = {
-        "current_version": -1 if latest is None else latest,
-        "step_inflight": -1,
-        "epoch": 0,
-        "epoch_pos": 0,
-        "task_seq": 0,
-        "groups_inflight": 0,
-        "groups_buffered": 0,
-        # Without a snapshot, tasks from before may be out there: never reuse their ids.
-        "incarnation": 0 if latest is None else now,
-    }
-    if latest is not None:
-        _, sha = read_manifest(src.bucket, src.store.run, latest)
-        ops.hset(src.store.keys.versions, {str(latest): sha})
-        # No buffer and no step survive without a snapshot: every rollout in the bucket is finished.
-        ops.zadd(src.store.keys.rollout_retention, _rollout_retention(src, latest, {}, set()))
-    ops.hset(src.store.keys.state, state)
-    return ops, "fresh" if latest is None else "rebuilt_from_versions"
-
-
-def _rebuild_ops(src: _Sources, document: dict[str, Any], latest: int | None, now: int) -> _Ops:
-    keys = src.store.keys
-    ops = _Ops(src.store.record_ttl_s)
-    state = dict(document["state"])
-    counters = {name: int(value) for name, value in document["counters"].items()}
-    versions = dict(document["versions"])
-    requeue = list(document["requeue"])
-
-    def count(name: str, amount: int = 1) -> None:
-        counters[name] = counters.get(name, 0) + amount
-
-    # Generate tasks in flight: their messages may have vanished with Redis; cancel and requeue.
-    for item in document["inflight_tasks"]:
-        ops.hset(keys.task(item["task_id"]), {**item["task"], "state": "cancelled", "ended_ms": now}, retire=True)
-        for gid, group in item["groups"].items():
-            if group.get("state") == "inflight":
-                ops.hset(keys.group(gid), {**group, "state": "cancelled", "ended_ms": now}, retire=True)
-                requeue.append(group["prompt_index"])
-                count("groups_cancelled")
-        count("tasks_cancelled")
-    state["groups_inflight"] = 0
-
-    current = int(state["current_version"])
-    step_doc = document.get("step")
-    claimed = None
-    if step_doc:
-        record = step_doc["record"]
-        task_ids = [ref["task_id"] for ref in json.loads(record["rollouts"])]
-        claimed = Claimed(int(record["step"]), int(record["base_version"]), task_ids)
-    buffer_ids = {item["task_id"] for item in document["buffer"]}
-    adoption = adopt_newer_versions(src.bucket, src.store.run, current, latest, claimed, buffer_ids)
-    versions.update({str(version): sha for version, sha in adoption.versions.items()})
-    state["current_version"] = current = adoption.current
-    count("publish", len(adoption.versions))
-    count("versions_not_adopted", adoption.not_adopted)
-    known = {tid: int(version) for tid, version in document.get("rollout_retention", {}).items()}
-
-    buffered = 0
-    for item in document["buffer"]:
-        tid, rollout = item["task_id"], item["rollout"]
-        trained_into = adoption.trained_from_buffer.get(tid)
-        if trained_into is not None:  # claimed and trained after the snapshot was written
-            ops.hset(keys.rollout(tid), rollout, retire=True)
-            ops.hset(keys.task(tid), {"state": "admitted", "version": rollout["version"]}, retire=True)
-            for gid, group in item["groups"].items():
-                ops.hset(keys.group(gid), {**group, "state": "trained", "ended_ms": now}, retire=True)
-            count("groups_trained", len(item["groups"]))
-            known[tid] = trained_into
-            continue
-        ops.hset(keys.rollout(tid), rollout)
-        ops.rpush(keys.buffer, [tid])
-        ops.hset(keys.task(tid), {"state": "admitted", "version": rollout["version"]})
-        for gid, group in item["groups"].items():
-            ops.hset(keys.group(gid), group)
-        buffered += len(item["groups"])
-    state["groups_buffered"] = buffered
-
-    # Rollouts of the buffer and of a step kept in flight are still needed; a retention queue never holds them.
-    needed = buffer_ids - set(adoption.trained_from_buffer)
-    state["step_inflight"] = -1
-    if step_doc and claimed is not None:
-        record, step = step_doc["record"], claimed.step
-        if adoption.claimed_adopted:
-            ops.hset(keys.step(step), {**record, "state": "published", "published_ms": now}, retire=True)
-            for gid, group in step_doc["groups"].items():
-                ops.hset(keys.group(gid), {**group, "state": "trained", "ended_ms": now}, retire=True)
-            for tid in claimed.task_ids:
-                ops.hset(keys.task(tid), {"state": "admitted"}, retire=True)
-            count("groups_trained", len(step_doc["groups"]))
-            known.update({tid: step for tid in claimed.task_ids})  # trained into version ``step``
-        else:
-            ops.hset(keys.step(step), {**record, "sent_ms": 0})
-            for gid, group in step_doc["groups"].items():
-                ops.hset(keys.group(gid), group)
-            for tid in claimed.task_ids:
-                ops.hset(keys.task(tid), {"state": "admitted"})
-            state["step_inflight"] = step
-            needed.update(claimed.task_ids)
-    ops.zadd(keys.rollout_retention, _rollout_retention(src, current, known, needed))
-
-    for item in document["leases"]:
-        lease = item["lease"]
-        expires = int(lease["expires_ms"])
-        if expires > now:
-            ops.hset(keys.lease(item["lease_id"]), lease)
-            ops.ops.append(["PEXPIRE", keys.lease(item["lease_id"]), str(expires - now)])
-            ops.ops.append(["ZADD", keys.leases, str(expires), item["lease_id"]])
-
-    if versions:
-        ops.hset(keys.versions, versions)
-    if counters:
-        ops.hset(keys.counters, counters)
-    if document["rejected_reasons"]:
-        ops.hset(keys.rejected_reasons, document["rejected_reasons"])
-    if document.get("prompt_attempts"):  # failed-attempt counts of prompts (invariant 9)
-        ops.hset(keys.prompt_attempts, document["prompt_attempts"])
-    ops.rpush(keys.requeue, requeue)
-    ops.hset(keys.tracking, _tracking_fields(document.get("tracking", {}), now))
-    state["incarnation"] = int(state.get("incarnation", 0)) + 1
-    ops.hset(keys.state, state)
-    return ops
-
-
-def _tracking_fields(tracking: dict[str, Any], now_ms: int) -> dict[str, int]:
-    """The ``tracking`` hash from the snapshot's compact form; each eval marked sent at the rebuild's time."""
-    fields: dict[str, int] = {}
-    for tracker, progress in tracking.items():
-        fields[tracking_step_field(tracker)] = int(progress["step"])
-        for version in progress["evals"]:
-            fields[tracking_eval_field(tracker, int(version))] = now_ms // 1000
-    return fields
-
-
-def restore_state(store: RedisStore, bucket: Bucket, config: RunConfig) -> str:
-    """Write the run's state into an empty Redis; returns 'fresh', 'rebuilt', 'rebuilt_from_versions' or
-    'present' (someone else restored it first)."""
-    src = _Sources(store, bucket, config)
-    now = store.clock_ms()
-    document = load_snapshot(bucket, store.run)
-    latest = latest_complete_version(bucket, store.run)
-    if document is None:
-        ops, outcome = _fresh_ops(src, latest, now)
-    else:
-        ops, outcome = _rebuild_ops(src, document, latest, now), "rebuilt"
-    try:
-        reply = store.scripts.restore_state(ops_json=json.dumps(ops.ops, separators=(",", ":")))
-    except StateExists:
-        return "present"
-    log.info("proxy.state_restored", run=store.run, outcome=outcome, latest_in_bucket=latest, ops=reply["applied"])
-    return outcome
-
-
+# ----
 SNAPSHOT_FORMAT = 2
 LEGACY_FORMATS = (1,)
 READ_BACK_S = 5.0

@@ -62,9 +62,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
-from asyncgrpo.bucket.manifest import IntegrityError, Manifest, read_manifest, read_verified
+from asyncgrpo.bucket.layout import IntegrityError, Manifest, read_manifest, read_verified
 from asyncgrpo.protocol.schemas import (
     CorruptReport,
     CorruptResult,
@@ -83,7 +83,11 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.errors import (
+from proxy.coordinator.leases import track_flag
+from proxy.coordinator.metrics import ProxyMetrics
+from proxy.coordinator.redis_store import RedisStore, clear_halt, halt, halted_reason
+from proxy.coordinator.rollouts import normalise_reason
+from proxy.coordinator.scripts import (
     BadStepFailure,
     ManifestMismatch,
     ManifestMissing,
@@ -93,10 +97,6 @@ from proxy.coordinator.errors import (
     StepNotReady,
     VersionNotFound,
 )
-from proxy.coordinator.metrics import ProxyMetrics
-from proxy.coordinator.redis_store import RedisStore, clear_halt, halt, halted_reason
-from proxy.coordinator.retention import track_flag
-from proxy.coordinator.rollouts import normalise_reason
 from proxy.coordinator.snapshot import SnapshotWriter
 
 BASE_HALT = "base_unloadable"

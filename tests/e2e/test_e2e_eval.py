@@ -12,7 +12,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.cli.history import load_eval_records, load_step_records
 from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.cli.plot import EVAL_PANEL_TITLE, draw_records, plot_run

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import ObjectNotFound
-from asyncgrpo.bucket.manifest import read_manifest, read_version_files
+from asyncgrpo.bucket.layout import read_manifest, read_version_files
 from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import OptimizeTaskMessage

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import redis
 
-from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.manifest import latest_complete_version, read_manifest
+from asyncgrpo.bucket import layout as bucket_keys
+from asyncgrpo.bucket.layout import latest_complete_version, read_manifest
 from asyncgrpo.cli.local_cluster import LocalCluster, free_port
 from tests.support.e2e_harness import (
     MAX_STALENESS,

@@ -324,7 +324,7 @@ def test_versions_sample_differently_and_match_the_trainers_rescoring(
 def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setup: VLLMSetup, tmp_path: Path) -> None:
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
     from asyncgrpo.bucket.backends import FileBucket
-    from asyncgrpo.bucket.manifest import write_version
+    from asyncgrpo.bucket.layout import write_version
     from worker.generate.adapters import AdapterCache
     from worker.generate.backend import UnknownAdapter
 

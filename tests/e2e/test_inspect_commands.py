@@ -16,7 +16,7 @@ from celery.contrib.testing.worker import start_worker
 
 import worker.process.inspect_commands  # noqa: F401  (registers the commands, as the worker process does)
 from asyncgrpo.bucket.backends import open_bucket
-from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.run.config import RunConfig
 from tests.support.e2e_harness import stop_process_group

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.cli.local_run import torch_threads_env
 from proxy.coordinator.redis_keys import RunKeys
 from tests.support.paths import REPO_ROOT

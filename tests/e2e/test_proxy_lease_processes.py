@@ -19,8 +19,8 @@ import pytest
 from redis import Redis
 
 from asyncgrpo.run.creation import create_run
-from proxy.coordinator.leadership import DEFAULT_LEASE_TTL_S, Leader
 from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.snapshot import DEFAULT_LEASE_TTL_S, Leader
 from tests.support.fixtures_redis import free_port
 from tests.support.fixtures_s3 import open_env_bucket
 from tests.support.paths import REPO_ROOT

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 from redis import Redis
 
-from asyncgrpo.bucket.keys import check_run_name
+from asyncgrpo.bucket.layout import check_run_name
 from asyncgrpo.protocol.schemas import (
     REPAIR_TASK_NAME,
     GenerateTaskMessage,

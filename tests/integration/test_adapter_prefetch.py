@@ -16,7 +16,7 @@ import pytest
 from redis import Redis
 from structlog.testing import capture_logs
 
-from asyncgrpo.bucket.manifest import IntegrityError, write_version
+from asyncgrpo.bucket.layout import IntegrityError, write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.config import RunConfig

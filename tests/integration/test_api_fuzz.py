@@ -33,10 +33,9 @@ from schemathesis.checks import (
 )
 
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
-from proxy.api.app import MAX_WAIT_S, create_app
-from proxy.api.guards import take_leadership
-from proxy.coordinator.leadership import ProxyFence
+from proxy.api.app import MAX_WAIT_S, create_app, take_leadership
 from proxy.coordinator.service import Coordinator
+from proxy.coordinator.snapshot import ProxyFence
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.fixtures_redis import RedisServer

@@ -13,13 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from proxy.api.app import create_app, serve
+from proxy.api.app import PLACEHOLDER_TOKENS, ProxyStartupError, check_can_serve, create_app, serve
 from proxy.api.edge import OPEN_PATHS
-from proxy.api.guards import ProxyStartupError
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
-from proxy.api.token_policy import PLACEHOLDER_TOKENS, check_can_serve
-from proxy.coordinator.service import Coordinator
-from proxy.coordinator.status import WORKER_FORGET_S
+from proxy.coordinator.service import WORKER_FORGET_S, Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.paths import REPO_ROOT
 from tests.support.proxy_harness import start_run

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.schemas import (
     GroupRef,
     LeaseGrant,

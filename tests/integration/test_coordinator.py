@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.manifest import list_versions, write_version
+from asyncgrpo.bucket import layout as bucket_keys
+from asyncgrpo.bucket.layout import list_versions, write_version
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StaleRolloutError
-from proxy.coordinator.errors import (
+from proxy.coordinator.rollouts import normalise_reason
+from proxy.coordinator.scripts import (
     BadRollout,
     BadVersionNumber,
     CasLost,
@@ -26,7 +27,6 @@ from proxy.coordinator.errors import (
     TaskCancelled,
     UnknownTask,
 )
-from proxy.coordinator.rollouts import normalise_reason
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (
     ManualClock,

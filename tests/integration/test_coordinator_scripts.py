@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from proxy.coordinator import errors
-from proxy.coordinator.errors import StateMissing
+from proxy.coordinator import scripts as errors
 from proxy.coordinator.redis_store import RedisStore
 from proxy.coordinator.scripts import (
     ALL_SCRIPTS,
@@ -27,6 +26,7 @@ from proxy.coordinator.scripts import (
     LuaScript,
     Refusal,
     Scripts,
+    StateMissing,
     contract_problems,
     lua_text,
     parse_contract,

@@ -15,16 +15,16 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.protocol.evals import EvalChunkSummary, EvalExample, EvalResultRequest, merge_chunks
 from asyncgrpo.protocol.records import EvalRecord
 from asyncgrpo.protocol.schemas import HeartbeatRequest, TaskFailureReport
 from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
-from proxy.coordinator.errors import EvalEnded, NotTaskHolder
 from proxy.coordinator.evaluations import due_versions, prompt_chunks
 from proxy.coordinator.leases import live_leased_versions
+from proxy.coordinator.scripts import EvalEnded, NotTaskHolder
 from proxy.coordinator.service import Coordinator
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.proxy_harness import ManualClock, advance_version, file_bucket, start_run

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.client import process_incarnation
 from asyncgrpo.protocol.schemas import (
     GroupRef,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.manifest import write_version
+from asyncgrpo.bucket import layout as bucket_keys
+from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import ProxyUnavailable
 from asyncgrpo.protocol.schemas import GroupRef, RolloutSubmission, SubmitResult

@@ -20,7 +20,7 @@ from asyncgrpo.protocol.schemas import (
     generate_queue,
 )
 from proxy.coordinator.dispatch import CeleryDispatcher
-from proxy.coordinator.errors import TaskEnded
+from proxy.coordinator.scripts import TaskEnded
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (
     ManualClock,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.run.config import ConfigError, DatasetConfig
 from asyncgrpo.run.creation import create_run, load_run

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, FileBucket, ObjectExists, ObjectNotFound
-from asyncgrpo.bucket.manifest import (
+from asyncgrpo.bucket.layout import (
     IntegrityError,
     delete_version,
     fetch_version,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.bucket.manifest import sha256_hex
+from asyncgrpo.bucket.layout import sha256_hex
 from asyncgrpo.protocol.schemas import GroupRef, RolloutRef
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout

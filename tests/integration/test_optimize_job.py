@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.bucket.manifest import IntegrityError, fetch_version, read_manifest, sha256_hex, write_version
+from asyncgrpo.bucket.layout import IntegrityError, fetch_version, read_manifest, sha256_hex, write_version
 from asyncgrpo.protocol.errors import Conflict, NotFound
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.protocol.schemas import (

@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.bucket.manifest import IntegrityError, write_version
+from asyncgrpo.bucket.layout import IntegrityError, write_version
 from asyncgrpo.cli.export import ADAPTER_FILES, ExportError, export_version
 from asyncgrpo.cli.main import main
 from asyncgrpo.cli.plot import PlotError, plot_run

@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from redis import Redis
 
-from asyncgrpo.bucket.manifest import list_versions
+from asyncgrpo.bucket.layout import list_versions
 from asyncgrpo.protocol.schemas import StaleRolloutError
-from proxy.coordinator.errors import (
+from proxy.coordinator.leases import live_leased_versions
+from proxy.coordinator.scripts import (
     BadRollout,
     LeaseLostError,
     NotTaskHolder,
@@ -39,7 +40,6 @@ from proxy.coordinator.errors import (
     TaskCancelled,
     UnknownTask,
 )
-from proxy.coordinator.leases import live_leased_versions
 from proxy.coordinator.service import Coordinator
 from tests.support.protocol_model import (
     NUM_PROMPTS,

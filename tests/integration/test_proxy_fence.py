@@ -1,8 +1,8 @@
 """Fencing between proxies and the proxy's start-up checks, on a real private Redis and a file:// bucket.
 
-The lease and its epoch (``proxy.coordinator.leadership``), snapshot writes conditional on it, the snapshot's
+The lease and its epoch (``proxy.coordinator.snapshot``), snapshot writes conditional on it, the snapshot's
 checksum, a rebuild that adopts newer versions (and refuses a foreign batch), an idempotent restore, Redis
-``TIME`` as the default clock, and the start-up checks (``proxy.api.guards``).
+``TIME`` as the default clock, and the start-up checks (``proxy.api.app``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,25 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists
-from asyncgrpo.bucket.manifest import write_version
-from proxy.api.app import create_app
-from proxy.api.guards import ProxyStartupError, check_conditional_writes, check_eviction_policy, take_leadership
-from proxy.coordinator.leadership import FenceLost, LeadershipHeld, ProxyFence
+from asyncgrpo.bucket.layout import write_version
+from proxy.api.app import (
+    ProxyStartupError,
+    check_conditional_writes,
+    check_eviction_policy,
+    create_app,
+    take_leadership,
+)
 from proxy.coordinator.service import Coordinator
-from proxy.coordinator.snapshot import SnapshotCorrupt, load_snapshot, snapshot_epoch
+from proxy.coordinator.snapshot import (
+    FenceLost,
+    LeadershipHeld,
+    ProxyFence,
+    SnapshotCorrupt,
+    load_snapshot,
+    snapshot_epoch,
+)
 from tests.integration.test_rebuild import busy_run, claim_step_3, restart
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.fixtures_coordinator import API_TOKEN

@@ -8,9 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from proxy.api.app import ProxyStartupError, create_app, serve
+from proxy.api.app import ProxyStartupError, check_can_serve, create_app, is_loopback, serve
 from proxy.api.settings import ProxySettings
-from proxy.api.token_policy import check_can_serve, is_loopback
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN
 from tests.support.proxy_harness import (

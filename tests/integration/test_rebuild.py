@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.bucket.manifest import write_version
-from proxy.coordinator.errors import StateMissing, TaskCancelled
+from asyncgrpo.bucket.layout import write_version
+from proxy.coordinator.scripts import StateMissing, TaskCancelled
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import SnapshotCorrupt
 from tests.support.dispatcher import RecordingDispatcher

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.protocol.records import RolloutHeader, StepRecord

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError
 from asyncgrpo.protocol.schemas import StaleRolloutError
-from proxy.coordinator.errors import TaskCancelled
+from proxy.coordinator.scripts import TaskCancelled
 from proxy.coordinator.service import Coordinator
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.proxy_harness import (

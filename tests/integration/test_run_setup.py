@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, FileBucket
-from asyncgrpo.bucket.manifest import IntegrityError, sha256_hex
+from asyncgrpo.bucket.layout import IntegrityError, sha256_hex
 from asyncgrpo.run.config import ConfigError, RunConfig
 from asyncgrpo.run.creation import RunExistsError, RunNotFound, create_run, load_run
 from asyncgrpo.run.datasets import PromptFileError

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError
 from proxy.api.app import create_app
-from proxy.coordinator.errors import SnapshotFailed
+from proxy.coordinator.scripts import SnapshotFailed
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot
 from tests.support.fixtures_coordinator import API_TOKEN

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from redis import Redis
 from rich.console import Console
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.cli.main import main
 from asyncgrpo.cli.status import collect_status, render_status, show_status, sparkline

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepFailureReport, StepStartRequest, worker_queue
-from proxy.coordinator.errors import PublishConflict, StepNoLongerClaimed
+from proxy.coordinator.scripts import PublishConflict, StepNoLongerClaimed
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (
     ManualClock,

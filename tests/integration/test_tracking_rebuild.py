@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.run.config import RunConfig, TrackingConfig
 from proxy.coordinator.service import Coordinator

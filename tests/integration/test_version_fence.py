@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists
-from asyncgrpo.bucket.manifest import read_manifest, read_verified, read_version_files, write_version
+from asyncgrpo.bucket.layout import read_manifest, read_verified, read_version_files, write_version
 from asyncgrpo.protocol.schemas import CorruptReport, HeartbeatRequest, RepairTaskMessage
-from proxy.coordinator.errors import VersionNotFound
+from proxy.coordinator.scripts import VersionNotFound
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.steps import halted_reason as halted
 from tests.support.dispatcher import RecordingDispatcher

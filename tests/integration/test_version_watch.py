@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import BadRequest
 from asyncgrpo.protocol.schemas import LatestVersion

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from redis import Redis
 
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest, worker_queue
-from proxy.coordinator.errors import TaskEnded
+from proxy.coordinator.scripts import TaskEnded
 from proxy.coordinator.service import Coordinator
 from tests.integration.test_evaluations import eval_config, make
 from tests.support.proxy_harness import (

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from asyncgrpo.bucket.backends import Bucket, FileBucket, S3Bucket, make_s3_client, open_bucket
+from asyncgrpo.bucket.backends import Bucket, FileBucket, open_bucket
+from asyncgrpo.bucket.s3_backend import S3Bucket, make_s3_client
 from asyncgrpo.protocol.settings import StorageSettings
 
 _STARTUP_TIMEOUT_S = 60.0

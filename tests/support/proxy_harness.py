@@ -8,13 +8,13 @@ from typing import Any
 
 from redis import Redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.bucket.manifest import sha256_hex, write_version
+from asyncgrpo.bucket.layout import sha256_hex, write_version
 from asyncgrpo.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.leadership import ProxyFence
 from proxy.coordinator.service import Coordinator
+from proxy.coordinator.snapshot import ProxyFence
 from tests.support.dispatcher import RecordingDispatcher
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.protocol.records import StepRecord
 from proxy.coordinator.redis_keys import RunKeys

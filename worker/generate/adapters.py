@@ -6,7 +6,7 @@ The cache:
 Why that size: a worker may still be asked for any version inside the staleness window (``max_staleness +
 1`` versions) while the next one is being published, so one more slot lets the new version load before the
 oldest is dropped. Every file is checked against its manifest's sha256 before it lands in the cache
-(``asyncgrpo.bucket.manifest.fetch_version``), so a corrupted or half-written upload is never served.
+(``asyncgrpo.bucket.layout.fetch_version``), so a corrupted or half-written upload is never served.
 
 Load each new adapter version as soon as it is published, from a background thread of a generate worker.
 
@@ -38,9 +38,9 @@ from pathlib import Path
 import httpx
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.bucket.manifest import fetch_version
+from asyncgrpo.bucket.layout import fetch_version
 from asyncgrpo.protocol.client import ProxyClient, ProxyError
 from asyncgrpo.protocol.schemas import LatestVersion
 from worker.generate.backend import GenerationBackend

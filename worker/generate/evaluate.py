@@ -17,8 +17,8 @@ from typing import Any
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
-from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.bucket import layout as bucket_keys
+from asyncgrpo.bucket.layout import IntegrityError
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Cancelled, NotHolder
 from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest

@@ -15,9 +15,9 @@ from typing import Any
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.bucket.manifest import IntegrityError, sha256_hex
+from asyncgrpo.bucket.layout import IntegrityError, sha256_hex
 from asyncgrpo.protocol.client import ProxyClient, process_incarnation
 from asyncgrpo.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
 from asyncgrpo.protocol.records import GenerateTimings, RolloutExtra

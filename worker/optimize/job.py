@@ -45,9 +45,9 @@ from typing import Any
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
-from asyncgrpo.bucket.manifest import (
+from asyncgrpo.bucket.layout import (
     IntegrityError,
     read_manifest,
     read_verified,

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.bucket.manifest import IntegrityError, read_manifest, read_verified
+from asyncgrpo.bucket.layout import IntegrityError, read_manifest, read_verified
 from asyncgrpo.protocol.records import FlaggedRollout
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER

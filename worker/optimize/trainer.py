@@ -12,7 +12,7 @@ A non-finite loss or gradient norm raises :class:`~worker.algo.grpo.NonFiniteErr
 
 A trainer's state <-> bytes: the adapter in plain PEFT format, the rest as safetensors + JSON (no pickle).
 
-Files of one version (names from ``asyncgrpo.bucket.keys``):
+Files of one version (names from ``asyncgrpo.bucket.layout``):
 
 * ``adapter_model.safetensors`` + ``adapter_config.json``: exactly what ``PeftModel.save_pretrained`` writes
   (so ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load it), with ``target_modules`` sorted and
@@ -42,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from asyncgrpo.bucket.keys import (
+from asyncgrpo.bucket.layout import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     TRAINER_STATE_JSON_NAME,

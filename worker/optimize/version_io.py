@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from asyncgrpo.bucket import keys as bucket_keys
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
-from asyncgrpo.bucket.manifest import (
+from asyncgrpo.bucket.layout import (
     IntegrityError,
     Manifest,
     read_manifest,

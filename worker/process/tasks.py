@@ -36,7 +36,7 @@ from celery.exceptions import Reject
 from celery.worker import state as worker_state
 
 from asyncgrpo.bucket.backends import BucketError, ObjectNotFound
-from asyncgrpo.bucket.manifest import IntegrityError
+from asyncgrpo.bucket.layout import IntegrityError
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
 from asyncgrpo.protocol.evals import EvaluateTaskMessage

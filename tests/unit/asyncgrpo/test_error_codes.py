@@ -14,7 +14,8 @@ from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import ERROR_CODES, ProxyError, error_code, exception_for
 from asyncgrpo.protocol.schemas import StaleRolloutError
 from proxy.api import edge as api
-from proxy.coordinator.errors import (
+from proxy.coordinator.metrics import HTTP_ERROR_CODES, ProxyMetrics
+from proxy.coordinator.scripts import (
     BadRollout,
     BadStepFailure,
     CasLost,
@@ -29,7 +30,6 @@ from proxy.coordinator.errors import (
     TaskCancelled,
     UnknownTask,
 )
-from proxy.coordinator.metrics import HTTP_ERROR_CODES, ProxyMetrics
 
 # One instance of every refusal the coordinator raises (subclasses included), and the code it must get.
 REFUSALS: list[tuple[Exception, str]] = [

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo.bucket.keys import ADAPTER_WEIGHTS_NAME
+from asyncgrpo.bucket.layout import ADAPTER_WEIGHTS_NAME
 from asyncgrpo.run.config import RunConfig
 from tests.support.train_samples import synthetic_samples
 from worker.model.policy import Policy

@@ -11,7 +11,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load as load_tensors
 
-from asyncgrpo.bucket.keys import (
+from asyncgrpo.bucket.layout import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     TRAINER_STATE_JSON_NAME,

@@ -1,6 +1,28 @@
-"""Manifests: how a reader knows that an adapter version (or a run) is complete and unaltered.
+"""Where every object of a run lives in the bucket, and how a reader knows a version is complete and unaltered.
 
-An adapter version ``runs/<run>/adapters/v00000042/`` is complete once its ``MANIFEST.json`` exists. Each
+Every object key is built here, and nowhere else.
+
+Layout of one run (``<run>`` is the run name)::
+
+    runs/<run>/config.json                        the run config, written once at creation
+    runs/<run>/RUN_MANIFEST.json                  sha256 of config.json and prompts.jsonl, written last
+    runs/<run>/prompts/prompts.jsonl              the dataset as the run saw it
+    runs/<run>/prompts/eval_prompts.jsonl         the held-out eval prompts (only with [eval])
+    runs/<run>/adapters/v00000042/MANIFEST.json   the version: sha256 of each file and the attempt that
+                                                  wrote them (create-only, written last)
+    runs/<run>/adapters/v00000042/<attempt>/<file> adapter_model.safetensors, adapter_config.json,
+                                                  trainer_state.safetensors, trainer_state.json, ...
+    runs/<run>/rollouts/<task-id>.safetensors     one generate task's samples
+    runs/<run>/metrics/step-00000042.json         one record per optimizer step
+    runs/<run>/evals/v00000042.json               the evaluation of one version (only with [eval])
+    runs/<run>/proxy/snapshot.json                what the proxy needs to rebuild Redis
+
+Version directories are zero-padded so that a lexical listing is also a numeric one. Each attempt at a
+version writes its files under a folder of its own (``<attempt>``), so two attempts never write one object:
+the manifest that wins the create-only write names its attempt, and readers read only that attempt's files.
+Manifests written before attempts existed name none (``""``): their files sit in the version folder itself.
+
+Manifests. An adapter version ``runs/<run>/adapters/v00000042/`` is complete once its ``MANIFEST.json`` exists. Each
 attempt at a version (a task, a redelivery of it, a zombie woken from a pause) uploads its files under an
 attempt folder of its own, then writes the manifest last and create-only, naming its attempt: a reader that
 sees the manifest reads only the files it names, which no other attempt ever writes (invariant 1). The
@@ -22,6 +44,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -33,9 +56,151 @@ from typing import Any, TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncgrpo.bucket import keys as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
 
+MANIFEST_NAME = "MANIFEST.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+TRAINER_STATE_TENSORS_NAME = "trainer_state.safetensors"
+TRAINER_STATE_JSON_NAME = "trainer_state.json"
+STEP_RECORD_NAME = "step_record.json"
+"""The step's record, a file of its version; the proxy copies it to ``metrics/`` when it publishes."""
+ADAPTER_FILE_NAMES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
+"""The files of a version a generate worker needs (a plain PEFT adapter folder); the rest is the trainer's."""
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_VERSION_DIR = re.compile(r"/adapters/v(\d{8})/$")
+_ATTEMPT = re.compile(r"^[a-z0-9]{1,32}$")
+_EVAL_KEY = re.compile(r"/evals/v(\d{8})\.json$")
+
+
+class InvalidKeyPart(ValueError):
+    """A run name or task id that cannot be part of a key."""
+
+
+def check_run_name(run: str) -> str:
+    if not _RUN_NAME.fullmatch(run):  # fullmatch: "$" would let a trailing newline in
+        raise InvalidKeyPart(
+            f"run name {run!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit"
+        )
+    return run
+
+
+def check_task_id(task_id: str) -> str:
+    if not _TASK_ID.fullmatch(task_id):
+        raise InvalidKeyPart(f"task id {task_id!r} is not allowed: use 1-128 letters, digits, '.', '_', ':' or '-'")
+    return task_id
+
+
+def adapter_name(version: int) -> str:
+    """The name a generator serves a version under (``v42``); never reused for another policy."""
+    return f"v{version}"
+
+
+def run_prefix(run: str) -> str:
+    return f"runs/{check_run_name(run)}/"
+
+
+def config_key(run: str) -> str:
+    return run_prefix(run) + "config.json"
+
+
+def run_manifest_key(run: str) -> str:
+    return run_prefix(run) + "RUN_MANIFEST.json"
+
+
+def prompts_key(run: str) -> str:
+    return run_prefix(run) + "prompts/prompts.jsonl"
+
+
+def eval_prompts_key(run: str) -> str:
+    return run_prefix(run) + "prompts/eval_prompts.jsonl"
+
+
+def adapters_prefix(run: str) -> str:
+    return run_prefix(run) + "adapters/"
+
+
+def adapter_prefix(run: str, version: int) -> str:
+    if version < 0:
+        raise ValueError(f"adapter version must be >= 0, got {version}")
+    return f"{adapters_prefix(run)}v{version:08d}/"
+
+
+def check_attempt(attempt: str) -> str:
+    if attempt and not _ATTEMPT.fullmatch(attempt):
+        raise InvalidKeyPart(f"attempt id {attempt!r} is not allowed: use 1-32 lowercase letters or digits")
+    return attempt
+
+
+def attempt_prefix(run: str, version: int, attempt: str) -> str:
+    """The folder one attempt at ``version`` writes its files under (the version folder for ``""``)."""
+    return adapter_prefix(run, version) + (f"{check_attempt(attempt)}/" if attempt else "")
+
+
+def adapter_file_key(run: str, version: int, filename: str, attempt: str = "") -> str:
+    """The key of file ``filename`` of ``version`` as written by ``attempt`` (its manifest names the attempt)."""
+    if "/" in filename or not filename:
+        raise InvalidKeyPart(f"adapter file name {filename!r} must be a plain file name")
+    return attempt_prefix(run, version, attempt) + filename
+
+
+def manifest_key(run: str, version: int) -> str:
+    return adapter_prefix(run, version) + MANIFEST_NAME
+
+
+def version_from_adapter_prefix(prefix: str) -> int | None:
+    """``runs/r/adapters/v00000042/`` -> 42; anything else -> None."""
+    match = _VERSION_DIR.search(prefix)
+    return int(match.group(1)) if match else None
+
+
+def rollouts_prefix(run: str) -> str:
+    return run_prefix(run) + "rollouts/"
+
+
+def rollout_key(run: str, task_id: str) -> str:
+    return f"{rollouts_prefix(run)}{check_task_id(task_id)}.safetensors"
+
+
+def metrics_prefix(run: str) -> str:
+    return run_prefix(run) + "metrics/"
+
+
+def metrics_key(run: str, step: int) -> str:
+    return f"{metrics_prefix(run)}step-{step:08d}.json"
+
+
+def evals_prefix(run: str) -> str:
+    return run_prefix(run) + "evals/"
+
+
+def eval_key(run: str, version: int) -> str:
+    if version < 0:
+        raise ValueError(f"eval version must be >= 0, got {version}")
+    return f"{evals_prefix(run)}v{version:08d}.json"
+
+
+def version_from_eval_key(key: str) -> int | None:
+    """``runs/r/evals/v00000042.json`` -> 42; anything else -> None."""
+    match = _EVAL_KEY.search(key)
+    return int(match.group(1)) if match else None
+
+
+def proxy_snapshot_key(run: str) -> str:
+    return run_prefix(run) + "proxy/snapshot.json"
+
+
+def proxy_probe_key(run: str, token: str) -> str:
+    """A throwaway object the proxy writes and deletes at start-up to test the store's create-only writes."""
+    if not token.isalnum():
+        raise ValueError(f"probe token {token!r} must be alphanumeric")
+    return run_prefix(run) + f"proxy/probe-{token}"
+
+
+# ---- versions: files first, manifest last ----
 _Item = TypeVar("_Item")
 
 TRANSFER_THREADS = 8
@@ -122,7 +287,7 @@ class Manifest(BaseModel):
 
     def file_key(self, run: str, name: str) -> str:
         """The bucket key of file ``name`` of this version: the one object this manifest vouches for."""
-        return bucket_keys.adapter_file_key(run, self.version, name, self.attempt)
+        return adapter_file_key(run, self.version, name, self.attempt)
 
     def name_of_key(self, run: str, key: str) -> str | None:
         """The file name whose object is ``key``, or None if this manifest covers no such object."""
@@ -132,7 +297,7 @@ class Manifest(BaseModel):
     @classmethod
     def _plain_names(cls, files: dict[str, ManifestEntry]) -> dict[str, ManifestEntry]:
         for name in files:
-            if not name or "/" in name or name in (".", "..") or name == bucket_keys.MANIFEST_NAME:
+            if not name or "/" in name or name in (".", "..") or name == MANIFEST_NAME:
                 raise ValueError(f"manifest file name {name!r} must be a plain file name other than MANIFEST.json")
         return files
 
@@ -193,12 +358,12 @@ def write_version(
     """
     if not files:
         raise ValueError(f"version {version} of run {run!r} has no files; a version needs at least one")
-    attempt = new_attempt_id() if attempt is None else bucket_keys.check_attempt(attempt)
-    manifest_key = bucket_keys.manifest_key(run, version)
+    attempt = new_attempt_id() if attempt is None else check_attempt(attempt)
+    manifest_object = manifest_key(run, version)
     entries = {name: ManifestEntry(sha256=sha256_hex(data), size=len(data)) for name, data in files.items()}
     manifest = Manifest(version=version, files=entries, created_at=time.time(), metadata=metadata, attempt=attempt)
 
-    stored = _existing_manifest_matching(bucket, manifest_key, entries)
+    stored = _existing_manifest_matching(bucket, manifest_object, entries)
     if stored is not None:
         return stored
 
@@ -215,11 +380,11 @@ def write_version(
             put(item)
     payload = manifest.to_bytes()
     try:
-        bucket.put(manifest_key, payload, if_absent=True)
+        bucket.put(manifest_object, payload, if_absent=True)
     except ObjectExists:
         # Another attempt won: our folder is covered by no manifest, so nobody reads it; remove it.
-        bucket.delete_prefix(bucket_keys.attempt_prefix(run, version, attempt))
-        stored = _existing_manifest_matching(bucket, manifest_key, entries)
+        bucket.delete_prefix(attempt_prefix(run, version, attempt))
+        stored = _existing_manifest_matching(bucket, manifest_object, entries)
         if stored is None:
             raise
         return stored
@@ -228,17 +393,17 @@ def write_version(
 
 
 def _existing_manifest_matching(
-    bucket: Bucket, manifest_key: str, entries: dict[str, ManifestEntry]
+    bucket: Bucket, manifest_object: str, entries: dict[str, ManifestEntry]
 ) -> tuple[Manifest, str] | None:
     """The stored manifest if it lists exactly ``entries``; None if there is none; ObjectExists if it differs."""
     try:
-        data = bucket.get(manifest_key)
+        data = bucket.get(manifest_object)
     except ObjectNotFound:
         return None
-    stored = _parse_manifest(manifest_key, data)
+    stored = _parse_manifest(manifest_object, data)
     if stored.files != entries:
         raise ObjectExists(
-            f"{manifest_key!r} already exists with other files; version {stored.version} is immutable and "
+            f"{manifest_object!r} already exists with other files; version {stored.version} is immutable and "
             "was written by another trainer (this step lost the race; its result must be dropped)"
         )
     return stored, sha256_hex(data)
@@ -246,7 +411,7 @@ def _existing_manifest_matching(
 
 def read_manifest(bucket: Bucket, run: str, version: int) -> tuple[Manifest, str]:
     """The manifest of ``version`` and the sha256 of its bytes; ObjectNotFound if the version is incomplete."""
-    key = bucket_keys.manifest_key(run, version)
+    key = manifest_key(run, version)
     data = bucket.get(key)
     manifest = _parse_manifest(key, data)
     if manifest.version != version:
@@ -275,7 +440,7 @@ def read_version_files(
     bytes differ is an IntegrityError naming its key."""
     manifest, manifest_sha = read_manifest(bucket, run, version)
     if expected_manifest_sha256 is not None and manifest_sha != expected_manifest_sha256:
-        raise _mismatch(bucket_keys.manifest_key(run, version), expected_manifest_sha256, manifest_sha)
+        raise _mismatch(manifest_key(run, version), expected_manifest_sha256, manifest_sha)
     files: dict[str, bytes] = {}
 
     def read(item: tuple[str, ManifestEntry]) -> None:
@@ -300,21 +465,22 @@ def fetch_version(
     copied too. On a mismatch the IntegrityError names the key and nothing is left behind.
     """
     dest_dir = Path(dest_dir)
-    manifest_key = bucket_keys.manifest_key(run, version)
-    manifest_bytes = bucket.get(manifest_key)
+    manifest_object = manifest_key(run, version)
+    manifest_bytes = bucket.get(manifest_object)
     manifest_sha = sha256_hex(manifest_bytes)
     if expected_manifest_sha256 is not None and manifest_sha != expected_manifest_sha256:
-        raise _mismatch(manifest_key, expected_manifest_sha256, manifest_sha)
-    manifest = _parse_manifest(manifest_key, manifest_bytes)
+        raise _mismatch(manifest_object, expected_manifest_sha256, manifest_sha)
+    manifest = _parse_manifest(manifest_object, manifest_bytes)
     if manifest.version != version:
         raise IntegrityError(
-            f"manifest {manifest_key!r} describes version {manifest.version}, not {version}", key=manifest_key
+            f"manifest {manifest_object!r} describes version {manifest.version}, not {version}", key=manifest_object
         )
 
     absent = sorted(set(names or ()) - set(manifest.files))
     if absent:
         raise IntegrityError(
-            f"manifest {manifest_key!r} lists no {absent}; the version is not a complete adapter", key=manifest_key
+            f"manifest {manifest_object!r} lists no {absent}; the version is not a complete adapter",
+            key=manifest_object,
         )
 
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -334,7 +500,7 @@ def fetch_version(
 
     try:
         _each_in_parallel(download, wanted.items())
-        (staging / bucket_keys.MANIFEST_NAME).write_bytes(manifest_bytes)
+        (staging / MANIFEST_NAME).write_bytes(manifest_bytes)
         _move_into_place(staging, dest_dir, manifest_bytes)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -344,7 +510,7 @@ def fetch_version(
 def _move_into_place(staging: Path, dest_dir: Path, manifest_bytes: bytes) -> None:
     """Rename the verified staging folder to ``dest_dir``, replacing an older or partial copy there."""
     if dest_dir.exists():
-        existing = dest_dir / bucket_keys.MANIFEST_NAME
+        existing = dest_dir / MANIFEST_NAME
         with contextlib.suppress(OSError):
             if existing.read_bytes() == manifest_bytes:
                 return  # another fetch of the same version got there first; its files were verified too
@@ -355,27 +521,27 @@ def _move_into_place(staging: Path, dest_dir: Path, manifest_bytes: bytes) -> No
         os.rename(staging, dest_dir)
     except OSError:
         # A concurrent fetch renamed its own copy in between; keep it if it is this same version.
-        existing = dest_dir / bucket_keys.MANIFEST_NAME
+        existing = dest_dir / MANIFEST_NAME
         if not (existing.is_file() and existing.read_bytes() == manifest_bytes):
             raise
 
 
 def list_versions(bucket: Bucket, run: str) -> list[int]:
     """Every version folder of the run (complete or not), ascending."""
-    versions = (bucket_keys.version_from_adapter_prefix(p) for p in bucket.list_dirs(bucket_keys.adapters_prefix(run)))
+    versions = (version_from_adapter_prefix(p) for p in bucket.list_dirs(adapters_prefix(run)))
     return sorted(v for v in versions if v is not None)
 
 
 def latest_complete_version(bucket: Bucket, run: str) -> int | None:
     """The highest version that has a ``MANIFEST.json``; None if there is none."""
     for version in reversed(list_versions(bucket, run)):
-        if bucket.head(bucket_keys.manifest_key(run, version)) is not None:
+        if bucket.head(manifest_key(run, version)) is not None:
             return version
     return None
 
 
 def delete_version(bucket: Bucket, run: str, version: int) -> None:
     """Delete the manifest first (the version stops being complete at once), then its files."""
-    bucket.delete(bucket_keys.manifest_key(run, version))
-    bucket.delete_prefix(bucket_keys.adapter_prefix(run, version))
+    bucket.delete(manifest_key(run, version))
+    bucket.delete_prefix(adapter_prefix(run, version))
     log.info("manifest.version_deleted", run=run, version=version)
