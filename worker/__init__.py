@@ -4,7 +4,8 @@ Never imports `proxy`: a worker meets the coordinator over HTTP, its Celery queu
 vocabulary of `asyncgrpo` (protocol, bucket, run). Import-linter contracts in pyproject.toml check it.
 
 Packages:
-    process   Celery process plumbing shared by both roles: app, launcher, tasks, runtime, signals, metrics
+    process   Celery process plumbing shared by both roles: app, launcher, tasks and their runtime, prefetch,
+              signals, metrics
     generate  the generate role: one task's job and the generation backends
     optimize  the optimize role: one step's job, the trainer and its state
     algo      pure GRPO math, rewards and the rollout format: no broker, Redis or bucket

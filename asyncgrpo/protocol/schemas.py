@@ -304,7 +304,7 @@ class LatestVersion(_Response):
     """Answer to ``GET /v1/versions/latest?after=N&wait_s=S``: the current version, sent at once when it is
     newer than ``after``, else when one is published or ``wait_s`` runs out (then it is the same one).
 
-    Hop: from the proxy to each generate worker's adapter prefetcher (``worker.generate.adapters``), which
+    Hop: from the proxy to each generate worker's adapter prefetcher (``worker.generate.job``), which
     fetches ``manifest_key`` and checks it against ``manifest_sha256`` exactly as for a lease.
     """
 

@@ -325,8 +325,8 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
     from asyncgrpo.bucket.backends import FileBucket
     from asyncgrpo.bucket.layout import write_version
-    from worker.generate.adapters import AdapterCache
     from worker.generate.backend import UnknownAdapter
+    from worker.generate.job import AdapterCache
 
     backend = vllm_setup.backend
     run = "vllm-cache"
@@ -335,7 +335,7 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
     capacity = vllm_setup.config.async_.max_staleness + 2
     assert backend.max_loras == capacity
     cache = AdapterCache(
-        bucket, run, tmp_path / "cache", capacity=capacity, on_evict=lambda v: backend.drop_adapter(f"v{v}")
+        bucket, run, tmp_path / "cache", capacity=capacity, backend=backend
     )
 
     def lease(version: int) -> None:  # what generate_job does on a lease of `version`
@@ -412,7 +412,7 @@ def test_generate_path_imports_in_this_environment_without_vllm() -> None:
     """What a generate or optimize worker imports works here, and only building a vLLM backend imports vLLM."""
     code = (
         "import sys\n"
-        "import worker.process.tasks, worker.generate.job, worker.optimize.job, worker.process.runtime\n"
+        "import worker.process.tasks, worker.generate.job, worker.optimize.job\n"
         "import worker.generate.factory, worker.generate.vllm_backend, worker.generate.transformers_backend\n"
         "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))[:5]\n"
         "print('ok')\n"

@@ -24,13 +24,13 @@ from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
-from worker.generate.adapters import AdapterCache, AdapterPrefetcher
-from worker.generate.job import GenerateResult, run_generate_task
+from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
 from worker.generate.settings import GenerateSettings
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
 from worker.process.settings import process_settings
+from worker.process.tasks import AdapterPrefetcher
 
 RUN = "r1"
 PROMPTS: list[dict[str, Any]] = [{"prompt": f"{i % 10}=", "answer": str(i % 10)} for i in range(20)]
@@ -96,7 +96,7 @@ def world(redis_client: Redis, tmp_path: Path, tiny_model_dir: Path, one_torch_t
     backend = TransformersBackend(str(tiny_model_dir))
     capacity = coord.config.async_.max_staleness + 2
     cache = AdapterCache(
-        coord.bucket, RUN, tmp_path / "cache", capacity, on_evict=lambda v: backend.drop_adapter(f"v{v}")
+        coord.bucket, RUN, tmp_path / "cache", capacity, backend=backend
     )
     lock = threading.RLock()
     app = create_app(coord, API_TOKEN, run_loop=False)
@@ -196,7 +196,7 @@ def test_the_worker_starts_a_prefetcher_only_on_generate_workers_with_the_settin
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from tests.support.fixtures_redis import free_port
-    from worker.process import runtime
+    from worker.process import tasks as runtime
 
     monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
     monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "cache"))

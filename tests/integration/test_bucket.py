@@ -18,9 +18,9 @@ from asyncgrpo.bucket.backends import (
     InvalidKey,
     ObjectExists,
     ObjectNotFound,
+    S3Bucket,
     open_bucket,
 )
-from asyncgrpo.bucket.s3_backend import S3Bucket
 
 
 def test_put_get_head_roundtrip(bucket: Bucket) -> None:

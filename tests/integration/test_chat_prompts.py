@@ -24,9 +24,8 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import DatasetConfig, RunConfig
 from asyncgrpo.run.creation import create_run, load_run
 from worker.algo.rollout import decode_rollout, read_rollout_header
-from worker.generate.adapters import AdapterCache
 from worker.generate.backend import ChatTemplateMissing, chat_messages, fed_prompt_text
-from worker.generate.job import run_generate_task
+from worker.generate.job import AdapterCache, run_generate_task
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.model.tiny_model import TINY_CHAT_TEMPLATE, train_tiny_tokenizer

@@ -23,8 +23,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from worker.algo.rollout import decode_rollout, read_rollout_header
-from worker.generate.adapters import AdapterCache
-from worker.generate.job import GenerateResult, run_generate_task
+from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer

@@ -25,8 +25,7 @@ from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import publish_request
 from worker.algo.rollout import read_rollout_header
-from worker.generate.adapters import AdapterCache
-from worker.generate.job import GenerateResult, run_generate_task
+from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer

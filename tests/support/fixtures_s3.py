@@ -26,8 +26,7 @@ from typing import Any
 
 import pytest
 
-from asyncgrpo.bucket.backends import Bucket, FileBucket, open_bucket
-from asyncgrpo.bucket.s3_backend import S3Bucket, make_s3_client
+from asyncgrpo.bucket.backends import Bucket, FileBucket, S3Bucket, make_s3_client, open_bucket
 from asyncgrpo.protocol.settings import StorageSettings
 
 _STARTUP_TIMEOUT_S = 60.0

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.optimize.batch import TrainSample
-from worker.optimize.trainer import Trainer
+from worker.optimize.trainer import Trainer, TrainSample
 
 
 def synthetic_samples(trainer: Trainer, count: int, seed: int) -> list[TrainSample]:

@@ -25,9 +25,8 @@ from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExampl
 from asyncgrpo.run.config import RunConfig
 from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.algo.rewards import RewardFailed, score_completions
-from worker.generate.adapters import AdapterCache
 from worker.generate.backend import GenerationBackend, GenerationResult, fed_prompts
-from worker.generate.job import LeaseRenewer, release_quietly, report_corrupt_object
+from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly, report_corrupt_object
 
 log = structlog.get_logger()
 

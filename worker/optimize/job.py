@@ -13,7 +13,7 @@ Idempotent: a redelivered step that is already published is a no-op; one whose u
 publish did not (the worker died in between) publishes the uploaded version instead of training again. An
 attempt whose manifest write or CAS another attempt won ends with status ``conflict`` (an info line, not an
 error); which manifest won is judged by the sha the proxy recorded, never by the bucket alone. The bytes of
-the last version uploaded or loaded stay in memory (``worker.optimize.version_io``) to repair the bucket.
+the last version uploaded or loaded stay in memory (``worker.optimize.job``) to repair the bucket.
 
 Before any work the task tells the proxy it holds the step (``POST /v1/steps/{S}/start``), so the step is
 re-sent at once if this worker dies; a copy whose batch is no longer the step's ends there. A step it cannot
@@ -32,12 +32,27 @@ The step record of one optimize step: what it trained on and how the policy move
 ``build_step_record`` turns the step's rollouts, their rescoring ratios and the trainer's per-update metrics
 into a ``asyncgrpo.protocol.records.StepRecord``; the optimize job stores it with the new version and copies it
 to ``runs/<run>/metrics/``. Pure: no I/O, no torch.
+
+Versions in the bucket (below): as the job reads them, pinned to the sha the proxy recorded.
+
+Loading a base version into the trainer, finding an earlier attempt's complete upload of the same step (never
+deleted: a version with a manifest is immutable), the record stored with a version, and whether the proxy
+published our manifest. A corrupted object of a published version is reported to the proxy, which repairs it
+from the memory of the trainer holding it or halts the run.
+
+The exact bytes of the last version this trainer uploaded (or loaded), kept to repair the bucket.
+
+A published version's object that the bucket corrupted is put back from here: the proxy sends a repair task
+to the own queue of the worker holding the version, and ``repair_object`` re-puts the object under the same
+key only if these bytes' sha256 equal the manifest's entry (versions stay immutable: same content, same
+key). One version is held per process, replaced by the next upload or load.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,15 +64,19 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
 from asyncgrpo.bucket.layout import (
     IntegrityError,
+    Manifest,
     read_manifest,
     read_verified,
+    read_version_files,
+    sha256_hex,
     write_version,
 )
 from asyncgrpo.protocol.client import ProxyClient, process_incarnation
-from asyncgrpo.protocol.errors import Conflict, NotFound, StepGone
+from asyncgrpo.protocol.errors import Conflict, NotFound, ProxyError, StepGone
 from asyncgrpo.protocol.records import FlaggedRollout, RolloutEntry, StepRecord, StepTimings, UpdateMetrics
 from asyncgrpo.protocol.schemas import (
     PublishRequest,
+    RepairTaskMessage,
     RolloutRef,
     StepFailureKind,
     StepFailureReport,
@@ -68,8 +87,6 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, decode_rollout
-from worker.optimize import version_io as held_version
-from worker.optimize.batch import build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
     forget_adapter_weights,
@@ -78,15 +95,7 @@ from worker.optimize.rescore import (
     remember_adapter_weights,
     rescore_planned,
 )
-from worker.optimize.trainer import Trainer
-from worker.optimize.version_io import (
-    UploadConflict,
-    load_trainer_version,
-    published_is_ours,
-    same_bytes,
-    stored_step_record,
-    uploaded_attempt,
-)
+from worker.optimize.trainer import Trainer, build_train_samples, split_indices_by_group
 
 
 def _mean(values: list[float]) -> float | None:
@@ -299,7 +308,7 @@ def run_initialize(
             log.info("optimize.publish_lost", step=0, error=str(error))
             return OptimizeResult(step=0, status="conflict", version=0)
     if same_bytes(manifest, files):
-        held_version.hold(run, manifest, manifest_sha, files)
+        hold_version(run, manifest, manifest_sha, files)
     trainer.version = 0
     return OptimizeResult(step=0, status="published", version=0)
 
@@ -524,8 +533,136 @@ def _train_and_upload(
     }
     manifest, manifest_sha = write_version(bucket, run, step, files, metadata, between_files=between_files)
     if same_bytes(manifest, files):  # a redelivery may get an earlier attempt's manifest back
-        held_version.hold(run, manifest, manifest_sha, files)
+        hold_version(run, manifest, manifest_sha, files)
     # The in-memory LoRA is exactly the uploaded version: keep a copy for rescoring its rollouts next step.
     remember_adapter_weights(run, step, [parameter.detach().clone() for parameter in trainer.lora_parameters])
     record.timings.upload_s = time.perf_counter() - publish_started
     return record, manifest_sha
+
+
+# ---- a step's versions in the bucket ----
+@dataclass(frozen=True)
+class HeldVersion:
+    run: str
+    manifest: Manifest
+    manifest_sha256: str
+    files: dict[str, bytes]
+
+
+_lock = threading.Lock()
+_held: HeldVersion | None = None
+
+
+def hold_version(run: str, manifest: Manifest, manifest_sha256: str, files: dict[str, bytes]) -> None:
+    """Keep ``files`` (the bytes just uploaded or verified) as the held copy of ``manifest.version``."""
+    global _held
+    with _lock:
+        _held = HeldVersion(run, manifest, manifest_sha256, dict(files))
+
+
+def repair_object(bucket: Bucket, message: RepairTaskMessage) -> str:
+    """Put ``message.key`` back from the held bytes; returns what happened (a bounded word for the log)."""
+    with _lock:
+        held = _held
+    if held is None or held.run != message.run or held.manifest.version != message.version:
+        return "not_held"
+    if held.manifest_sha256 != message.manifest_sha256:
+        return "other_manifest"  # we hold a losing attempt's bytes: never put them under the published keys
+    if message.key == bucket_keys.manifest_key(message.run, message.version):
+        data = held.manifest.to_bytes()
+        expected = message.manifest_sha256
+    else:
+        name = held.manifest.name_of_key(message.run, message.key)
+        if name is None or name not in held.files:
+            return "not_held"
+        data, expected = held.files[name], held.manifest.files[name].sha256
+    if sha256_hex(data) != expected:
+        return "bytes_differ"
+    bucket.put(message.key, data)
+    read_verified(bucket, message.key, expected)  # it reads back intact, or the task fails loudly
+    return "repaired"
+
+
+
+
+def load_trainer_version(
+    trainer: Trainer, bucket: Bucket, run: str, version: int, client: ProxyClient, worker_id: str
+) -> None:
+    """Load version ``version`` (weights, optimizer moments, step, RNG) from the bucket, verified against the
+    manifest sha the proxy recorded at publish; a corrupted object is reported to the proxy, then raised."""
+    expected = client.version_info(version).manifest_sha256
+    try:
+        manifest, manifest_sha, files = read_version_files(
+            bucket, run, version, expected, skip=(bucket_keys.STEP_RECORD_NAME,)
+        )
+    except IntegrityError as error:
+        report_corrupt(client, version, worker_id, error)
+        raise
+    loaded = trainer.load_version_files(files)
+    if loaded != version:
+        key = bucket_keys.manifest_key(run, version)
+        raise IntegrityError(f"trainer state of version {version} ({key}) says version {loaded}", key=key)
+    hold_version(run, manifest, manifest_sha, files)
+
+
+def report_corrupt(client: ProxyClient, version: int, worker_id: str, error: IntegrityError) -> None:
+    """Tell the proxy about a corrupted object of a published version (it repairs it or halts the run)."""
+    try:
+        answer = client.report_corrupt(version, worker_id, error.key)
+        log.warning("optimize.corrupt_reported", version=version, key=error.key, action=answer.action)
+    except ProxyError as report_error:
+        log.warning("optimize.corrupt_report_failed", version=version, key=error.key, error=str(report_error))
+
+
+def uploaded_attempt(
+    bucket: Bucket, run: str, step: int, rollout_ids: list[str], client: ProxyClient, worker_id: str
+) -> str | None:
+    """sha256 of a complete earlier upload of this very step (same base, same batch), if one exists.
+
+    Never deletes it: a manifest is create-only and a version with one is immutable. One made from another
+    batch is a conflict (``UploadConflict``), never adopted.
+    """
+    try:
+        manifest, manifest_sha = read_manifest(bucket, run, step)
+    except ObjectNotFound:
+        return None
+    meta = manifest.metadata
+    if meta.get("base_version") != step - 1 or sorted(meta.get("rollouts", [])) != sorted(rollout_ids):
+        raise UploadConflict(f"version {step} was uploaded from another batch ({bucket_keys.manifest_key(run, step)})")
+    try:
+        for name, entry in manifest.files.items():
+            read_verified(bucket, manifest.file_key(run, name), entry.sha256)
+    except IntegrityError as error:
+        if client.run_info().current_version >= step:
+            report_corrupt(client, step, worker_id, error)
+        raise
+    return manifest_sha
+
+
+class UploadConflict(Exception):
+    """Another attempt's manifest for this version exists and is not ours to publish."""
+
+
+def stored_step_record(bucket: Bucket, run: str, step: int) -> StepRecord | None:
+    """The record in a version's files (an earlier attempt's upload); the task's result reports it."""
+    manifest, _ = read_manifest(bucket, run, step)
+    entry = manifest.files.get(bucket_keys.STEP_RECORD_NAME)
+    if entry is None:
+        return None
+    data = read_verified(bucket, manifest.file_key(run, bucket_keys.STEP_RECORD_NAME), entry.sha256)
+    return StepRecord.model_validate_json(data)
+
+
+def same_bytes(manifest: Manifest, files: dict[str, bytes]) -> bool:
+    """True if ``files`` are exactly what ``manifest`` lists (a stored manifest may be another attempt's)."""
+    return set(files) == set(manifest.files) and all(
+        sha256_hex(data) == manifest.files[name].sha256 for name, data in files.items()
+    )
+
+
+def published_is_ours(step: int, manifest_sha: str, client: ProxyClient) -> bool:
+    """True if the proxy recorded our manifest as version ``step`` (the sha it published, not the bucket's)."""
+    try:
+        return client.version_info(step).manifest_sha256 == manifest_sha
+    except NotFound:
+        return False

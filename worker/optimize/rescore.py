@@ -28,8 +28,7 @@ from asyncgrpo.bucket.layout import IntegrityError, read_manifest, read_verified
 from asyncgrpo.protocol.records import FlaggedRollout
 from worker.algo.rollout import Rollout
 from worker.model.policy import TRAIN_ADAPTER
-from worker.optimize.batch import TrainSample
-from worker.optimize.trainer import RatioSums, Trainer, load_adapter_weights
+from worker.optimize.trainer import RatioSums, Trainer, TrainSample, load_adapter_weights
 
 log = structlog.get_logger()
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from asyncgrpo.bucket.backends import open_bucket
-from asyncgrpo.bucket.s3_backend import S3Bucket
+from asyncgrpo.bucket.backends import S3Bucket, open_bucket
 from asyncgrpo.cli.main import main as cli_main
 from asyncgrpo.protocol.settings import CacheSettings, LogSettings, SettingsError, StorageSettings, env_name
 from proxy.__main__ import main as proxy_main

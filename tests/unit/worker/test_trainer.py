@@ -22,13 +22,14 @@ from tests.support.train_samples import synthetic_samples
 from worker.algo.grpo import NonFiniteError
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import TRAIN_ADAPTER, Policy
-from worker.optimize.batch import TrainSample, pack_micro_batches
 from worker.optimize.trainer import (
     Trainer,
     TrainerStateError,
+    TrainSample,
     adapter_files,
     learning_rate_at,
     mean_ratio,
+    pack_micro_batches,
     write_adapter_folder,
 )
 
