@@ -5,12 +5,13 @@ Read it top down; an import-linter contract keeps this order (nothing calls up i
 retention, generate tasks, rollouts, steps and versions, evaluations, snapshot and leadership, rebuild) >
 `redis_store` > `scripts` > keys, metrics, dispatch.
 
-Every change to the state is one Lua script (`lua/<name>.lua`, with `prelude.lua` prepended; its header is the
-one statement of its KEYS, ARGV and reply fields), declared in `scripts` with the exception of every refusal.
-Four writes are single Redis commands instead, atomic on their own and outside any invariant: a lease's
-first-use time (`leases`, HSETNX), the corrupt-object check a halt waits on (`steps`, HSET/HDEL), an evaluate
-task's failure report (`evaluations`, ZADD XX) and the trackers' progress (`proxy.tracking.forwarder`, HSET).
-The proxy's leadership lease (`snapshot`) runs two inline scripts of its own: it guards the state, it is not part of it.
+Every change to the state is one Lua script (`lua/<seam>/<name>.lua`, beside the seam module of that name that
+runs it, with `prelude.lua` prepended; its header is the one statement of its KEYS, ARGV and reply fields),
+declared in `scripts` with the exception of every refusal. Four writes are single Redis commands instead, atomic
+on their own and outside any invariant: a lease's first-use time (`leases`, HSETNX), the corrupt-object check a
+halt waits on (`steps`, HSET/HDEL), an evaluate task's failure report (`evaluations`, ZADD XX) and the trackers'
+progress (`proxy.tracking.forwarder`, HSET). The proxy's leadership lease (`snapshot`) runs two inline scripts of
+its own: it guards the state, it is not part of it.
 
 Modules:
     service         `Coordinator` (the facade the HTTP app and tests call; a missing state is rebuilt here),

@@ -1,6 +1,6 @@
 """The coordinator's Lua scripts, declared: every change to a run's Redis state is one of these, so it is atomic.
 
-The scripts are the files ``lua/<name>.lua``; each starts with lines stating its KEYS, ARGV and return codes
+The scripts are the files ``lua/<seam>/<name>.lua``; each starts with lines stating its KEYS, ARGV and return codes
 (the one statement of them), and each declaration below adds which codes are answers and the exception of
 every other one (how: below). A script returns a table whose first element is a code string; every code
 that is not an answer maps to its own exception. Time is always passed in (``now_ms``) so that tests control
@@ -21,8 +21,9 @@ keeps every rollout and records nothing. DUE_ROLLOUTS and FORGET_ROLLOUTS serve 
 
 How a script is declared, loaded, registered and called (redis-py's ``Lock`` is the model).
 
-A script lives in ``lua/<name>.lua`` (read with ``importlib.resources``, so it works from an installed wheel)
-and starts with comment lines that state its contract, in this form::
+A script lives in ``lua/<seam>/<name>.lua``, beside the coordinator module ``<seam>`` that runs it (read with
+``importlib.resources``, so it works from an installed wheel), and starts with comment lines that state its
+contract, in this form::
 
     -- <name>: what it does
     -- KEYS[1] <RunKeys attribute>  KEYS[2] ...
@@ -55,6 +56,7 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
+from importlib.resources.abc import Traversable
 from string import Template
 from typing import Any
 
@@ -206,9 +208,25 @@ NO_STATE = "NO_STATE"
 """The code of every script that finds no state for the run (raised as ``StateMissing``)."""
 
 
+@functools.cache
+def lua_files() -> dict[str, Traversable]:
+    """Every shipped script by name: ``lua/prelude.lua`` and ``lua/<seam>/<name>.lua``, each script in the folder
+    of the one coordinator module that calls it."""
+    root = resources.files(LUA_PACKAGE) / LUA_FOLDER
+    files: dict[str, Traversable] = {}
+    for entry in root.iterdir():
+        for item in entry.iterdir() if entry.is_dir() else [entry]:
+            if item.name.endswith(".lua"):
+                name = item.name.removesuffix(".lua")
+                if name in files:
+                    raise RuntimeError(f"two Lua scripts are named {name!r}; rename one (names are global)")
+                files[name] = item
+    return files
+
+
 def lua_text(name: str) -> str:
-    """The text of ``lua/<name>.lua`` as shipped in the package."""
-    return (resources.files(LUA_PACKAGE) / LUA_FOLDER / f"{name}.lua").read_text(encoding="utf-8")
+    """The text of the script ``name`` as shipped in the package."""
+    return lua_files()[name].read_text(encoding="utf-8")
 
 
 @functools.cache
@@ -268,7 +286,7 @@ each field is, so callers read typed results, never parse a reply themselves."""
 
 
 class ScriptHeaderError(ValueError):
-    """A ``lua/<name>.lua`` header that does not state a contract (misnumbered KEYS or ARGV)."""
+    """A ``lua/<seam>/<name>.lua`` header that does not state a contract (misnumbered KEYS or ARGV)."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +347,7 @@ def parse_contract(text: str) -> ScriptContract:
 
 @dataclass(frozen=True)
 class LuaScript:
-    """One script: its file ``lua/<name>.lua`` states KEYS, ARGV and reply fields (``contract``); this adds
+    """One script: its file ``lua/<seam>/<name>.lua`` states KEYS, ARGV and reply fields (``contract``); this adds
     which codes are answers and the exception of every other code."""
 
     name: str
@@ -458,6 +476,17 @@ _PUBLISH_REFUSED = (
 )
 _CURRENT = ("current",)
 
+_LEASE_FIELDS = ("version", "manifest_sha256", "expires_ms")
+
+_EVAL_ENDED = Refusal(
+    EvalEnded,
+    "evaluate task {task_id} is not in flight (its version is evaluated already or was given up, or the task "
+    "is unknown): drop it",
+)
+
+
+# ---- generate tasks (``generate_tasks``) ----
+
 DISPATCH_GENERATE = LuaScript(
     name="dispatch_generate",
     errors={
@@ -477,9 +506,16 @@ UNDO_DISPATCH = LuaScript(
     errors=_NO_STATE,
 )
 
+UNATTENDED_GROUPS = LuaScript(
+    name="unattended_groups",
+)
+
+
+# ---- rollouts (``rollouts``) ----
+
 SUBMIT_ROLLOUT = LuaScript(
     name="submit_rollout",
-    answers=('OK', 'DUPLICATE'),
+    answers=("OK", "DUPLICATE"),
     errors={
         "STALE": Refusal(
             RolloutTooStale, "rollout v{version} of task {task_id} is too stale for v{current}", passed=_CURRENT
@@ -496,6 +532,9 @@ SUBMIT_ROLLOUT = LuaScript(
     },
 )
 
+
+# ---- steps and versions (``steps``) ----
+
 CLAIM_STEP = LuaScript(
     name="claim_step",
     errors={"NOT_READY": Refusal(StepNotReady, "no step claimed: {why}", passed=("dropped",)), **_NO_STATE},
@@ -504,17 +543,6 @@ CLAIM_STEP = LuaScript(
 MARK_STEP_SENT = LuaScript(
     name="mark_step_sent",
     errors={"NOT_CLAIMED": Refusal(StepNoLongerClaimed, "step {step} is no longer claimed"), **_NO_STATE},
-)
-
-PUBLISH_VERSION = LuaScript(
-    name="publish_version",
-    answers=('OK', 'ALREADY'),
-    errors={
-        "BAD_VERSION": Refusal(BadVersionNumber, _PUBLISH_REFUSED, passed=_CURRENT),
-        "CAS_LOST": Refusal(CasLost, _PUBLISH_REFUSED, passed=_CURRENT),
-        "STEP_NOT_CLAIMED": Refusal(StepNotClaimed, _PUBLISH_REFUSED, passed=_CURRENT),
-        **_NO_STATE,
-    },
 )
 
 START_STEP = LuaScript(
@@ -531,23 +559,26 @@ START_STEP = LuaScript(
 
 FAIL_STEP = LuaScript(
     name="fail_step",
-    answers=('OK', 'RETRY', 'NOT_CLAIMED'),
+    answers=("OK", "RETRY", "NOT_CLAIMED"),
     errors={
         "NOT_IN_STEP": Refusal(BadStepFailure, "rollout {task_id} is not in the batch of step {step}"),
         **_NO_STATE,
     },
 )
 
-SET_HALT = LuaScript(
-    name="set_halt",
-    errors=_NO_STATE,
+PUBLISH_VERSION = LuaScript(
+    name="publish_version",
+    answers=("OK", "ALREADY"),
+    errors={
+        "BAD_VERSION": Refusal(BadVersionNumber, _PUBLISH_REFUSED, passed=_CURRENT),
+        "CAS_LOST": Refusal(CasLost, _PUBLISH_REFUSED, passed=_CURRENT),
+        "STEP_NOT_CLAIMED": Refusal(StepNotClaimed, _PUBLISH_REFUSED, passed=_CURRENT),
+        **_NO_STATE,
+    },
 )
 
-CLEAR_HALT = LuaScript(
-    name="clear_halt",
-)
 
-_LEASE_FIELDS = ("version", "manifest_sha256", "expires_ms")
+# ---- leases and retention (``leases``) ----
 
 GRANT_LEASE = LuaScript(
     name="grant_lease",
@@ -581,30 +612,6 @@ EXPIRE_LEASES = LuaScript(
     name="expire_leases",
 )
 
-UNATTENDED_GROUPS = LuaScript(
-    name="unattended_groups",
-)
-
-RECORD_HEARTBEAT = LuaScript(
-    name="record_heartbeat",
-)
-
-ADD_COUNTER = LuaScript(
-    name="add_counter",
-    errors=_NO_STATE,
-)
-
-# The two scripts of a rebuild itself: they must never start another one.
-RESTORE_STATE = LuaScript(
-    name="restore_state",
-    errors={"EXISTS": Refusal(StateExists, "run {run!r} already has a state in Redis")},
-)
-
-SNAPSHOT_JSON = LuaScript(
-    name="snapshot_json",
-    errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
-)
-
 DUE_ROLLOUTS = LuaScript(
     name="due_rollouts",
     errors=_NO_STATE,
@@ -615,13 +622,8 @@ FORGET_ROLLOUTS = LuaScript(
     errors=_NO_STATE,
 )
 
-# ---- evaluations (``proxy.coordinator.evaluations``) ----
 
-_EVAL_ENDED = Refusal(
-    EvalEnded,
-    "evaluate task {task_id} is not in flight (its version is evaluated already or was given up, or the task "
-    "is unknown): drop it",
-)
+# ---- evaluations (``evaluations``) ----
 
 SCHEDULE_EVAL = LuaScript(
     name="schedule_eval",
@@ -650,27 +652,58 @@ CLOSE_EVAL = LuaScript(
 )
 
 
+# ---- worker heartbeats (``service``) ----
+
+RECORD_HEARTBEAT = LuaScript(
+    name="record_heartbeat",
+)
+
+
+# ---- the store: counters and the halt (``redis_store``) ----
+
+ADD_COUNTER = LuaScript(
+    name="add_counter",
+    errors=_NO_STATE,
+)
+
+SET_HALT = LuaScript(
+    name="set_halt",
+    errors=_NO_STATE,
+)
+
+CLEAR_HALT = LuaScript(
+    name="clear_halt",
+)
+
+
+# ---- the snapshot and the rebuild (``snapshot``, ``rebuild``): they must never start another rebuild ----
+
+SNAPSHOT_JSON = LuaScript(
+    name="snapshot_json",
+    errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
+)
+
+RESTORE_STATE = LuaScript(
+    name="restore_state",
+    errors={"EXISTS": Refusal(StateExists, "run {run!r} already has a state in Redis")},
+)
+
+
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     DISPATCH_GENERATE,
     CANCEL_TASKS,
     UNDO_DISPATCH,
+    UNATTENDED_GROUPS,
     SUBMIT_ROLLOUT,
     CLAIM_STEP,
     MARK_STEP_SENT,
     START_STEP,
     FAIL_STEP,
-    SET_HALT,
-    CLEAR_HALT,
     PUBLISH_VERSION,
     GRANT_LEASE,
     RENEW_LEASE,
     RELEASE_LEASE,
     EXPIRE_LEASES,
-    UNATTENDED_GROUPS,
-    RECORD_HEARTBEAT,
-    ADD_COUNTER,
-    RESTORE_STATE,
-    SNAPSHOT_JSON,
     DUE_ROLLOUTS,
     FORGET_ROLLOUTS,
     SCHEDULE_EVAL,
@@ -678,6 +711,12 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
     FINISH_EVAL_CHUNK,
     RETRY_EVALS,
     CLOSE_EVAL,
+    RECORD_HEARTBEAT,
+    ADD_COUNTER,
+    SET_HALT,
+    CLEAR_HALT,
+    SNAPSHOT_JSON,
+    RESTORE_STATE,
 )
 
 
@@ -688,23 +727,17 @@ class Scripts:
         self.dispatch_generate = bind(DISPATCH_GENERATE)
         self.cancel_tasks = bind(CANCEL_TASKS)
         self.undo_dispatch = bind(UNDO_DISPATCH)
+        self.unattended_groups = bind(UNATTENDED_GROUPS)
         self.submit_rollout = bind(SUBMIT_ROLLOUT)
         self.claim_step = bind(CLAIM_STEP)
         self.mark_step_sent = bind(MARK_STEP_SENT)
         self.start_step = bind(START_STEP)
         self.fail_step = bind(FAIL_STEP)
-        self.set_halt = bind(SET_HALT)
-        self.clear_halt = bind(CLEAR_HALT)
         self.publish_version = bind(PUBLISH_VERSION)
         self.grant_lease = bind(GRANT_LEASE)
         self.renew_lease = bind(RENEW_LEASE)
         self.release_lease = bind(RELEASE_LEASE)
         self.expire_leases = bind(EXPIRE_LEASES)
-        self.unattended_groups = bind(UNATTENDED_GROUPS)
-        self.record_heartbeat = bind(RECORD_HEARTBEAT)
-        self.add_counter = bind(ADD_COUNTER)
-        self.restore_state = bind(RESTORE_STATE)
-        self.snapshot_json = bind(SNAPSHOT_JSON)
         self.due_rollouts = bind(DUE_ROLLOUTS)
         self.forget_rollouts = bind(FORGET_ROLLOUTS)
         self.schedule_eval = bind(SCHEDULE_EVAL)
@@ -712,3 +745,9 @@ class Scripts:
         self.finish_eval_chunk = bind(FINISH_EVAL_CHUNK)
         self.retry_evals = bind(RETRY_EVALS)
         self.close_eval = bind(CLOSE_EVAL)
+        self.record_heartbeat = bind(RECORD_HEARTBEAT)
+        self.add_counter = bind(ADD_COUNTER)
+        self.set_halt = bind(SET_HALT)
+        self.clear_halt = bind(CLEAR_HALT)
+        self.snapshot_json = bind(SNAPSHOT_JSON)
+        self.restore_state = bind(RESTORE_STATE)

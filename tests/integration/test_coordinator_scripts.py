@@ -1,6 +1,6 @@
 """The Lua script declarations agree with their files, and every return code has its exception.
 
-Each ``lua/<name>.lua`` states its KEYS, ARGV and return codes in its header, the one statement of them;
+Each ``lua/<seam>/<name>.lua`` states its KEYS, ARGV and return codes in its header, the one statement of them;
 ``proxy.coordinator.scripts`` adds the answers and exceptions. ``contract_problems`` checks the two together
 (and the codes the body really returns); the tests at the bottom show it catches drifts.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,10 +29,12 @@ from proxy.coordinator.scripts import (
     Scripts,
     StateMissing,
     contract_problems,
+    lua_files,
     lua_text,
     parse_contract,
     script_source,
 )
+from tests.support.paths import REPO_ROOT
 
 
 @pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda s: s.name)
@@ -41,7 +44,9 @@ def test_declaration_matches_its_lua_file(script: LuaScript) -> None:
 
 def test_every_lua_file_is_declared_and_bound() -> None:
     folder = resources.files(LUA_PACKAGE) / LUA_FOLDER
-    files = {entry.name.removesuffix(".lua") for entry in folder.iterdir() if entry.name.endswith(".lua")}
+    files = set(lua_files())
+    shipped = [item.name for entry in folder.iterdir() for item in (entry.iterdir() if entry.is_dir() else [entry])]
+    assert len([name for name in shipped if name.endswith(".lua")]) == len(files)
     names = [script.name for script in ALL_SCRIPTS]
     assert len(set(names)) == len(names)
     assert files == set(names) | {PRELUDE}
@@ -144,3 +149,19 @@ def test_an_unknown_field_type_is_reported() -> None:
     text = lua_text(GRANT_LEASE.name).replace("expires_ms:int}", "expires_ms:float}", 1)
     assert any("has type 'float'" in problem for problem in contract_problems(GRANT_LEASE, text))
 
+
+
+def test_each_script_sits_beside_the_one_seam_that_runs_it() -> None:
+    """``lua/<seam>/<name>.lua`` is run by ``proxy/coordinator/<seam>.py`` and by no other coordinator module, so
+    a reader of a seam finds its scripts in the folder of the same name."""
+    coordinator = REPO_ROOT / "proxy" / "coordinator"
+    sources = {path.stem: path.read_text() for path in coordinator.glob("*.py") if path.stem != "scripts"}
+    misplaced = []
+    for name, file in lua_files().items():
+        if name == PRELUDE:
+            continue
+        callers = sorted(stem for stem, text in sources.items() if f"scripts.{name}(" in text)
+        seam = Path(str(file)).parent.name
+        if callers != [seam]:
+            misplaced.append(f"{seam}/{name}.lua is run by {callers or 'nobody'}")
+    assert not misplaced, misplaced
