@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -108,6 +109,7 @@ class Walk:
     first_seen: dict[str, str] = field(default_factory=dict)
     busy: set[str] = field(default_factory=set)
     lua: list[tuple[str, str]] = field(default_factory=list)
+    calls: set[tuple[str, str]] = field(default_factory=set)
     _modules: dict[str, str | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -138,6 +140,8 @@ class Walk:
                     self.first_seen.setdefault(callee, self.step)
                 if caller is not None and caller != callee:
                     self.busy.add(caller)
+                    if callee is not None:
+                        self.calls.add((caller, callee))
         elif event == "c_call":
             caller = self.module_of(frame.f_code)
             if caller is not None:
@@ -159,6 +163,7 @@ class Walk:
             self.first_seen.clear()
             self.busy.clear()
             self.lua.clear()
+            self.calls.clear()
 
     @contextmanager
     def traced(self, step: str) -> Iterator[None]:
@@ -200,7 +205,40 @@ class Walk:
             "lua_calls": len(self.lua),
             "idle_modules": sorted(m for m in modules if m not in self.busy),
             "excluded_seen": sorted(m for m in self.first_seen if m in EXCLUDED),
+            "upward_calls": upward_calls(self.calls, layer_contracts(self.repo)),
         }
+
+
+def layer_contracts(repo: Path) -> list[list[list[str]]]:
+    """The import-linter ``layers`` contracts of pyproject.toml: per contract, its layers top down, each layer the
+    modules it names (``a | b`` and ``a : b`` are one layer)."""
+    config = tomllib.loads((repo / "pyproject.toml").read_text())
+    return [
+        [re.split(r"\s*[|:]\s*", layer.strip()) for layer in contract["layers"]]
+        for contract in config["tool"]["importlinter"]["contracts"]
+        if contract["type"] == "layers"
+    ]
+
+
+def _layer(module: str, layers: list[list[str]]) -> int | None:
+    for index, names in enumerate(layers):
+        if any(module == name or module.startswith(name + ".") for name in names):
+            return index
+    return None
+
+
+def upward_calls(calls: set[tuple[str, str]], contracts: list[list[list[str]]]) -> list[str]:
+    """Calls the profiler saw from a module into one of a higher layer of the same contract (a callback handed
+    down, or a method a subclass defines): what no import check can see."""
+    found = []
+    for caller, callee in sorted(calls):
+        a, b = (path.removesuffix(".py").replace("/", ".") for path in (caller, callee))
+        for layers in contracts:
+            low, high = _layer(a, layers), _layer(b, layers)
+            if low is not None and high is not None and high < low:
+                found.append(f"{caller} -> {callee}")
+                break
+    return found
 
 
 # ---- set-up helpers ----
@@ -530,6 +568,7 @@ def print_table(report: dict[str, Any], seconds: float) -> None:
     print(f"lua scripts:    {report['lua_scripts']} ({report['lua_calls']} calls)")
     print(f"entered, did nothing: {', '.join(report['idle_modules']) or '-'}")
     print(f"seen, not counted:    {', '.join(report['excluded_seen']) or '-'}")
+    print(f"upward calls:         {', '.join(report['upward_calls']) or '-'}")
     print(f"wall time: {seconds:.1f} s")
 
 
