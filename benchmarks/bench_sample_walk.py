@@ -23,7 +23,9 @@ seen there and the Lua scripts run there, then the totals: Python modules and di
 as in the earlier analysis: the modules that only record metrics, settings and logging set-up, and process
 start-up (all that runs before the traced window). Modules that were entered but did nothing (every call
 into them called nothing outside the module and returned None or an empty value, as a part that is switched
-off does) are listed apart, still counted.
+off does) are listed apart, still counted. Last, the upward calls: a call from one module into a module of a
+higher layer of the same import-linter ``layers`` contract (pyproject.toml), such as a callback handed down or a
+method only a subclass defines, which no import check can see.
 
     python benchmarks/bench_sample_walk.py [--json]
 
