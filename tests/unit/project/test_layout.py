@@ -3,7 +3,8 @@
 The import directions themselves are import-linter contracts in pyproject.toml (`lint-imports`, run by
 `make test`); this file checks what a contract cannot: that every map names exactly the modules of its
 package, and that no two modules import each other, even through imports placed inside functions. There is
-no line limit: a module is as long as its one concept needs (a limit made modules split along no seam).
+no line target: a module is as long as its one concept needs (a target made modules split along no seam); past
+``MAX_MODULE_LINES`` a module holds more than one concept, and is split along a seam.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.support.paths import REPO_ROOT
 ROOT = REPO_ROOT
 TOP_PACKAGES = ("asyncgrpo", "proxy", "worker")
 MAP_ENTRY = re.compile(r"^    (\w+)\s{2,}\S")
+MAX_MODULE_LINES = 800
 
 
 def packages() -> list[Path]:
@@ -119,3 +121,12 @@ def test_log_events_are_dotted_names() -> None:
             if not EVENT_NAME.fullmatch(text):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {text!r}")
     assert not offenders, f"name these events component.what_happened: {offenders}"
+
+
+def test_no_module_holds_more_than_one_concept_by_size() -> None:
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in modules()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split each along a seam): {too_long}"
