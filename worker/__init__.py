@@ -8,6 +8,6 @@ Packages:
               signals, metrics
     generate  the generate role: one task's job and the generation backends
     optimize  the optimize role: one step's job, the trainer and its state
-    algo      pure GRPO math, rewards and the rollout format: no broker, Redis or bucket
+    algo      GRPO math, rewards and the rollout format: no broker, Redis or bucket
     model     the policy (base model + LoRA) and the tiny offline model
 """

@@ -3,7 +3,8 @@
 Modules:
     job                   one generate task as a plain function: lease (and its renewer), fetch the adapter,
                           sample, score, write, submit; the local LRU cache of verified adapter versions
-    evaluate              one evaluate task ([eval]): lease the version, sample and score held-out prompts, post sums
+    evaluate              one evaluate task ([eval]): lease the version, sample and score held-out prompts, post
+                          sums; the unbiased pass@k estimator and which k are reported
     backend               the generation backend interface and its result types; the exact prompt text fed to
                           the model (chat template) and how to tokenize it
     factory               picks a worker's backend (transformers or vLLM)

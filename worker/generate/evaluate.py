@@ -6,6 +6,9 @@ so an old version is loaded like any other. Sampling uses the eval settings (``e
 ``eval.temperature``, 0 being greedy; ``eval.max_completion_length``), scoring the eval rewards (the run's when
 ``eval.rewards`` is empty). The summary is sums (``asyncgrpo.protocol.evals.EvalChunkSummary``): the proxy merges
 a version's chunks and writes its record. Nothing is written to the bucket and nothing reaches a rollout.
+
+pass@k is the unbiased estimator of Chen et al. (2021): the chance that at least one of k completions drawn
+without replacement from n sampled ones (c of them correct) is correct, ``1 - C(n-c, k) / C(n, k)``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from math import comb
 from typing import Any
 
 import structlog
@@ -23,7 +27,6 @@ from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Cancelled, NotHolder
 from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
 from asyncgrpo.run.config import RunConfig
-from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.generate.backend import GenerationBackend, GenerationResult, fed_prompts
 from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly, report_corrupt_object
@@ -187,3 +190,20 @@ def summarize(
         completion_tokens=tokens,
         examples=examples,
     )
+
+
+# ---- pass@k ----
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """pass@k of one prompt with ``n`` completions of which ``c`` are correct; needs ``1 <= k <= n``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0  # every draw of k holds a correct one
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def reported_ks(samples_per_prompt: int) -> list[int]:
+    """The k reported by an evaluation: 1, and the number of samples when there are more."""
+    return [1] if samples_per_prompt <= 1 else [1, samples_per_prompt]

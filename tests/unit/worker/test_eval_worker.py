@@ -9,9 +9,8 @@ import pytest
 from asyncgrpo.cli.status import eval_line
 from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 from asyncgrpo.run.config import RunConfig
-from worker.algo.pass_at_k import pass_at_k, reported_ks
 from worker.generate.backend import Completion, GenerationResult, PromptResult
-from worker.generate.evaluate import summarize
+from worker.generate.evaluate import pass_at_k, reported_ks, summarize
 
 
 def test_pass_at_k_is_the_unbiased_estimator() -> None:
