@@ -346,7 +346,7 @@ def trace_one_sample(workdir: Path, redis_url: str) -> Walk:
     from proxy.coordinator.service import Coordinator
     from proxy.coordinator.snapshot import ProxyFence
     from worker.process.heartbeat import Heartbeat
-    from worker.process.tasks import AdapterPrefetcher, get_runtime
+    from worker.process.runtime import AdapterPrefetcher, get_runtime
 
     configure_logging(log_format="console", level="ERROR", stream=sys.stderr)
 

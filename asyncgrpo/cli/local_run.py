@@ -36,7 +36,7 @@ from asyncgrpo.protocol.schemas import StatusResponse
 from asyncgrpo.protocol.settings import CommonSettings
 from asyncgrpo.run.config import load_run_config
 from asyncgrpo.run.creation import RunExistsError, create_run
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from worker.process.settings import WorkerSettings
 
 # Exit codes: 2 for input to change (the config, the run name), 1 for a process that failed, 130 for Ctrl-C.

@@ -23,7 +23,7 @@ Queues are named per run, so several runs share one Redis broker without taking 
 ``:`` never occurs in a run name (``asyncgrpo.bucket.layout``: letters, digits, ``.``, ``_``, ``-``), so the
 prefix ``asyncgrpo:<run>:`` names exactly one run: with ``.`` as the separator, the generate queue of run
 ``a.optimize`` would be the own queue of worker ``generate`` of run ``a``. The coordinator's own keys are
-``asyncgrpo:{<run>}:...`` (braces, ``proxy.coordinator.redis_keys``), which no queue name matches.
+``asyncgrpo:{<run>}:...`` (braces, ``proxy.coordinator.redis_store``), which no queue name matches.
 
 Every optimize worker consumes its run's ``optimize`` queue and a queue of its own (``worker_queue``), so
 the proxy can send a step to the trainer that already holds the step's base version in memory, and a repair

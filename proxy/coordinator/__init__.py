@@ -3,7 +3,7 @@
 Read it top down; an import-linter contract keeps this order (nothing calls up it):
 `service` (the facade the HTTP app calls, the round it runs, the views it answers) > the seams (leases and
 retention, generate tasks, rollouts, steps and versions, evaluations, snapshot and leadership, rebuild) >
-`redis_store` > `scripts` > keys, metrics, dispatch.
+`redis_store` > `scripts` > metrics, dispatch.
 
 Every change to the state is one Lua script (`lua/<seam>/<name>.lua`, beside the seam module of that name that
 runs it, with `prelude.lua` prepended; its header is the one statement of its KEYS, ARGV and reply fields),
@@ -28,12 +28,11 @@ Modules:
                     run, its lease in Redis and the fencing epoch every snapshot put carries
     rebuild         the rebuild of an empty Redis from the snapshot (or from the versions in the bucket) and
                     which newer versions a rebuild adopts
-    redis_store     `RedisStore`: the Redis client, key names, clock, record TTL, bound scripts, change counter;
-                    the run's halt
+    redis_store     `RedisStore`: the Redis client, every key name of a run (`RunKeys`), clock, record TTL, bound
+                    scripts, change counter; the run's halt
     scripts         the Lua scripts declared (answers, the exception of each other code), one exception per
                     refusal, how a script's header is parsed and checked, and how a script is loaded, registered
                     and called
-    redis_keys      every Redis key name of a run (`RunKeys`)
     dispatch        send Celery tasks by name (never importing worker code)
     metrics         the proxy's Prometheus metrics, read from Redis at scrape time
 """

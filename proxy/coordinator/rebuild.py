@@ -53,8 +53,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
 from asyncgrpo.bucket.layout import latest_complete_version, read_manifest
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.redis_keys import tracking_eval_field, tracking_step_field
-from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.redis_store import RedisStore, tracking_eval_field, tracking_step_field
 from proxy.coordinator.scripts import StateExists
 from proxy.coordinator.snapshot import load_snapshot
 

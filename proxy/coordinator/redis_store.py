@@ -15,18 +15,205 @@ the base version of the step in flight, or the current version is corrupted). Th
 operator instead of re-sending a step that cannot succeed: ``/v1/status`` and ``asyncgrpo status`` show the
 reason, the ``asyncgrpo_run_halted`` gauge is 1 and the ``AsyncgrpoRunHalted`` alert fires. Each halt names
 its source (``by``), so a source clears only its own halt once the cause is gone; generation goes on meanwhile.
+
+Key names (``RunKeys``): every Redis key of the coordinator is named here, and nowhere else.
+
+All keys of one run share the prefix ``asyncgrpo:{<run>}:``. The braces are a Redis Cluster hash tag: every
+key of a run lands in one slot, so a Lua script may touch any of them. Keys built inside Lua scripts (one
+per group, task, rollout, lease, step or worker) are ``prefix + kind + ":" + id``; the kinds are the
+``*_KIND`` constants below, which the store fills into the scripts' prelude (``KEY_KINDS``) so that the names
+still come from this module.
+
+Fixed keys:
+
+- ``state``      hash: current_version, step_inflight, epoch, epoch_pos, task_seq, incarnation, ...
+- ``counters``   hash: monotonic totals (admitted, stale, rejected, cancelled, trained, publish, ...)
+- ``rejected_reasons`` hash: reason -> groups rejected for it
+- ``versions``   hash: version -> manifest sha256 of each published version
+- ``requeue``    list: prompt indices put back in line (served before the permutation)
+- ``buffer``     list: task ids of admitted rollouts not yet claimed, oldest first
+- ``tasks_inflight`` sorted set: generate task id -> deadline (ms)
+- ``leases``     sorted set: lease id -> expiry (ms)
+- ``workers``    sorted set: worker id -> last heartbeat (ms)
+- ``workers_generate``, ``workers_optimize`` sorted sets: the same, per role, so ``/metrics`` counts the
+  live workers of a role with one ZCOUNT
+- ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
+  from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
+- ``proxy_lease`` string (JSON, with a TTL): the one live proxy of the run and its fencing epoch
+- ``proxy_epoch`` counter: the last fencing epoch handed out (``proxy.coordinator.snapshot``)
+- ``prompt_attempts`` hash: prompt index -> failed attempts of its group since it last ran to a submission
+  (and ``reason:<index>`` -> the last failure its worker reported); at ``async.max_group_attempts`` the
+  group is rejected and ``quarantined:<index>`` -> the reason keeps the prompt from being dispatched again
+  (``quarantined`` counts them)
+- ``tracking``   hash: what the proxy sent to each experiment tracker (``proxy.tracking.forwarder``):
+  ``<tracker>:step`` -> the last step record sent, ``<tracker>:eval:<version>`` -> when that eval was sent
+  (unix seconds; a rebuild writes its own time); the snapshot carries it, compacted to the cursor and the
+  sorted versions per tracker (``tracking_step_field`` / ``tracking_eval_field`` name the fields)
+- ``evals``      hash ([eval], ``proxy.coordinator.evaluations``): ``cursor`` (the next version to consider),
+  ``latest`` (JSON of the newest eval summary) and ``latest_version``; per due version not yet recorded
+  ``v:<version>`` (JSON: chunks left, task ids); per evaluate task in flight ``t:<task_id>`` (JSON: version,
+  prompt range, attempts, worker) and, once its result came, ``s:<task_id>`` (its chunk summary)
+- ``evals_inflight`` sorted set: evaluate task id -> deadline (ms)
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 from redis import Redis
 
-from proxy.coordinator.redis_keys import RunKeys
-from proxy.coordinator.scripts import BoundScript, LuaScript, Scripts
+from asyncgrpo.bucket.layout import check_run_name
+from proxy.coordinator.scripts import BoundScript, LuaScript, Scripts, script_source
+
+# ---- every Redis key name of a run ----
+GROUP_KIND = "group"
+TASK_KIND = "task"
+ROLLOUT_KIND = "rollout"
+LEASE_KIND = "lease"
+STEP_KIND = "step"
+WORKER_KIND = "worker"
+KEY_KINDS = {
+    "GROUP_KIND": GROUP_KIND,
+    "TASK_KIND": TASK_KIND,
+    "ROLLOUT_KIND": ROLLOUT_KIND,
+    "LEASE_KIND": LEASE_KIND,
+    "STEP_KIND": STEP_KIND,
+    "WORKER_KIND": WORKER_KIND,
+}
+"""The kinds as ``lua/prelude.lua`` names them: the scripts build item keys with these very names."""
+
+
+def tracking_step_field(tracker: str) -> str:
+    """The ``tracking`` hash field holding the last step sent to ``tracker``."""
+    return f"{tracker}:step"
+
+
+def tracking_eval_field(tracker: str, version: int) -> str:
+    """The ``tracking`` hash field marking the eval of ``version`` as sent to ``tracker``."""
+    return tracking_eval_prefix(tracker) + str(version)
+
+
+def tracking_eval_prefix(tracker: str) -> str:
+    """What every eval field of ``tracker`` starts with (the version follows)."""
+    return f"{tracker}:eval:"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The Redis key names of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_run_name(self.run)
+
+    @property
+    def prefix(self) -> str:
+        return f"asyncgrpo:{{{self.run}}}:"
+
+    @property
+    def pattern(self) -> str:
+        """A SCAN/KEYS pattern matching every key of the run (braces escaped for glob)."""
+        return f"asyncgrpo:\\{{{self.run}\\}}:*"
+
+    @property
+    def state(self) -> str:
+        return self.prefix + "state"
+
+    @property
+    def counters(self) -> str:
+        return self.prefix + "counters"
+
+    @property
+    def rejected_reasons(self) -> str:
+        return self.prefix + "rejected_reasons"
+
+    @property
+    def versions(self) -> str:
+        return self.prefix + "versions"
+
+    @property
+    def requeue(self) -> str:
+        return self.prefix + "requeue"
+
+    @property
+    def buffer(self) -> str:
+        return self.prefix + "buffer"
+
+    @property
+    def tasks_inflight(self) -> str:
+        return self.prefix + "tasks_inflight"
+
+    @property
+    def leases(self) -> str:
+        return self.prefix + "leases"
+
+    @property
+    def workers(self) -> str:
+        return self.prefix + "workers"
+
+    @property
+    def workers_generate(self) -> str:
+        return self.prefix + "workers_generate"
+
+    @property
+    def workers_optimize(self) -> str:
+        return self.prefix + "workers_optimize"
+
+    @property
+    def rollout_retention(self) -> str:
+        return self.prefix + "rollout_retention"
+
+    @property
+    def proxy_lease(self) -> str:
+        return self.prefix + "proxy_lease"
+
+    @property
+    def proxy_epoch(self) -> str:
+        return self.prefix + "proxy_epoch"
+
+    @property
+    def prompt_attempts(self) -> str:
+        return self.prefix + "prompt_attempts"
+
+    @property
+    def tracking(self) -> str:
+        return self.prefix + "tracking"
+
+    @property
+    def evals(self) -> str:
+        return self.prefix + "evals"
+
+    @property
+    def evals_inflight(self) -> str:
+        return self.prefix + "evals_inflight"
+
+    def _item(self, kind: str, item_id: str | int) -> str:
+        return f"{self.prefix}{kind}:{item_id}"
+
+    def group(self, group_id: str) -> str:
+        return self._item(GROUP_KIND, group_id)
+
+    def task(self, task_id: str) -> str:
+        return self._item(TASK_KIND, task_id)
+
+    def rollout(self, task_id: str) -> str:
+        return self._item(ROLLOUT_KIND, task_id)
+
+    def lease(self, lease_id: str) -> str:
+        return self._item(LEASE_KIND, lease_id)
+
+    def step(self, step: int) -> str:
+        return self._item(STEP_KIND, step)
+
+    def worker(self, worker_id: str) -> str:
+        return self._item(WORKER_KIND, worker_id)
+
+
+# ---- the store ----
 
 RECORD_TTL_S = 7 * 24 * 3600
 """Finished group/task/rollout/step records stay this long in Redis (for inspection), then expire."""
@@ -67,6 +254,7 @@ class RedisStore:
         return BoundScript(
             script,
             self.redis,
+            script_source(script.name, KEY_KINDS),
             lambda name: getattr(self.keys, name),
             self.keys.prefix,
             self.run,

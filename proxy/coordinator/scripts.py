@@ -6,7 +6,7 @@ every other one (how: below). A script returns a table whose first element is a 
 that is not an answer maps to its own exception. Time is always passed in (``now_ms``) so that tests control
 the clock; leases also get a real ``PEXPIRE`` as a backstop. Item keys (one per group, task, rollout, step,
 lease, worker) are built inside the scripts as ``prefix .. kind .. ':' .. id`` with the kinds of
-``proxy.coordinator.redis_keys`` substituted in.
+``proxy.coordinator.redis_store`` (``KEY_KINDS``) substituted in when the store binds the script.
 
 Group states: ``inflight`` (in a generate task) -> ``buffered`` (admitted) -> ``claimed`` (in a step) ->
 ``trained``; or one of the other terminal states ``stale`` (requeued as a new group), ``rejected``
@@ -31,7 +31,7 @@ contract, in this form::
     -- returns {"OK", <field>[:<type>], ...} | {"<CODE>", <field>, ...} (why) | ...
 
 ``lua/prelude.lua`` (the key helpers) is prepended at load time. The header is the one statement of the script's
-KEYS (by ``RunKeys`` attribute), ARGV (by name) and reply fields, each with its type where it is not text
+KEYS (by ``RunKeys`` attribute (``keys``)), ARGV (by name) and reply fields, each with its type where it is not text
 (``int``, ``json``, ``list``, ``rows``: ``FIELD_TYPES``), so a reply reaches its caller as typed values:
 ``LuaScript.contract`` parses it. The Python declaration (``scripts``) adds only what the header cannot say: which
 codes are answers (``answers``) and, for every other code, the one exception of ``proxy.coordinator.scripts`` it
@@ -62,16 +62,6 @@ from typing import Any
 
 from redis import Redis
 from redis.commands.core import Script
-
-from proxy.coordinator.redis_keys import (
-    GROUP_KIND,
-    LEASE_KIND,
-    ROLLOUT_KIND,
-    STEP_KIND,
-    TASK_KIND,
-    WORKER_KIND,
-    RunKeys,
-)
 
 
 # ---- refusals: one exception per non-OK code ----
@@ -224,23 +214,16 @@ def lua_files() -> dict[str, Traversable]:
     return files
 
 
+@functools.cache
 def lua_text(name: str) -> str:
     """The text of the script ``name`` as shipped in the package."""
     return lua_files()[name].read_text(encoding="utf-8")
 
 
-@functools.cache
-def script_source(name: str) -> str:
-    """The source sent to Redis: the prelude, with the key kinds of ``redis_keys`` filled in, then the script."""
-    prelude = Template(lua_text(PRELUDE)).substitute(
-        GROUP_KIND=GROUP_KIND,
-        TASK_KIND=TASK_KIND,
-        ROLLOUT_KIND=ROLLOUT_KIND,
-        STEP_KIND=STEP_KIND,
-        LEASE_KIND=LEASE_KIND,
-        WORKER_KIND=WORKER_KIND,
-    )
-    return prelude + "\n" + lua_text(name)
+def script_source(name: str, key_kinds: Mapping[str, str]) -> str:
+    """The source sent to Redis: the prelude, with the store's key kinds (``${GROUP_KIND}``...) filled in, then
+    the script."""
+    return Template(lua_text(PRELUDE)).substitute(key_kinds) + "\n" + lua_text(name)
 
 
 @dataclass(frozen=True)
@@ -294,7 +277,7 @@ class ScriptContract:
     """What a script's file header states: the one source of its KEYS, ARGV and reply fields."""
 
     keys: tuple[str, ...]
-    """``RunKeys`` attribute names, in KEYS order."""
+    """``RunKeys`` attribute (``keys``) names, in KEYS order."""
     argv: tuple[str, ...]
     """ARGV names after ``prefix`` (ARGV[1]), in order; a last name starting with ``*`` takes a list."""
     codes: Mapping[str, tuple[str, ...]]
@@ -396,18 +379,18 @@ class LuaScript:
         raise refusal.error(message, *(named[name] for name in refusal.passed))
 
 
-def contract_problems(script: LuaScript, text: str | None = None) -> list[str]:
+def contract_problems(script: LuaScript, keys: type, text: str | None = None) -> list[str]:
     """Every way a declaration and its file disagree (empty when they agree): a code stated but neither an
     answer nor mapped to an exception, a code the body returns that the header does not state, a KEYS name
-    that is not a ``RunKeys`` attribute, a refusal message naming a value the call and reply do not have."""
+    that is not a ``RunKeys`` attribute (``keys``), a refusal message naming a value the call and reply do not have."""
     try:
         contract = parse_contract(text) if text is not None else script.contract
     except ScriptHeaderError as error:
         return [str(error)]
     problems = []
     for name in contract.keys:
-        if not isinstance(getattr(RunKeys, name, None), property):
-            problems.append(f"KEYS: {name} is not a RunKeys attribute")
+        if not isinstance(getattr(keys, name, None), property):
+            problems.append(f"KEYS: {name} is not a {keys.__name__} attribute")
     if any(name.startswith("*") for name in contract.argv[:-1]):
         problems.append("ARGV: only the last argument may take a list")
     answers, refused = set(script.answers), set(script.errors)
@@ -434,7 +417,7 @@ def contract_problems(script: LuaScript, text: str | None = None) -> list[str]:
 def _refusal_problems(code: str, refusal: Refusal, names: set[str]) -> list[str]:
     problems = []
     error = refusal.error
-    if not (issubclass(error, CoordinatorError) and globals().get(error.__name__) is error):
+    if not (issubclass(error, CoordinatorError) and error.__module__ == __name__):
         problems.append(f"{code} maps to {error!r}, not an exception of proxy.coordinator.scripts")
     used = {name for _, name, _, _ in string.Formatter().parse(refusal.message) if name}
     if not used <= names:
@@ -451,13 +434,14 @@ class BoundScript:
         self,
         script: LuaScript,
         redis: Redis,
+        source: str,
         keys: Callable[[str], str],
         prefix: str,
         run: str,
     ) -> None:
         self.script = script
         # registered once per client: redis-py sends EVALSHA and loads the source only when Redis lacks it
-        self._registered: Script = redis.register_script(script_source(script.name))
+        self._registered: Script = redis.register_script(source)
         self._keys = [keys(name) for name in script.contract.keys]
         self._prefix = prefix
         self._run = run

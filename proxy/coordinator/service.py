@@ -75,8 +75,7 @@ from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, Waiti
 from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.rebuild import restore_state
-from proxy.coordinator.redis_keys import RunKeys
-from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, halted_reason
+from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, RunKeys, halted_reason
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.scripts import NotTaskHolder, SnapshotFailed, StateMissing
 from proxy.coordinator.snapshot import ProxyFence, SnapshotWriter

@@ -54,8 +54,7 @@ from redis import Redis
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectNotFound
-from proxy.coordinator.redis_keys import RunKeys
-from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.redis_store import RedisStore, RunKeys
 from proxy.coordinator.scripts import CoordinatorError, SnapshotFailed, StateMissing
 
 # ---- leadership: one live proxy per run, and its fencing epoch ----

@@ -45,7 +45,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.redis_keys import RunKeys, tracking_eval_field, tracking_eval_prefix, tracking_step_field
+from proxy.coordinator.redis_store import RunKeys, tracking_eval_field, tracking_eval_prefix, tracking_step_field
 from proxy.tracking.metric_names import eval_metrics, step_metrics
 from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun, install_hint
 

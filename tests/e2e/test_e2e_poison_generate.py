@@ -14,7 +14,7 @@ import redis
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.run.datasets import repeat_digit_prompts
 from proxy.api.settings import ProxySettings
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (
     assert_run_invariants,
     generate_task_unsubmitted,

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from asyncgrpo.cli.local_cluster import LocalCluster, free_port
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (
     assert_run_invariants,
     pause_mid_task,

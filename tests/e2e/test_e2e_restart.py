@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (
     assert_run_invariants,
     generate_task_unsubmitted,

@@ -412,7 +412,7 @@ def test_generate_path_imports_in_this_environment_without_vllm() -> None:
     """What a generate or optimize worker imports works here, and only building a vLLM backend imports vLLM."""
     code = (
         "import sys\n"
-        "import worker.process.tasks, worker.generate.job, worker.optimize.job\n"
+        "import worker.process.tasks, worker.generate.job, worker.optimize.job, worker.process.runtime\n"
         "import worker.generate.factory, worker.generate.vllm_backend, worker.generate.transformers_backend\n"
         "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))[:5]\n"
         "print('ok')\n"

@@ -24,10 +24,10 @@ from tests.support.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from tests.support.fixtures_redis import free_port
 from worker.generate.job import AdapterCache
 from worker.generate.transformers_backend import TransformersBackend
-from worker.process import tasks as runtime_module
+from worker.process import runtime as runtime_module
 from worker.process.celery_app import control_exchange
+from worker.process.runtime import RunContext, WorkerRuntime
 from worker.process.settings import WorkerSettings, process_settings
-from worker.process.tasks import RunContext, WorkerRuntime
 
 RUN = "inspect-run"
 

@@ -17,7 +17,7 @@ import redis
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.cli.local_run import torch_threads_env
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from tests.support.paths import REPO_ROOT
 from worker.process.settings import WorkerSettings
 

@@ -19,7 +19,7 @@ import pytest
 from redis import Redis
 
 from asyncgrpo.run.creation import create_run
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from proxy.coordinator.snapshot import DEFAULT_LEASE_TTL_S, Leader
 from tests.support.fixtures_redis import free_port
 from tests.support.fixtures_s3 import open_env_bucket

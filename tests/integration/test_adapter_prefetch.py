@@ -29,8 +29,8 @@ from worker.generate.settings import GenerateSettings
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
+from worker.process.runtime import AdapterPrefetcher
 from worker.process.settings import process_settings
-from worker.process.tasks import AdapterPrefetcher
 
 RUN = "r1"
 PROMPTS: list[dict[str, Any]] = [{"prompt": f"{i % 10}=", "answer": str(i % 10)} for i in range(20)]
@@ -196,7 +196,7 @@ def test_the_worker_starts_a_prefetcher_only_on_generate_workers_with_the_settin
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from tests.support.fixtures_redis import free_port
-    from worker.process import tasks as runtime
+    from worker.process import runtime
 
     monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
     monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "cache"))

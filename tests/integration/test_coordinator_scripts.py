@@ -16,7 +16,7 @@ import pytest
 from redis import Redis
 
 from proxy.coordinator import scripts as errors
-from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.redis_store import KEY_KINDS, RedisStore, RunKeys
 from proxy.coordinator.scripts import (
     ALL_SCRIPTS,
     CLAIM_STEP,
@@ -39,7 +39,7 @@ from tests.support.paths import REPO_ROOT
 
 @pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda s: s.name)
 def test_declaration_matches_its_lua_file(script: LuaScript) -> None:
-    assert contract_problems(script, lua_text(script.name)) == []
+    assert contract_problems(script, RunKeys, lua_text(script.name)) == []
 
 
 def test_every_lua_file_is_declared_and_bound() -> None:
@@ -57,7 +57,7 @@ def test_every_lua_file_is_declared_and_bound() -> None:
 
 def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
     for script in ALL_SCRIPTS:
-        sha = redis_client.script_load(script_source(script.name))
+        sha = redis_client.script_load(script_source(script.name, KEY_KINDS))
         assert redis_client.script_exists(sha) == [True]
 
 
@@ -83,7 +83,7 @@ def test_a_script_without_state_raises_state_missing(redis_client: Redis) -> Non
 def _drifted(old: str, new: str, text: str | None = None) -> list[str]:
     text = text if text is not None else lua_text(GRANT_LEASE.name)
     assert old in text
-    return contract_problems(GRANT_LEASE, text.replace(old, new, 1))
+    return contract_problems(GRANT_LEASE, RunKeys, text.replace(old, new, 1))
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_a_drifted_file_is_reported(old: str, new: str, expected: str) -> None:
 
 def test_a_code_without_its_exception_is_reported() -> None:
     unmapped = {code: refusal for code, refusal in GRANT_LEASE.errors.items() if code != "NO_VERSION"}
-    problems = contract_problems(replace(GRANT_LEASE, errors=unmapped), lua_text(GRANT_LEASE.name))
+    problems = contract_problems(replace(GRANT_LEASE, errors=unmapped), RunKeys, lua_text(GRANT_LEASE.name))
     assert any(problem.startswith("codes: header") for problem in problems)
 
 
@@ -118,7 +118,7 @@ def test_a_code_without_its_exception_is_reported() -> None:
 )
 def test_a_bad_refusal_is_reported(refusal: Any, expected: str) -> None:
     script = replace(GRANT_LEASE, errors={**GRANT_LEASE.errors, "NO_VERSION": refusal})
-    problems = contract_problems(script, lua_text(GRANT_LEASE.name))
+    problems = contract_problems(script, RunKeys, lua_text(GRANT_LEASE.name))
     assert any(problem.startswith(expected) for problem in problems), problems
 
 
@@ -147,7 +147,7 @@ def test_typed_reply_fields_are_converted_in_one_place() -> None:
 
 def test_an_unknown_field_type_is_reported() -> None:
     text = lua_text(GRANT_LEASE.name).replace("expires_ms:int}", "expires_ms:float}", 1)
-    assert any("has type 'float'" in problem for problem in contract_problems(GRANT_LEASE, text))
+    assert any("has type 'float'" in problem for problem in contract_problems(GRANT_LEASE, RunKeys, text))
 
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.run.config import RunConfig, TrackingConfig
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from proxy.tracking.forwarder import Forwarder, start_forwarding
 from proxy.tracking.trackers import RUN_TAG, MlflowTracker, WandbTracker, flat_params
 from tests.support.tracker_doubles import RUN, publish_step, put_eval, wait_until, wandb_offline_runs

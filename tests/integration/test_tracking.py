@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.run.config import ConfigError, RunConfig, TrackingConfig, parse_run_config
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 from proxy.tracking import forwarder as forwarder_module
 from proxy.tracking.forwarder import TrackerFollower, TrackerMetrics, build_trackers, start_forwarding
 from proxy.tracking.metric_names import eval_metrics, step_metrics

@@ -30,7 +30,7 @@ import redis
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.protocol.records import StepRecord
-from proxy.coordinator.redis_keys import RunKeys
+from proxy.coordinator.redis_store import RunKeys
 
 _SESSION_DIR: list[Path] = []
 

@@ -3,10 +3,10 @@
 Modules:
     celery_app        the Celery app, configured for preemptible machines (JSON only, acks late, prefetch 1)
     launcher          `asyncgrpo worker`: execs `celery worker` with its run's queues for the role, pool and flags
-    tasks             the thin Celery tasks and the runtime they share (built once per process: bucket, client,
-                      model, caches, heartbeat); the prefetcher thread that loads each new adapter version as it
-                      is published; a generate task that failed for good is reported to the proxy; SIGTERM: stop
-                      taking tasks, grace period, then the running task goes back to the queue
+    tasks             the thin Celery tasks; a generate task that failed for good is reported to the proxy;
+                      SIGTERM: stop taking tasks, grace period, then the running task goes back to the queue
+    runtime           what a worker process builds once (bucket, client, model, caches, heartbeat), and the
+                      prefetcher thread that loads each new adapter version as it is published
     settings          the workers' environment variables
     heartbeat         heartbeats to the proxy from a background thread
     inspect_commands  custom `celery inspect` commands

@@ -6,7 +6,7 @@
 Importing this module registers the commands, in the worker (which answers them) and in the ``celery``
 command line (which refuses command names it does not know): hence ``-A worker.process.inspect_commands``, which
 also finds the Celery ``app`` re-exported here. They read the worker's process runtime
-(``worker.process.tasks.get_runtime``) for the role in ``ASYNCGRPO_WORKER_ROLE`` (set by ``asyncgrpo worker``).
+(``worker.process.runtime.get_runtime``) for the role in ``ASYNCGRPO_WORKER_ROLE`` (set by ``asyncgrpo worker``).
 A solo-pool worker answers only between tasks; the proxy's ``GET /v1/workers`` (heartbeats) is the view
 that also covers busy workers.
 """
@@ -20,8 +20,8 @@ from celery.worker.control import inspect_command
 
 from worker.process.celery_app import app
 from worker.process.launcher import ROLE_ENV
+from worker.process.runtime import WorkerRuntime, get_runtime
 from worker.process.settings import process_settings
-from worker.process.tasks import WorkerRuntime, get_runtime
 
 __all__ = ["adapter_versions", "app", "model_info"]
 

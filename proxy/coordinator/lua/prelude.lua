@@ -1,5 +1,5 @@
 -- prelude: prepended to every script at load time. ARGV[1] of every script is the run's key prefix; the
--- item kinds are substituted from proxy.coordinator.redis_keys, so key names still come from one module.
+-- item kinds are substituted from proxy.coordinator.redis_store, so key names still come from one module.
 local PREFIX = ARGV[1]
 local function key(kind, id) return PREFIX .. kind .. ':' .. id end
 local GROUP, TASK, ROLLOUT, STEP, LEASE, WORKER =
