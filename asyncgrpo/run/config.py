@@ -199,6 +199,14 @@ class ModelConfig(_Section):
     max_prompt_length: int = Field(
         256, ge=1, le=131072, description="Prompts longer than this many tokens are rejected as bad input."
     )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] | None = Field(
+        None,
+        description="Attention kernel of the base model in the trainer and the transformers generate backend "
+        "(transformers' attn_implementation; TRL's model_init_kwargs): 'sdpa', 'eager', 'flash_attention_2' or "
+        "'flash_attention_3'; unset: transformers' default. flash-attention needs its package (flash-attn; "
+        "flash_attn_interface for 3) and a GPU. The padding-free trainer uses flash-attention's varlen path where "
+        "it is installed, an exact block-diagonal mask elsewhere.",
+    )
 
 
 class LoraConfig(_Section):
@@ -274,6 +282,22 @@ class OptimizerConfig(_Section):
     total_steps: int = Field(200, ge=1, le=10_000_000, description="Optimizer steps of the whole run.")
     micro_batch_tokens: int = Field(
         8192, ge=16, le=10_000_000, description="Token budget of one forward/backward micro-batch."
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward instead of keeping them (TRL's "
+        "gradient_checkpointing; non-reentrant): less activation memory, about 30% more compute.",
+    )
+    torch_compile: bool = Field(
+        False,
+        description="Compile each decoder layer with torch.compile (TRL's torch_compile): faster steps once "
+        "compiled; the first steps are slower while it compiles.",
+    )
+    padding_free: bool = Field(
+        True,
+        description="Pack completions into one row per micro-batch (position ids restart per sequence; attention "
+        "stays inside each sequence): no padding tokens. Exact; False pads each micro-batch to its longest "
+        "sequence.",
     )
 
 

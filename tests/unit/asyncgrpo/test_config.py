@@ -39,6 +39,9 @@ def test_defaults_are_valid_and_roundtrip_through_json() -> None:
         ({"loss": {"loss_type": "ppo"}}, "loss.loss_type", "'dapo'"),
         ({"async": {"max_staleness": 65}}, "async.max_staleness", "less than or equal to 64"),
         ({"model": {"dtype": "int8"}}, "model.dtype", "'float32'"),
+        ({"model": {"attn_implementation": "flash_attention"}}, "model.attn_implementation", "'flash_attention_2'"),
+        ({"optimizer": {"gradient_checkpoint": True}}, "optimizer.gradient_checkpoint", "Extra inputs"),
+        ({"optimizer": {"torch_compile": "yes please"}}, "optimizer.torch_compile", "valid boolean"),
         ({"rewards": []}, "rewards", "at least 1"),
         ({"seed": "abc"}, "seed", "valid integer"),
     ],
@@ -48,6 +51,23 @@ def test_bad_field_is_named(data: dict, field: str, hint: str) -> None:
     assert message.startswith("test.toml is not a valid run config")
     assert f"- {field}:" in message, message
     assert hint in message, message
+
+
+def test_speed_switches_default_to_transformers_and_trl_defaults_but_padding_free() -> None:
+    config = RunConfig()
+    assert config.model.attn_implementation is None  # transformers' default
+    assert (config.optimizer.gradient_checkpointing, config.optimizer.torch_compile) == (False, False)
+    assert config.optimizer.padding_free is True
+    tuned = parse_run_config(
+        {
+            "model": {"attn_implementation": "eager"},
+            "optimizer": {"gradient_checkpointing": True, "torch_compile": True, "padding_free": False},
+        }
+    )
+    assert tuned.model.attn_implementation == "eager"
+    assert (tuned.optimizer.gradient_checkpointing, tuned.optimizer.torch_compile) == (True, True)
+    assert tuned.optimizer.padding_free is False
+    assert RunConfig.from_json(tuned.to_json()) == tuned
 
 
 def test_queue_smaller_than_a_step_says_what_to_raise() -> None:
