@@ -74,4 +74,6 @@ def build_generation_backend(config: RunConfig, settings: BackendSettings) -> Ge
         return VLLMBackend(base, **vllm_engine_settings(config), engine_args=settings.vllm_engine_args)
     from worker.generate.transformers_backend import TransformersBackend
 
-    return TransformersBackend(base, dtype=config.model.dtype, device=settings.device)
+    return TransformersBackend(
+        base, dtype=config.model.dtype, device=settings.device, attn_implementation=config.model.attn_implementation
+    )

@@ -51,9 +51,14 @@ class TransformersBackend:
         device: str | None = None,
         *,
         policy: Policy | None = None,
+        attn_implementation: str | None = None,
     ) -> None:
         # A caller that already holds the base model (tests, the in-process learner) passes it as `policy`.
-        self.policy = policy if policy is not None else Policy.load(base, dtype=dtype, device=device)
+        self.policy = (
+            policy
+            if policy is not None
+            else Policy.load(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        )
         self._peft: PeftModel | None = None
         self._versions: dict[str, int] = {}
         # Adapter name -> the PEFT adapter (slot) holding its weights. A dropped adapter's slot is kept for

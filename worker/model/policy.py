@@ -2,10 +2,13 @@
 
 Plain LoRA only (no DoRA, no rsLoRA, no bias training), so vLLM can serve the very adapter the trainer
 saves. The base weights stay frozen in the configured dtype; LoRA weights are float32.
+
+The base model loads with the run's attention implementation (``model.attn_implementation``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,12 @@ _DTYPES: dict[str, torch.dtype] = {
 # The adapter name the trainer's single LoRA lives under inside its PeftModel.
 TRAIN_ADAPTER = "default"
 
+# The flash-attention implementations: the module each needs importable, and the package that provides it.
+_FLASH_ATTENTION = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attention 3 (its hopper/ build)"),
+}
+
 
 def resolve_device(device: str | None = None) -> torch.device:
     """'auto' or None -> cuda when available, else cpu; anything else is passed to torch.device."""
@@ -38,6 +47,25 @@ def resolve_device(device: str | None = None) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
     return resolved
+
+
+def check_attn_implementation(name: str | None, device: torch.device) -> None:
+    """Refuse a flash-attention ``model.attn_implementation`` this process cannot run (its package missing, or
+    no GPU), with a message naming the config field rather than transformers' own."""
+    if name not in _FLASH_ATTENTION:
+        return
+    module, package = _FLASH_ATTENTION[name]
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(
+            f"model.attn_implementation = {name!r} needs the {package} package (module {module!r}), which is not "
+            "installed in this environment; install it, or set model.attn_implementation to 'sdpa' or leave it "
+            "unset"
+        )
+    if device.type != "cuda":
+        raise ValueError(
+            f"model.attn_implementation = {name!r} runs on a CUDA GPU only, and this process uses {device}; set "
+            "model.attn_implementation to 'sdpa' or leave it unset"
+        )
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -68,20 +96,29 @@ class Policy:
 
     @classmethod
     def load(
-        cls, base: str, dtype: str = "float32", device: str | None = None, cache_dir: Path | None = None
+        cls,
+        base: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        cache_dir: Path | None = None,
+        *,
+        attn_implementation: str | None = None,
     ) -> Policy:
         """Load ``base`` (hub id, local folder, or 'tiny', built in ``cache_dir``) with frozen weights, in eval
-        mode."""
+        mode, with ``attn_implementation`` (``model.attn_implementation``; None: transformers' default)."""
         path = resolve_base_model(base, cache_dir)
         torch_device = resolve_device(device)
+        check_attn_implementation(attn_implementation, torch_device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {base!r} has no EOS token; completions could never stop")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), **chosen)
         model.to(torch_device)
         model.eval()
         model.requires_grad_(False)
-        log.info("policy.loaded", base=base, path=path, dtype=dtype, device=str(torch_device))
+        attention = getattr(model.config, "_attn_implementation", None)
+        log.info("policy.loaded", base=base, path=path, dtype=dtype, device=str(torch_device), attention=attention)
         return cls(model=model, tokenizer=tokenizer, device=torch_device, base=base)
 
     def encode_prompts(self, prompts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
