@@ -1,6 +1,6 @@
 """The model side: a base model wrapped with LoRA, and the tiny offline model for tests and the demo.
 
 Modules:
-    policy      load a base model, wrap it with plain LoRA
+    policy      load a base model, wrap it with plain LoRA, prepare it for training (checkpointing, compile)
     tiny_model  the tiny random-init model and its tokenizer, built offline
 """

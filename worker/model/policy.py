@@ -1,9 +1,13 @@
-"""The model runtime shared by generators and the trainer: load a base model, wrap it with LoRA.
+"""The model runtime shared by generators and the trainer: load a base model, wrap it with LoRA, and
+prepare the wrapped model for training.
 
 Plain LoRA only (no DoRA, no rsLoRA, no bias training), so vLLM can serve the very adapter the trainer
 saves. The base weights stay frozen in the configured dtype; LoRA weights are float32.
 
-The base model loads with the run's attention implementation (``model.attn_implementation``).
+The speed switches a TRL user expects live here too: the attention implementation the base model loads with
+(``model.attn_implementation``), and gradient checkpointing and torch.compile of the decoder layers
+(``optimizer.gradient_checkpointing``, ``optimizer.torch_compile``, applied by ``prepare_for_training``).
+``decoder_layers`` finds the layers both act on, the unit FSDP2 shards too.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncgrpo.run.config import LoraConfig
+from asyncgrpo.run.config import LoraConfig, OptimizerConfig
 from worker.model.tiny_model import resolve_base_model
 
 log = structlog.get_logger()
@@ -37,6 +41,10 @@ _FLASH_ATTENTION = {
     "flash_attention_2": ("flash_attn", "flash-attn"),
     "flash_attention_3": ("flash_attn_interface", "flash-attention 3 (its hopper/ build)"),
 }
+
+# Names of the decoder layer list in transformers' causal LMs: `layers` (Llama, Qwen, Mistral, Gemma, ...),
+# `h` (GPT-2, Falcon, Bloom, ...).
+_LAYER_LIST_NAMES = ("layers", "h")
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -157,3 +165,71 @@ def wrap_with_lora(policy: Policy, lora: LoraConfig, seed: int) -> PeftModel:
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of every trainable parameter, in a fixed order (the module order)."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM, bare or wrapped by PEFT, in order: the modules of the first
+    ``torch.nn.ModuleList`` named ``layers`` (Llama, Qwen, Mistral, ...) or ``h`` (GPT-2, Falcon, ...) in module
+    order. The unit ``prepare_for_training`` compiles and FSDP2 shards, one layer at a time.
+
+    Raises ValueError naming the model's class when it has no such list."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and name.rpartition(".")[2] in _LAYER_LIST_NAMES:
+            return list(module)
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    raise ValueError(
+        f"{type(inner).__name__} has no decoder layer list (a torch.nn.ModuleList named "
+        f"{' or '.join(repr(name) for name in _LAYER_LIST_NAMES)}); its layers cannot be compiled or sharded one by one"
+    )
+
+
+def _trace_checkpointed_side_effects() -> None:
+    """Let torch.compile trace a checkpointed layer whose forward mutates Python state.
+
+    A hub-kernel layer (the ``kernels`` package) sets and resets a context variable around each decoder layer's
+    forward. Under checkpointing, dynamo refuses such a forward by default, since eager checkpointing would replay
+    the mutation in the backward, and the whole layer then runs uncompiled. The replay is not needed (the state
+    is set and reset within the call), so the process is told to skip it. Process-wide: the trainer's process
+    prepares one model."""
+    import torch._dynamo.config
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # older torch lacks it
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def prepare_for_training(model: PeftModel, optimizer: OptimizerConfig) -> None:
+    """Apply the run's ``optimizer.gradient_checkpointing`` and ``optimizer.torch_compile`` to the LoRA-wrapped
+    model, in place; a no-op when both are off.
+
+    The order is the one FSDP2 needs: checkpointing, then compiling each decoder layer (``layer.compile()``,
+    which keeps module names, so adapter files and state dicts are unchanged), then sharding, by the caller,
+    after this returns.
+
+    Checkpointing is transformers' own, non-reentrant. transformers recomputes a layer only in a training
+    forward (the module in train mode, gradients enabled): a caller that otherwise trains in eval mode must
+    switch the model to train mode for its training forwards (without dropout both modes compute the same).
+    """
+    if optimizer.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:  # newer transformers, where gradient_checkpointing_enable is a deprecated alias
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers may also hook the input embeddings so that their output requires grad. Only reentrant
+        # checkpointing needs that (its recompute sees the inputs alone); non-reentrant checkpointing reaches the
+        # LoRA weights without it (the tests compare gradients), and the first layer then skips the gradient of
+        # its input. Older transformers may set no hook here, and their disable_input_require_grads fails then.
+        base = model.get_base_model()
+        if getattr(base, "_require_grads_hooks", None) or getattr(base, "_require_grads_hook", None) is not None:
+            base.disable_input_require_grads()
+    if optimizer.torch_compile:
+        if optimizer.gradient_checkpointing:
+            _trace_checkpointed_side_effects()
+        for layer in decoder_layers(model):
+            layer.compile()
+    if optimizer.gradient_checkpointing or optimizer.torch_compile:
+        log.info(
+            "policy.prepared_for_training",
+            gradient_checkpointing=optimizer.gradient_checkpointing,
+            torch_compile=optimizer.torch_compile,
+        )

@@ -1,4 +1,5 @@
-"""The policy's attention implementation (worker/model/policy.py), on the tiny model, on CPU."""
+"""The policy's speed switches (worker/model/policy.py): the attention implementation, gradient checkpointing,
+torch.compile of the decoder layers, and the decoder layer list they act on; on the tiny model, on CPU."""
 
 from __future__ import annotations
 
@@ -9,11 +10,78 @@ from typing import Any
 
 import pytest
 import torch
+from peft import PeftModel
+from torch._dynamo.utils import counters
 
-from worker.model.policy import Policy
+from asyncgrpo.run.config import LoraConfig, OptimizerConfig
+from worker.model.policy import Policy, decoder_layers, prepare_for_training, wrap_with_lora
+from worker.model.tiny_model import TINY_LAYERS
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 1, 5, 5, 7, 3, 4, 9, 10]])
 MASK = torch.tensor([[1] * 9, [0, 0] + [1] * 7])  # the second row left-padded, as prompts are
+
+
+def _lora_model(base: Path, **optimizer: Any) -> PeftModel:
+    """The tiny model with a LoRA whose B is not zero (a fresh LoRA's B is, which would hide most gradients),
+    prepared with the given optimizer switches."""
+    model = wrap_with_lora(Policy.load(str(base)), LoraConfig(), seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    prepare_for_training(model, OptimizerConfig(**optimizer))
+    return model
+
+
+def _lora_gradients(model: PeftModel) -> dict[str, torch.Tensor]:
+    model.train()
+    logits = model(input_ids=IDS, attention_mask=MASK).logits
+    (logits.log_softmax(-1)[..., 0] * MASK).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _checkpointing(model: PeftModel) -> bool:
+    base = model.get_base_model()
+    # transformers 5 renamed the flag (the old name warns); older versions have only the old one.
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(base), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    return bool(getattr(base, name))
+
+
+def _count_calls(module: torch.nn.Module) -> list[int]:
+    # A pre-hook: non-reentrant checkpointing stops its recompute once the last saved tensor is rebuilt, before a
+    # module's forward hooks would run.
+    calls = [0]
+    module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_gradient_checkpointing_recomputes_and_gives_the_same_lora_gradients(tiny_model_dir: Path) -> None:
+    plain = _lora_model(tiny_model_dir)
+    checkpointed = _lora_model(tiny_model_dir, gradient_checkpointing=True)
+    assert not _checkpointing(plain) and _checkpointing(checkpointed)
+    plain_calls = _count_calls(decoder_layers(plain)[0].mlp)
+    recomputed_calls = _count_calls(decoder_layers(checkpointed)[0].mlp)
+
+    expected = _lora_gradients(plain)
+    got = _lora_gradients(checkpointed)
+
+    assert plain_calls == [1] and recomputed_calls == [2]  # the backward ran the layer again
+    assert expected.keys() == got.keys() and len(got) > 0
+    for name, gradient in got.items():
+        assert gradient.abs().sum() > 0, f"{name} got no gradient"
+        torch.testing.assert_close(gradient, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_prepare_for_training_with_both_switches_off_changes_nothing(tiny_model_dir: Path) -> None:
+    model = _lora_model(tiny_model_dir)
+    assert not _checkpointing(model)
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(model))
+    assert not getattr(model.get_base_model(), "_require_grads_hooks", None)
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -57,3 +125,48 @@ def test_flash_attention_on_a_cpu_is_refused_naming_the_field(
     monkeypatch.setattr(importlib.util, "find_spec", _flash_attention_installed(True))
     with pytest.raises(ValueError, match=r"model\.attn_implementation = 'flash_attention_2' runs on a CUDA GPU only"):
         Policy.load(str(tiny_model_dir), device="cpu", attn_implementation="flash_attention_2")
+
+
+def test_decoder_layers_are_the_tiny_models_layers_bare_or_wrapped(tiny_model_dir: Path) -> None:
+    policy = Policy.load(str(tiny_model_dir))
+    bare = decoder_layers(policy.model)
+    assert len(bare) == TINY_LAYERS
+    assert all(layer is expected for layer, expected in zip(bare, policy.model.model.layers, strict=True))
+    wrapped = wrap_with_lora(policy, LoraConfig(), seed=0)
+    assert all(layer is expected for layer, expected in zip(decoder_layers(wrapped), bare, strict=True))
+
+
+def test_a_model_without_a_layer_list_is_refused_naming_its_class() -> None:
+    with pytest.raises(ValueError, match=r"Sequential has no decoder layer list"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)])))
+
+
+def _or_skip_without_a_compiler(run: Callable[[], Any]) -> Any:
+    """``run()``; a test skips, with the reason, when inductor cannot build kernels on this machine (no working
+    C++ compiler), and fails on any other error."""
+    try:
+        return run()
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}"
+        if not any(cause in text for cause in ("InvalidCxxCompiler", "CppCompileError", "C++ compile")):
+            raise
+        pytest.skip(f"torch.compile cannot build kernels here: {text.splitlines()[0][:300]}")
+
+
+@pytest.mark.slow
+def test_torch_compile_compiles_each_layer_and_keeps_logits_and_gradients(tiny_model_dir: Path) -> None:
+    """The trainer's order, checkpointing then compile, on CPU: the same logits and LoRA gradients."""
+    plain = _lora_model(tiny_model_dir)
+    compiled = _lora_model(tiny_model_dir, gradient_checkpointing=True, torch_compile=True)
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(compiled))
+    assert [name for name, _ in compiled.named_parameters()] == [name for name, _ in plain.named_parameters()]
+
+    counters.clear()
+    got = _or_skip_without_a_compiler(lambda: _lora_gradients(compiled))
+    # A graph break inside a checkpointed layer would run that layer uncompiled: still correct, no faster.
+    assert not counters["graph_break"], list(counters["graph_break"])
+    expected = _lora_gradients(plain)
+    for name, gradient in got.items():
+        torch.testing.assert_close(gradient, expected[name], rtol=0, atol=1e-5, msg=name)
+    real = MASK.bool()
+    torch.testing.assert_close(_logits(compiled)[real], _logits(plain)[real], rtol=0, atol=1e-5)
