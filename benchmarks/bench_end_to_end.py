@@ -61,7 +61,8 @@ from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
-from worker.optimize.trainer import Trainer, TrainSample
+from worker.optimize.batch import TrainSample
+from worker.optimize.trainer import Trainer
 
 
 @dataclass(frozen=True)

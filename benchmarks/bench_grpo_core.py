@@ -50,7 +50,8 @@ from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.transformers_backend import TransformersBackend, sample_completions
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
-from worker.optimize.trainer import MicroBatch, Trainer, TrainSample, write_adapter_folder
+from worker.optimize.batch import MicroBatch, TrainSample
+from worker.optimize.trainer import Trainer, write_adapter_folder
 
 WORKLOADS = {"tiny": (8, 8, 8), "compute": (8, 8, 252)}  # prompts, group, max new tokens (positions <= 256)
 

@@ -200,7 +200,7 @@ class VLLMSetup:
 
 def favour_digit(trainer: Any, digit: str, other: str, updates: int = 3) -> None:
     """A few GRPO updates that reward repeating ``digit`` and punish ``other``: a clearly different policy."""
-    from worker.optimize.trainer import TrainSample
+    from worker.optimize.batch import TrainSample
 
     tokenizer = trainer.policy.tokenizer
     eos = trainer.policy.eos_token_id
@@ -257,7 +257,7 @@ def sample(setup: VLLMSetup, adapter: str | None, seed: int = 11) -> Any:
 
 def rescore_under(setup: VLLMSetup, version: int, result: Any) -> tuple[list[list[float]], list[list[float]]]:
     """(vLLM's behaviour logprobs, the trainer's logprobs of the same tokens under ``version``'s weights)."""
-    from worker.optimize.trainer import TrainSample
+    from worker.optimize.batch import TrainSample
 
     samples = [
         TrainSample(prompt.prompt_token_ids, completion.token_ids, completion.logprobs, 0.0, version)

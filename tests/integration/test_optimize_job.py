@@ -33,9 +33,10 @@ from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize import rescore
+from worker.optimize.batch import build_train_samples
 from worker.optimize.job import run_optimize_step
 from worker.optimize.trainer import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
-from worker.optimize.trainer import Trainer, build_train_samples
+from worker.optimize.trainer import Trainer
 
 RUN = "opt-job"
 G = 4

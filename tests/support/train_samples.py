@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from worker.optimize.trainer import Trainer, TrainSample
+from worker.optimize.batch import TrainSample
+from worker.optimize.trainer import Trainer
 
 
 def synthetic_samples(trainer: Trainer, count: int, seed: int) -> list[TrainSample]:

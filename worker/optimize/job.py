@@ -87,6 +87,7 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, decode_rollout
+from worker.optimize.batch import build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
     forget_adapter_weights,
@@ -95,7 +96,7 @@ from worker.optimize.rescore import (
     remember_adapter_weights,
     rescore_planned,
 )
-from worker.optimize.trainer import Trainer, build_train_samples, split_indices_by_group
+from worker.optimize.trainer import Trainer
 
 
 def _mean(values: list[float]) -> float | None:

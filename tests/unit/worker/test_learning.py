@@ -14,7 +14,8 @@ from worker.algo.grpo import group_advantages
 from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions
 from worker.model.policy import Policy
-from worker.optimize.trainer import Trainer, TrainSample
+from worker.optimize.batch import TrainSample
+from worker.optimize.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

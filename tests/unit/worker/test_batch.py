@@ -1,0 +1,130 @@
+"""A step's batch (worker/optimize/batch.py): micro-batch plans, the padding-free layout, dealing micro-batches
+to ranks, and padding-free training equal to padded training on the tiny model (fp32)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncgrpo.run.config import RunConfig
+from tests.support.train_samples import synthetic_samples
+from worker.model.policy import Policy
+from worker.optimize.batch import (
+    TrainSample,
+    collate,
+    deal_to_ranks,
+    pack_padding_free,
+    plan_micro_batches,
+    positions_computed,
+)
+from worker.optimize.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOLERANCE = 1e-5
+
+
+def _long_tailed(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(512, int(8 * rng.paretovariate(1.2))) for _ in range(count)]
+
+
+def test_a_padding_free_plan_holds_every_sample_once_within_the_budget() -> None:
+    lengths = _long_tailed(200, seed=1)
+    plan = pack_padding_free(lengths, token_budget=600)
+    assert sorted(index for row in plan for index in row) == list(range(len(lengths)))
+    for row in plan:
+        assert sum(lengths[i] for i in row) <= 600 or len(row) == 1
+        assert row == sorted(row)
+    assert pack_padding_free(lengths, token_budget=600) == plan  # deterministic
+    assert pack_padding_free([700, 5], token_budget=600) == [[0], [1]]  # too long: alone
+
+
+def test_padding_free_computes_no_padding_where_padded_computes_most_of_it() -> None:
+    lengths = _long_tailed(256, seed=2)
+    for padding_free in (False, True):
+        plan = plan_micro_batches(lengths, 4096, padding_free)
+        computed = sum(positions_computed([lengths[i] for i in row], padding_free) for row in plan)
+        share = 1 - sum(lengths) / computed
+        if padding_free:
+            assert share == 0.0
+        else:
+            assert share > 0.0
+
+
+def test_micro_batches_are_dealt_to_ranks_by_tokens() -> None:
+    costs = [500, 40, 40, 40, 300, 200, 10]
+    dealt = deal_to_ranks(costs, 2)
+    assert sorted(i for indices in dealt for i in indices) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in indices) for indices in dealt]
+    assert loads == [580, 550]  # largest first, each to the less loaded rank
+    assert deal_to_ranks(costs, 2) == dealt
+    # More ranks than micro-batches: some ranks get none (they run weight-0 filler passes).
+    assert deal_to_ranks([5], 3) == [[0], [], []]
+
+
+def test_the_padding_free_layout_predicts_each_completion_token_from_the_position_before_it() -> None:
+    samples = [
+        TrainSample([1, 2], [3, 4, 5], [-1.0] * 3, 0.5),
+        TrainSample([6], [], [], 0.1),
+        TrainSample([7], [8], [-2.0], -1.0),
+    ]
+    batch = collate(samples, [0, 1, 2], pad_id=0, device=torch.device("cpu"), padding_free=True)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 0, 1]]
+    assert batch.attention_mask is None
+    assert batch.logit_positions.tolist() == [1, 2, 3, 6]
+    row = batch.input_ids[0]
+    assert row[batch.logit_positions + 1].tolist() == batch.completion_ids[batch.mask].tolist()
+    view = batch.completion_view(torch.tensor([[10.0, 11.0, 12.0, 13.0]]))
+    assert view.tolist() == [[10.0, 11.0, 12.0], [0.0, 0.0, 0.0], [13.0, 0.0, 0.0]]
+
+
+def _trainer(model: Path, padding_free: bool, loss_type: str) -> Trainer:
+    config = RunConfig.model_validate(
+        {
+            "optimizer": {"micro_batch_tokens": 40, "padding_free": padding_free},
+            "loss": {"loss_type": loss_type, "beta": 0.1},
+            "sampling": {"temperature": 0.7},
+        }
+    )
+    return Trainer.initial(Policy.load(str(model)), config)
+
+
+def _gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    captured: dict[str, torch.Tensor] = {}
+    apply = trainer.optimizer.step
+
+    def recording_step(*args: object, **kwargs: object) -> object:
+        for name, parameter in zip(trainer.param_names, trainer.lora_parameters, strict=True):
+            captured[name] = parameter.grad.detach().clone()
+        return apply(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    return captured
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss_type: str) -> None:
+    """Loss, gradients, ratios, entropy, reference KL and rescoring, from the same (non-initial) weights."""
+    source = _trainer(tiny_model_dir, padding_free=False, loss_type=loss_type)
+    samples = synthetic_samples(source, 20, seed=7)
+    source.step(samples)  # off the LoRA init, where B = 0 would hide the adapter
+    files = source.version_files(1)
+    padded, packed = (_trainer(tiny_model_dir, pf, loss_type) for pf in (False, True))
+    for trainer in (padded, packed):
+        trainer.load_version_files(files)
+    for a, b in zip(padded.rescore(samples), packed.rescore(samples), strict=True):
+        assert a == pytest.approx(b, abs=TOLERANCE)
+    for a, b in zip(padded.rescore_ratio_sums(samples), packed.rescore_ratio_sums(samples), strict=True):
+        assert a == pytest.approx(b, abs=TOLERANCE * 20)  # sums over up to 20 tokens
+    gradients = [_gradients(padded), _gradients(packed)]
+    one, other = padded.step(samples), packed.step(samples)
+    for figure in ("loss", "ratio", "kl", "entropy", "kl_ref", "clip_region", "grad_norm"):
+        assert getattr(other, figure) == pytest.approx(getattr(one, figure), abs=TOLERANCE), figure
+    assert other.micro_batches < one.micro_batches  # the same budget holds more real tokens per row
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, rtol=0, atol=TOLERANCE)

@@ -1,0 +1,246 @@
+"""A step's batch as the trainer consumes it: train samples from the claimed rollouts, split into optimizer
+updates without cutting a group, planned into micro-batches under a token budget, laid out as tensors, and
+shared out between the ranks of a multi-GPU worker.
+
+Two layouts of a micro-batch (``optimizer.padding_free``):
+
+* **padding-free** (the default): the micro-batch's sequences concatenated in one row, position ids
+  restarting at 0 for each sequence and no attention mask, so attention stays inside each sequence
+  (transformers builds a block-diagonal mask from the position ids; flash-attention's varlen kernel reads
+  the same ids). Only the logits of positions that predict a completion token are computed, then laid out
+  as the padded ``(B, C)`` view the loss reads. ``micro_batch_tokens`` bounds the real tokens of a row.
+* **padded**: rows of left-padded prompts followed by right-padded completions, so the logits of every
+  completion token are the last ``C + 1`` positions; ``micro_batch_tokens`` bounds rows x longest row.
+
+Both give the same logprobs, loss and gradients (a test keeps them equal); padding-free computes no padding
+position, which on a long-tailed length mix is most of a padded batch.
+
+Ranks: the micro-batches of an update are planned once, for the whole step, then dealt out to ranks by
+tokens (largest first, to the least loaded rank). Every rank runs the same number of forward/backward
+passes (FSDP's collectives pair up pass by pass), so a rank short of work repeats one of its micro-batches
+with weight 0: it adds nothing to the gradient or the figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from worker.algo.rollout import Rollout
+
+
+@dataclass
+class TrainSample:
+    """One completion to train on: tokens, the behaviour logprob of each completion token, its advantage."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+    version: int = 0  # the policy version that sampled it (for staleness bookkeeping; not used by the math)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a train sample needs at least one prompt token")
+        if len(self.completion_token_ids) != len(self.behavior_logprobs):
+            raise ValueError(
+                f"a train sample has {len(self.completion_token_ids)} completion tokens but "
+                f"{len(self.behavior_logprobs)} behaviour logprobs; they must align one to one"
+            )
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+
+def build_train_samples(rollouts: list[Rollout]) -> tuple[list[TrainSample], list[tuple[int, int]]]:
+    """Flatten rollouts into train samples; also return each sample's (rollout index, group index)."""
+    samples: list[TrainSample] = []
+    keys: list[tuple[int, int]] = []
+    for owner, rollout in enumerate(rollouts):
+        for sample in rollout.samples:
+            samples.append(
+                TrainSample(
+                    prompt_token_ids=sample.prompt_token_ids,
+                    completion_token_ids=sample.completion_token_ids,
+                    behavior_logprobs=sample.behavior_logprobs,
+                    advantage=sample.advantage,
+                    version=rollout.version,
+                )
+            )
+            keys.append((owner, sample.group_index))
+    return samples, keys
+
+
+def split_by_group(samples: list[TrainSample], keys: list[tuple[int, int]], parts: int) -> list[list[TrainSample]]:
+    """Split the batch into ``parts`` optimizer updates without cutting a group."""
+    return [[samples[i] for i in chunk] for chunk in split_indices_by_group(keys, parts)]
+
+
+def split_indices_by_group(keys: list[tuple[int, int]], parts: int) -> list[list[int]]:
+    """``split_by_group`` as sample indices: the samples of each optimizer update."""
+    if parts == 1:
+        return [list(range(len(keys)))]
+    keyed: dict[tuple[int, int], list[int]] = {}
+    for index, key in enumerate(keys):
+        keyed.setdefault(key, []).append(index)
+    groups = list(keyed.values())
+    size = math.ceil(len(groups) / parts)
+    return [[i for g in groups[start : start + size] for i in g] for start in range(0, len(groups), size)]
+
+
+# ---- planning: which samples share a micro-batch ----
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Padded plan: sample indices in micro-batches of at most ``token_budget`` padded tokens (rows x longest).
+
+    Longest first, so rows of similar length share a batch; a sample longer than the budget goes alone.
+    Deterministic for given lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_longest = 0
+    for index in order:
+        longest = max(current_longest, lengths[index])
+        if current and (len(current) + 1) * longest > token_budget:
+            batches.append(current)
+            current, longest = [], lengths[index]
+        current.append(index)
+        current_longest = longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pack_padding_free(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Padding-free plan: sample indices in rows of at most ``token_budget`` real tokens.
+
+    First fit over the samples longest first (a row takes the first sample that still fits it), so short
+    completions fill the space long ones leave; a sample longer than the budget goes alone. Each row keeps
+    its samples in index order. Deterministic for given lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for index in order:
+        length = lengths[index]
+        for row, tokens in enumerate(used):
+            if tokens + length <= token_budget:
+                rows[row].append(index)
+                used[row] += length
+                break
+        else:
+            rows.append([index])
+            used.append(length)
+    return [sorted(row) for row in rows]
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int, padding_free: bool) -> list[list[int]]:
+    """The micro-batches of one update, as sample indices, in the layout ``padding_free`` chooses."""
+    return pack_padding_free(lengths, token_budget) if padding_free else pack_micro_batches(lengths, token_budget)
+
+
+def positions_computed(lengths: list[int], padding_free: bool) -> int:
+    """Positions one forward of a micro-batch of ``lengths`` computes: the padding share is 1 - real / this."""
+    return sum(lengths) if padding_free else len(lengths) * max(lengths, default=0)
+
+
+def deal_to_ranks(costs: list[int], ranks: int) -> list[list[int]]:
+    """Micro-batch indices per rank, balanced by ``costs`` (tokens): largest first to the least loaded rank
+    (ties to the lower rank). Each rank's list is in micro-batch order. Deterministic."""
+    loads = [0] * ranks
+    dealt: list[list[int]] = [[] for _ in range(ranks)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        dealt[rank].append(index)
+        loads[rank] += costs[index]
+    return [sorted(indices) for indices in dealt]
+
+
+# ---- layout: a planned micro-batch as tensors ----
+
+
+@dataclass
+class MicroBatch:
+    indices: list[int]  # the samples, as indices into the update's list
+    input_ids: torch.Tensor  # padded (B, P + C); padding-free (1, T)
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None  # None when padding-free: the position ids separate the sequences
+    completion_ids: torch.Tensor  # (B, C)
+    mask: torch.Tensor  # (B, C) bool: real completion tokens
+    behavior_logprobs: torch.Tensor  # (B, C) float32
+    advantages: torch.Tensor  # (B,) float32
+    logit_positions: torch.Tensor | None = None  # padding-free: row positions predicting each completion token
+    weight: float = 1.0  # 0 for a rank's filler pass: it runs the collectives and adds nothing
+
+    @property
+    def padding_free(self) -> bool:
+        return self.logit_positions is not None
+
+    def completion_view(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Per-token values of the computed positions as the (B, C) view the loss reads (0 at padding).
+
+        Padded: ``per_token`` is already (B, C). Padding-free: it is (1, K), the K completion tokens in
+        sequence order, which is the row-major order of ``mask``'s True entries."""
+        if not self.padding_free:
+            return per_token
+        view = per_token.new_zeros(self.mask.shape)
+        return view.masked_scatter(self.mask, per_token.reshape(-1))
+
+
+def collate(
+    samples: list[TrainSample], indices: list[int], pad_id: int, device: torch.device, padding_free: bool = False
+) -> MicroBatch:
+    """The tensors of the micro-batch of ``samples[indices]`` in the chosen layout."""
+    chosen = [samples[index] for index in indices]
+    completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
+    # Padded Python rows, then one tensor each: per-row tensor writes cost more than the model on small batches.
+    completions, mask, behavior = [], [], []
+    for sample in chosen:
+        right = completion_width - len(sample.completion_token_ids)
+        completions.append([*sample.completion_token_ids] + [pad_id] * right)
+        mask.append([True] * len(sample.completion_token_ids) + [False] * right)
+        behavior.append(list(sample.behavior_logprobs) + [0.0] * right)
+    common = {
+        "indices": indices,
+        "completion_ids": torch.tensor(completions, dtype=torch.long).to(device),
+        "mask": torch.tensor(mask, dtype=torch.bool).to(device),
+        "behavior_logprobs": torch.tensor(behavior, dtype=torch.float32).to(device),
+        "advantages": torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
+    }
+    if padding_free:
+        ids: list[int] = []
+        positions: list[int] = []
+        predicting: list[int] = []
+        for sample in chosen:
+            start, prompt = len(ids), len(sample.prompt_token_ids)
+            ids += [*sample.prompt_token_ids, *sample.completion_token_ids]
+            positions += range(sample.length)
+            # Completion token j sits at start + prompt + j; the position before it predicts it.
+            predicting += range(start + prompt - 1, start + prompt - 1 + len(sample.completion_token_ids))
+        return MicroBatch(
+            input_ids=torch.tensor([ids], dtype=torch.long).to(device),
+            position_ids=torch.tensor([positions], dtype=torch.long).to(device),
+            attention_mask=None,
+            logit_positions=torch.tensor(predicting, dtype=torch.long).to(device),
+            **common,
+        )
+    prompt_width = max(len(s.prompt_token_ids) for s in chosen)
+    rows, attention = [], []
+    for sample, completion in zip(chosen, completions, strict=True):
+        left = prompt_width - len(sample.prompt_token_ids)
+        real = sample.length
+        rows.append([pad_id] * left + [*sample.prompt_token_ids] + completion)
+        attention.append([0] * left + [1] * real + [0] * (completion_width - len(sample.completion_token_ids)))
+    attention_mask = torch.tensor(attention, dtype=torch.long)
+    positions_tensor = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return MicroBatch(
+        input_ids=torch.tensor(rows, dtype=torch.long).to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=positions_tensor.to(device),
+        **common,
+    )
