@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import structlog
@@ -27,8 +26,8 @@ from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.layout import IntegrityError, read_manifest, read_verified
 from asyncgrpo.protocol.records import FlaggedRollout
 from worker.algo.rollout import Rollout
-from worker.model.policy import TRAIN_ADAPTER
-from worker.optimize.trainer import RatioSums, Trainer, TrainSample, load_adapter_weights
+from worker.optimize.batch import TrainSample
+from worker.optimize.trainer import RatioSums, Trainer
 
 log = structlog.get_logger()
 
@@ -44,26 +43,6 @@ def _fits(trainer: Trainer, values: list[torch.Tensor]) -> bool:
     return len(values) == len(parameters) and all(
         v.shape == p.shape and v.device == p.device for v, p in zip(values, parameters, strict=True)
     )
-
-
-@contextmanager
-def _weights_of_version(trainer: Trainer, key: tuple[str, int], weights: bytes | list[torch.Tensor]) -> Iterator[None]:
-    """Temporarily give the trainer's LoRA the weights of another version (exact copy back afterwards)."""
-    saved = [parameter.detach().clone() for parameter in trainer.lora_parameters]
-    if isinstance(weights, list) and _fits(trainer, weights):
-        with torch.no_grad():
-            for parameter, value in zip(trainer.lora_parameters, weights, strict=True):
-                parameter.copy_(value)
-    else:
-        assert isinstance(weights, bytes)
-        load_adapter_weights(trainer.model, weights, TRAIN_ADAPTER)
-        _recent_adapter_weights[key] = [parameter.detach().clone() for parameter in trainer.lora_parameters]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for parameter, value in zip(trainer.lora_parameters, saved, strict=True):
-                parameter.copy_(value)
 
 
 @dataclass
@@ -155,8 +134,11 @@ def rescore_planned(
                 key = manifest.file_key(run, bucket_keys.ADAPTER_WEIGHTS_NAME)  # the attempt it names
                 weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
                 _recent_adapter_weights[(run, version)] = weights
-            with _weights_of_version(trainer, (run, version), weights):
-                scored = trainer.rescore_ratio_sums(subset)
+            if isinstance(weights, bytes):
+                weights = trainer.lora_values(weights)
+                _recent_adapter_weights[(run, version)] = weights
+            # Under that version's LoRA for the moment; the trainer puts its own back exactly.
+            scored = trainer.rescore_ratio_sums(subset, lora_values=weights)
         sums.update(zip(indices, scored, strict=True))
     return sums
 

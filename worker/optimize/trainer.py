@@ -6,8 +6,9 @@ optimizer over them, the count of updates taken (which drives the learning-rate 
 serialises all of it; ``load_version_files`` restores it, and the next update is bit-identical to the one a
 never-stopped trainer would take (same device, same config).
 
-A batch is packed into micro-batches (``worker.optimize.trainer``); gradients accumulate over them with the
-normalisers of the whole step (see ``worker.algo.grpo``), then are clipped by global norm, and AdamW applies them.
+A batch is planned into micro-batches (``worker.optimize.batch``: padding-free by default); gradients
+accumulate over them with the normalisers of the whole step (see ``worker.algo.grpo``), then are clipped by
+global norm, and AdamW applies them.
 A non-finite loss or gradient norm raises :class:`~worker.algo.grpo.NonFiniteError` and applies no update.
 
 A trainer's state <-> bytes: the adapter in plain PEFT format, the rest as safetensors + JSON (no pickle).
@@ -24,12 +25,10 @@ Files of one version (names from ``asyncgrpo.bucket.layout``):
 
 Loading these into a trainer built with the same config continues bit-identically (same device, same seed).
 
-The batch (``TrainSample``): a step's samples as the trainer consumes them, made from the claimed rollouts, split
-into optimizer updates without cutting a group, and packed into micro-batches.
-
-A batch is packed into micro-batches under ``optimizer.micro_batch_tokens`` padded tokens: samples sorted by
-length, each micro-batch laid out as left-padded prompts followed by right-padded completions, so the logits
-of all completion tokens are the last ``C + 1`` positions.
+Across the ranks of a multi-GPU worker (``worker.optimize.ranks``) the public calls that touch the model are
+``collective``: the leader announces each one and every rank runs it on its share of the micro-batches; the
+result (metrics, ratios, logprobs) is the whole call's on every rank, equal to one rank's within float
+tolerance.
 """
 
 from __future__ import annotations
@@ -38,6 +37,8 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,132 +59,23 @@ from asyncgrpo.bucket.layout import (
 from asyncgrpo.protocol.records import UpdateMetrics
 from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs, token_logprobs_and_entropy
-from worker.algo.rollout import Rollout
-from worker.model.policy import TRAIN_ADAPTER, Policy, trainable_parameters, wrap_with_lora
-
-
-# ---- the batch: train samples from rollouts, updates, micro-batches ----
-@dataclass
-class TrainSample:
-    """One completion to train on: tokens, the behaviour logprob of each completion token, its advantage."""
-
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    behavior_logprobs: list[float]
-    advantage: float
-    version: int = 0  # the policy version that sampled it (for staleness bookkeeping; not used by the math)
-
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("a train sample needs at least one prompt token")
-        if len(self.completion_token_ids) != len(self.behavior_logprobs):
-            raise ValueError(
-                f"a train sample has {len(self.completion_token_ids)} completion tokens but "
-                f"{len(self.behavior_logprobs)} behaviour logprobs; they must align one to one"
-            )
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_token_ids) + len(self.completion_token_ids)
-
-
-def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices into micro-batches of at most ``token_budget`` padded tokens (rows x longest).
-
-    Longest first, so rows of similar length share a batch; a sample longer than the budget goes alone.
-    Deterministic for given lengths.
-    """
-    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    current_longest = 0
-    for index in order:
-        longest = max(current_longest, lengths[index])
-        if current and (len(current) + 1) * longest > token_budget:
-            batches.append(current)
-            current, longest = [], lengths[index]
-        current.append(index)
-        current_longest = longest
-    if current:
-        batches.append(current)
-    return batches
-
-
-@dataclass
-class MicroBatch:
-    indices: list[int]
-    input_ids: torch.Tensor  # (B, P + C): left-padded prompts, then right-padded completions
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    completion_ids: torch.Tensor  # (B, C)
-    mask: torch.Tensor  # (B, C) bool: real completion tokens
-    behavior_logprobs: torch.Tensor  # (B, C) float32
-    advantages: torch.Tensor  # (B,) float32
-
-
-def collate(samples: list[TrainSample], indices: list[int], pad_id: int, device: torch.device) -> MicroBatch:
-    chosen = [samples[index] for index in indices]
-    prompt_width = max(len(s.prompt_token_ids) for s in chosen)
-    completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
-    # Padded Python rows, then one tensor each: per-row tensor writes cost more than the model on small batches.
-    ids, attention, mask, behavior = [], [], [], []
-    for sample in chosen:
-        prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
-        left, right = prompt_width - len(prompt), completion_width - len(completion)
-        ids.append([pad_id] * left + [*prompt, *completion] + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(prompt) + len(completion)) + [0] * right)
-        mask.append([True] * len(completion) + [False] * right)
-        behavior.append(list(sample.behavior_logprobs) + [0.0] * right)
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    attention_mask = torch.tensor(attention, dtype=torch.long)
-    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return MicroBatch(
-        indices=indices,
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=positions.to(device),
-        completion_ids=input_ids[:, prompt_width:].to(device),
-        mask=torch.tensor(mask, dtype=torch.bool).to(device),
-        behavior_logprobs=torch.tensor(behavior, dtype=torch.float32).to(device),
-        advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
-    )
-
-
-def build_train_samples(rollouts: list[Rollout]) -> tuple[list[TrainSample], list[tuple[int, int]]]:
-    """Flatten rollouts into train samples; also return each sample's (rollout index, group index)."""
-    samples: list[TrainSample] = []
-    keys: list[tuple[int, int]] = []
-    for owner, rollout in enumerate(rollouts):
-        for sample in rollout.samples:
-            samples.append(
-                TrainSample(
-                    prompt_token_ids=sample.prompt_token_ids,
-                    completion_token_ids=sample.completion_token_ids,
-                    behavior_logprobs=sample.behavior_logprobs,
-                    advantage=sample.advantage,
-                    version=rollout.version,
-                )
-            )
-            keys.append((owner, sample.group_index))
-    return samples, keys
-
-
-def split_by_group(samples: list[TrainSample], keys: list[tuple[int, int]], parts: int) -> list[list[TrainSample]]:
-    """Split the batch into ``parts`` optimizer updates without cutting a group."""
-    return [[samples[i] for i in chunk] for chunk in split_indices_by_group(keys, parts)]
-
-
-def split_indices_by_group(keys: list[tuple[int, int]], parts: int) -> list[list[int]]:
-    """``split_by_group`` as sample indices: the samples of each optimizer update."""
-    if parts == 1:
-        return [list(range(len(keys)))]
-    keyed: dict[tuple[int, int], list[int]] = {}
-    for index, key in enumerate(keys):
-        keyed.setdefault(key, []).append(index)
-    groups = list(keyed.values())
-    size = math.ceil(len(groups) / parts)
-    return [[i for g in groups[start : start + size] for i in g] for start in range(0, len(groups), size)]
-
+from worker.model.policy import (
+    TRAIN_ADAPTER,
+    Policy,
+    decoder_layers,
+    prepare_for_training,
+    trainable_parameters,
+    wrap_with_lora,
+)
+from worker.optimize.batch import (
+    MicroBatch,
+    TrainSample,
+    collate,
+    deal_to_ranks,
+    plan_micro_batches,
+    positions_computed,
+)
+from worker.optimize.ranks import Ranks, collective, shard
 
 # ---- the trainer ----
 TRAINER_STATE_FORMAT = 1
@@ -418,6 +310,10 @@ def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[RatioSums]:
     return [(ratio, log_ratio) for ratio, log_ratio in sums.tolist()]
 
 
+_FIGURES = ("ratio", "kl", "clip_low", "clip_high", "clip_region", "entropy")
+"""The token-weighted figures of an update (``worker.algo.grpo``'s stats; ``kl_ref`` too when beta > 0)."""
+
+
 class Trainer:
     """GRPO optimizer state for one run: LoRA policy, AdamW, update counter, private RNG."""
 
@@ -430,8 +326,10 @@ class Trainer:
         max_completion_length: int,
         temperature: float,
         seed: int,
+        ranks: Ranks | None = None,
     ) -> None:
         self.policy = policy
+        self.ranks = ranks or Ranks()
         self.lora_cfg = lora_cfg
         self.optimizer_cfg = optimizer_cfg
         self.loss_cfg = loss_cfg
@@ -439,6 +337,9 @@ class Trainer:
         self.temperature = temperature
         self.seed = seed
         self.model = wrap_with_lora(policy, lora_cfg, seed)
+        prepare_for_training(self.model, optimizer_cfg)
+        if self.ranks.distributed:
+            shard(self.model, decoder_layers(self.model), self.ranks, policy.model.dtype)
         self.model.eval()
         self._eval_is_train = self._no_active_dropout()
         self._adapter_config: bytes | None = None
@@ -460,8 +361,9 @@ class Trainer:
             self._rng_cuda = torch.Generator(device=policy.device).manual_seed(seed).get_state()
 
     @classmethod
-    def initial(cls, policy: Policy, config: RunConfig) -> Trainer:
-        """A trainer at version 0: the seeded LoRA init of ``config.seed``, no update taken."""
+    def initial(cls, policy: Policy, config: RunConfig, ranks: Ranks | None = None) -> Trainer:
+        """A trainer at version 0: the seeded LoRA init of ``config.seed``, no update taken; across ``ranks``
+        when given (the leader has already announced the build, see ``worker.optimize.ranks``)."""
         return cls(
             policy,
             config.lora,
@@ -470,51 +372,142 @@ class Trainer:
             max_completion_length=config.sampling.max_completion_length,
             temperature=config.sampling.temperature,
             seed=config.seed,
+            ranks=ranks,
         )
 
     # --- forward -----------------------------------------------------------------------------------------
 
     def _completion_logits(self, batch: MicroBatch) -> torch.Tensor:
-        """Temperature-scaled logits at the positions that predict each completion token: (B, C, V)."""
-        width = batch.completion_ids.shape[1]
-        output = self.model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            logits_to_keep=width + 1,
-        )
-        logits = output.logits[:, -width - 1 : -1, :].float()
-        # x / 1.0 == x exactly: skip a copy of (B, C, V) logits at the default temperature.
+        """Temperature-scaled logits at the positions that predict each completion token: (B, C, V) padded,
+        (1, K, V) padding-free (K completion tokens in sequence order)."""
+        if batch.padding_free:
+            # No attention mask: the position ids, restarting per sequence, keep attention inside each one.
+            output = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=batch.logit_positions,
+            )
+            logits = output.logits.float()
+        else:
+            width = batch.completion_ids.shape[1]
+            output = self.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=width + 1,
+            )
+            logits = output.logits[:, -width - 1 : -1, :].float()
+        # x / 1.0 == x exactly: skip a copy of the logits at the default temperature.
         return logits if self.temperature == 1.0 else logits / self.temperature
 
-    def _batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+    @staticmethod
+    def _targets(batch: MicroBatch) -> torch.Tensor:
+        """The completion tokens in the layout of ``_completion_logits``."""
+        return batch.completion_ids[batch.mask].unsqueeze(0) if batch.padding_free else batch.completion_ids
+
+    def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """(B, C) logprob of each completion token (0 at padding)."""
+        return batch.completion_view(token_logprobs(self._completion_logits(batch), self._targets(batch)))
+
+    def _batches(self, samples: list[TrainSample]) -> tuple[list[MicroBatch], int]:
+        """This rank's micro-batches of ``samples`` (with weight-0 fillers so every rank runs as many passes)
+        and how many micro-batches the whole call has over all ranks."""
         if not samples:
             raise ValueError("no samples given")
-        plan = pack_micro_batches([s.length for s in samples], self.optimizer_cfg.micro_batch_tokens)
-        return [collate(samples, indices, self.policy.pad_token_id, self.policy.device) for indices in plan]
+        padding_free = self.optimizer_cfg.padding_free
+        lengths = [sample.length for sample in samples]
+        plan = plan_micro_batches(lengths, self.optimizer_cfg.micro_batch_tokens, padding_free)
+        mine = plan
+        passes = len(plan)
+        if self.ranks.distributed:
+            costs = [positions_computed([lengths[i] for i in indices], padding_free) for indices in plan]
+            dealt = deal_to_ranks(costs, self.ranks.world)
+            mine = [plan[i] for i in dealt[self.ranks.rank]]
+            passes = max(len(indices) for indices in dealt)
+        device, pad = self.policy.device, self.policy.pad_token_id
+        batches = [collate(samples, indices, pad, device, padding_free) for indices in mine]
+        smallest = min(plan, key=lambda indices: positions_computed([lengths[i] for i in indices], padding_free))
+        while len(batches) < passes:
+            filler = collate(samples, smallest, pad, device, padding_free)
+            filler.weight = 0.0
+            batches.append(filler)
+        return batches, len(plan)
 
+    @collective
     @torch.no_grad()
     def rescore(self, samples: list[TrainSample]) -> list[list[float]]:
         """Logprob of every completion token under the current weights and the sampling temperature."""
         self._set_training(False)
-        result: list[list[float]] = [[] for _ in samples]
-        for batch in self._batches(samples):
-            logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
-            for row, index in enumerate(batch.indices):
-                result[index] = logprobs[row, : len(samples[index].completion_token_ids)].tolist()
-        return result
+        result: dict[int, list[float]] = {}
+        for batch in self._batches(samples)[0]:
+            logprobs = self._logprobs(batch)
+            if batch.weight:
+                for row, index in enumerate(batch.indices):
+                    result[index] = logprobs[row, : len(samples[index].completion_token_ids)].tolist()
+        merged = {index: value for part in self.ranks.gather(result) for index, value in part.items()}
+        return [merged[index] for index in range(len(samples))]
 
+    @collective
     @torch.inference_mode()  # nothing here ever meets autograd: skip even its version counters
-    def rescore_ratio_sums(self, samples: list[TrainSample]) -> list[RatioSums]:
-        """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log."""
+    def rescore_ratio_sums(
+        self, samples: list[TrainSample], lora_values: list[torch.Tensor] | None = None
+    ) -> list[RatioSums]:
+        """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log;
+        under ``lora_values`` (another version's LoRA, in ``lora_parameters`` order) when given, the
+        trainer's own weights put back exactly afterwards."""
         self._set_training(False)
-        sums: list[RatioSums] = [(0.0, 0.0)] * len(samples)
-        for batch in self._batches(samples):
-            logprobs = token_logprobs(self._completion_logits(batch), batch.completion_ids)
-            for index, value in zip(batch.indices, _ratio_sums(logprobs, batch), strict=True):
-                sums[index] = value
-        return sums
+        with self._lora_swapped(lora_values):
+            sums: dict[int, RatioSums] = {}
+            for batch in self._batches(samples)[0]:
+                if batch.weight:
+                    sums.update(zip(batch.indices, _ratio_sums(self._logprobs(batch), batch), strict=True))
+                else:
+                    self._logprobs(batch)  # a filler pass: the collectives of a forward, no result
+        merged = {index: value for part in self.ranks.gather(sums) for index, value in part.items()}
+        return [merged[index] for index in range(len(samples))]
+
+    @contextmanager
+    def _lora_swapped(self, values: list[torch.Tensor] | None) -> Iterator[None]:
+        if values is None:
+            yield
+            return
+        if len(values) != len(self.lora_parameters) or any(
+            value.shape != parameter.shape for value, parameter in zip(values, self.lora_parameters, strict=True)
+        ):
+            raise TrainerStateError("the LoRA weights to rescore under do not fit this trainer's LoRA parameters")
+        saved = [parameter.detach().clone() for parameter in self.lora_parameters]
+        with torch.no_grad():
+            for parameter, value in zip(self.lora_parameters, values, strict=True):
+                parameter.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for parameter, value in zip(self.lora_parameters, saved, strict=True):
+                    parameter.copy_(value)
+
+    def lora_values(self, weights: bytes) -> list[torch.Tensor]:
+        """A saved adapter's LoRA tensors (``adapter_model.safetensors`` bytes) in ``lora_parameters`` order,
+        on this trainer's device; the model is left as it is."""
+        try:
+            state = load_tensors(weights)
+        except SafetensorError as error:
+            raise TrainerStateError(f"{ADAPTER_WEIGHTS_NAME} is not a safetensors file: {error}") from error
+        # PEFT saves a parameter without its adapter's name: ``...q_proj.lora_A.default.weight`` as
+        # ``...q_proj.lora_A.weight``.
+        saved_names = [name.replace(f".{TRAIN_ADAPTER}.", ".") for name in self.param_names]
+        missing = [name for name in saved_names if name not in state]
+        if missing or len(state) != len(saved_names):
+            raise TrainerStateError(
+                f"{ADAPTER_WEIGHTS_NAME} does not hold exactly this trainer's LoRA tensors (missing {missing[:3]}, "
+                f"{len(state)} tensors for {len(saved_names)} parameters)"
+            )
+        return [
+            state[name].to(device=parameter.device, dtype=parameter.dtype)
+            for name, parameter in zip(saved_names, self.lora_parameters, strict=True)
+        ]
 
     @property
     def training_forward_is_eval_forward(self) -> bool:
@@ -536,7 +529,7 @@ class Trainer:
     def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         # With LoRA, the reference (base) model is the same network with its adapter switched off.
         with self.model.disable_adapter():
-            return token_logprobs(self._completion_logits(batch), batch.completion_ids)
+            return self._logprobs(batch)
 
     # --- one optimizer update ----------------------------------------------------------------------------
 
@@ -544,11 +537,12 @@ class Trainer:
         """One AdamW update over ``samples``; returns its metrics. Raises NonFiniteError without updating."""
         return self.step_with_ratio_sums(samples)[0]
 
+    @collective
     def step_with_ratio_sums(self, samples: list[TrainSample]) -> tuple[UpdateMetrics, list[RatioSums]]:
         """``step``, also returning per sample the sums over its tokens of exp(logprob - behaviour) and of its
         log under the weights the update started from: its rescoring, free when
         ``training_forward_is_eval_forward``."""
-        batches = self._batches(samples)
+        batches, micro_batches = self._batches(samples)
         step_tokens = sum(len(s.completion_token_ids) for s in samples)
         if step_tokens == 0:
             raise ValueError("the batch has no completion tokens to train on")
@@ -558,7 +552,7 @@ class Trainer:
             if self._rng_cuda is not None:
                 torch.cuda.set_rng_state(self._rng_cuda, self.policy.device)
             try:
-                metrics, ratio_sums = self._update(batches, len(samples), step_tokens)
+                metrics, ratio_sums = self._update(batches, micro_batches, len(samples), step_tokens)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._set_training(False)
@@ -568,7 +562,7 @@ class Trainer:
         return metrics, ratio_sums
 
     def _update(
-        self, batches: list[MicroBatch], sequences: int, step_tokens: int
+        self, batches: list[MicroBatch], micro_batches: int, sequences: int, step_tokens: int
     ) -> tuple[UpdateMetrics, list[RatioSums]]:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
@@ -576,10 +570,11 @@ class Trainer:
         started = time.perf_counter()
         loss_total = 0.0
         weighted: dict[str, float] = {}
-        ratio_sums: list[RatioSums] = [(0.0, 0.0)] * sequences
+        ratio_sums: dict[int, RatioSums] = {}
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
-            logprobs, entropy = token_logprobs_and_entropy(self._completion_logits(batch), batch.completion_ids)
+            logprobs, entropy = token_logprobs_and_entropy(self._completion_logits(batch), self._targets(batch))
+            logprobs, entropy = batch.completion_view(logprobs), batch.completion_view(entropy)
             loss, stats = policy_loss(
                 logprobs,
                 batch.behavior_logprobs,
@@ -594,15 +589,24 @@ class Trainer:
                 entropy=entropy,
                 step_tokens=step_tokens,
                 step_sequences=sequences,
-                micro_batches=len(batches),
+                micro_batches=micro_batches,
             )
-            loss.backward()
-            for index, value in zip(batch.indices, _ratio_sums(logprobs.detach(), batch), strict=True):
-                ratio_sums[index] = value
+            (loss * batch.weight).backward()  # a filler pass (weight 0) runs the collectives, adds nothing
+            if not batch.weight:
+                continue
+            ratio_sums.update(zip(batch.indices, _ratio_sums(logprobs.detach(), batch), strict=True))
             loss_total += float(loss.detach())
             for key, value in stats.items():
                 if key != "tokens":
                     weighted[key] = weighted.get(key, 0.0) + value * stats["tokens"]
+        # Each rank holds the gradient of its own micro-batches: their sum is the whole step's.
+        self.ranks.sum_tensors([parameter.grad for parameter in self.lora_parameters if parameter.grad is not None])
+        # The same names on every rank, in one order (a rank may hold only filler passes).
+        names = [*_FIGURES, *(["kl_ref"] if loss_cfg.beta > 0 else [])]
+        weighted = {name: weighted.get(name, 0.0) for name in names}
+        totals = self.ranks.sum_floats([loss_total, *(weighted[name] for name in names)], self.policy.device)
+        loss_total, weighted = totals[0], dict(zip(names, totals[1:], strict=True))
+        merged = {index: value for part in self.ranks.gather(ratio_sums) for index, value in part.items()}
         if self.policy.device.type == "cuda":
             torch.cuda.synchronize(self.policy.device)
         forward_backward_s = time.perf_counter() - started
@@ -639,12 +643,12 @@ class Trainer:
             lr=lr,
             tokens=step_tokens,
             sequences=sequences,
-            micro_batches=len(batches),
+            micro_batches=micro_batches,
             forward_backward_s=forward_backward_s,
             optimizer_s=optimizer_s,
             kl_ref=mean.get("kl_ref"),
         )
-        return metrics, ratio_sums
+        return metrics, [merged[index] for index in range(sequences)]
 
     # --- version files -----------------------------------------------------------------------------------
 
@@ -670,6 +674,7 @@ class Trainer:
         self.version = version
         return files
 
+    @collective
     def load_version_files(self, files: dict[str, bytes]) -> int:
         """Restore weights, optimizer moments, update count and RNG from a version's files; returns the
         version. Files must already be verified against their manifest."""
