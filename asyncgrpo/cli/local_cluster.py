@@ -151,13 +151,20 @@ class LocalCluster:
         self._wait_until(self._proxy_healthy, 30.0, "proxy", child)
         return child
 
-    def start_worker(self, role: str, name: str | None = None, env: dict[str, str] | None = None) -> ChildProcess:
+    def start_worker(
+        self, role: str, name: str | None = None, env: dict[str, str] | None = None, nproc_per_node: int = 1
+    ) -> ChildProcess:
+        """A worker process; ``nproc_per_node`` > 1 starts an optimize worker of that many ranks (the child is
+        their launcher)."""
         self._worker_count += 1
         name = name or f"{role}-{self._worker_count}"
         child_env = self.env()
         child_env["ASYNCGRPO_WORKER_ID"] = name
         child_env.update(env or {})
-        return self._spawn(name, [sys.executable, "-m", "asyncgrpo.cli.main", "worker", role], env=child_env)
+        argv = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", role]
+        if nproc_per_node > 1:
+            argv += ["--nproc-per-node", str(nproc_per_node)]
+        return self._spawn(name, argv, env=child_env)
 
     # -- observation ---------------------------------------------------------------------------------
     def _proxy_healthy(self) -> bool:

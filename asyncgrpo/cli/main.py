@@ -107,14 +107,21 @@ def model_tiny(out_dir: Path, seed: int) -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("role", type=click.Choice(["generate", "optimize"]))
+@click.option(
+    "--nproc-per-node",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="optimize only: train on this many local GPUs (ranks, FSDP2) as one worker.",
+)
 @click.pass_context
-def worker(ctx: click.Context, role: str) -> None:
+def worker(ctx: click.Context, role: str, nproc_per_node: int) -> None:
     """Start a Celery worker for ROLE on the queues of ASYNCGRPO_RUN, with the right pool and flags (extra args
     go to celery)."""
     from worker.process.launcher import run_worker
 
     try:
-        sys.exit(run_worker(role, list(ctx.args)))
+        sys.exit(run_worker(role, list(ctx.args), nproc_per_node))
     except SettingsError as error:  # a missing run or a bad variable: say which, not a traceback
         raise click.ClickException(str(error)) from None
 

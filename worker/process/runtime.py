@@ -53,9 +53,10 @@ from asyncgrpo.run.creation import load_eval_prompts, load_run
 from worker.generate.backend import GenerationBackend
 from worker.generate.job import AdapterCache
 from worker.process.heartbeat import Heartbeat
-from worker.process.settings import WorkerSettings, process_settings
+from worker.process.settings import RankSettings, WorkerSettings, process_settings
 
 if TYPE_CHECKING:  # the trainer is built lazily, on optimize workers only
+    from worker.optimize.ranks import Ranks
     from worker.optimize.trainer import Trainer
 
 log = structlog.get_logger()
@@ -109,6 +110,7 @@ class WorkerRuntime:
         info: dict[str, Any] = {"device": self.settings.device}
         if self.trainer is not None:
             info["trainer_version"] = getattr(self.trainer, "version", None)
+            info["ranks"] = getattr(getattr(self.trainer, "ranks", None), "world", 1)
         if self.backend is not None:
             info["backend"] = type(self.backend).__name__
         if self.prefetcher is not None:
@@ -151,17 +153,41 @@ class WorkerRuntime:
     # -- optimize side -------------------------------------------------------------------------------
     def run_trainer(self, context: RunContext) -> Any:
         if self.trainer is None or self.trainer_run != context.run:
-            from worker.model.policy import Policy
-            from worker.optimize.trainer import Trainer
+            from worker.optimize.ranks import BUILD
 
             config = context.config
-            policy = Policy.load(config.model.base, config.model.dtype, self.settings.device, self.settings.cache)
-            self.trainer = Trainer.initial(policy, config)
+            ranks = join_ranks(self.settings)
+            if ranks.distributed:  # the other ranks build theirs from the same config (worker.optimize.ranks)
+                ranks.announce(BUILD, (config.model_dump_json(by_alias=True),))
+            self.trainer = build_trainer(config, self.settings, ranks)
             # Unknown until a version is loaded from the bucket or version 0 is made here: a fresh LoRA init
             # on this device need not equal the published version 0.
             self.trainer.version = None
             self.trainer_run = context.run
         return self.trainer
+
+
+def join_ranks(settings: WorkerSettings) -> Ranks:
+    """This process's ranks: those ``torch.distributed.run`` started it among (one rank without it)."""
+    from worker.optimize.ranks import join
+
+    place = RankSettings()
+    return join(settings.rank_timeout_s, settings.device, place.world_size, place.local_rank)
+
+
+def build_trainer(config: RunConfig, settings: WorkerSettings, ranks: Ranks) -> Trainer:
+    """The run's trainer on this rank's device: the base model loaded, LoRA applied, sharded across ``ranks``."""
+    from worker.model.policy import Policy
+    from worker.optimize.trainer import Trainer
+
+    policy = Policy.load(
+        config.model.base,
+        config.model.dtype,
+        ranks.device(settings.device),
+        settings.cache,
+        attn_implementation=config.model.attn_implementation,
+    )
+    return Trainer.initial(policy, config, ranks)
 
 
 _runtime: WorkerRuntime | None = None

@@ -13,6 +13,7 @@ import socket
 from typing import Literal
 
 from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from asyncgrpo.protocol.schemas import ID_PATTERN, check_queue_run
 from asyncgrpo.protocol.settings import CacheSettings, CommonSettings, SettingsError, env_name
@@ -50,6 +51,11 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
     should split its cores between them, e.g. 1 each for a generate and an optimize worker on 2 cores:
     oversubscribed cores make both roles slower than one."""
 
+    rank_timeout_s: float = Field(300.0, gt=0.0, le=86400.0)
+    """Multi-GPU optimize workers (`--nproc-per-node N`): seconds one collective between the worker's ranks may
+    wait inside a step before the step fails and the worker restarts (a hung rank). A rank that dies is noticed
+    at once; waiting for the next step has no limit."""
+
     visibility_timeout_s: float = Field(1800.0, gt=0.0)
     """Broker visibility timeout in seconds: must exceed the longest task; a killed worker's task comes back
     after it."""
@@ -86,6 +92,17 @@ class WorkerSettings(CommonSettings, CacheSettings, GenerateSettings):
             return check_queue_run(self.run)
         except ValueError as error:
             raise SettingsError(f"{name}={self.run!r} is invalid: {error}. Set {name} to the run's name.") from None
+
+
+class RankSettings(BaseSettings):
+    """This process's place among the ranks of a multi-GPU optimize worker: the variables
+    ``torch.distributed.run`` sets for each rank it starts (unset: a worker of one rank)."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", frozen=True)
+
+    rank: int = Field(0, ge=0)
+    local_rank: int = Field(0, ge=0)
+    world_size: int = Field(1, ge=1)
 
 
 def load_worker_settings() -> WorkerSettings:

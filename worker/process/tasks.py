@@ -56,10 +56,18 @@ from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import AdapterCache, run_generate_task
 from worker.optimize.job import OptimizeResult, repair_object, run_initialize, run_optimize_step, step_failure_of
+from worker.optimize.ranks import RankLost, leave
 from worker.process import metrics as worker_metrics
 from worker.process.celery_app import app
-from worker.process.runtime import RunContext, WorkerRuntime, get_runtime, start_heartbeat, start_prefetcher
-from worker.process.settings import process_settings
+from worker.process.runtime import (
+    RunContext,
+    WorkerRuntime,
+    get_runtime,
+    join_ranks,
+    start_heartbeat,
+    start_prefetcher,
+)
+from worker.process.settings import RankSettings, process_settings
 
 log = structlog.get_logger()
 
@@ -182,6 +190,8 @@ def _on_worker_ready(**_: Any) -> None:
         torch.set_num_threads(runtime.settings.torch_threads)
     worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
     install(runtime.settings.soft_shutdown_s)
+    if role == "optimize" and RankSettings().world_size > 1:  # the other ranks wait for this one to join
+        join_ranks(runtime.settings)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     start_heartbeat(role)
     start_prefetcher(role)
@@ -202,6 +212,8 @@ def _on_worker_shutdown(**_: Any) -> None:
     # The last call in the main thread before exit (also after a SIGTERM hand-back, which sends no
     # worker_shutting_down): no torch op may run in the prefetcher's daemon thread past this point.
     runtime = get_runtime(_role())
+    if _role() == "optimize" and RankSettings().world_size > 1:  # followers of a multi-GPU worker exit with it
+        leave(join_ranks(runtime.settings))
     if runtime.prefetcher is not None:
         closed = runtime.prefetcher.close()
         (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
@@ -231,6 +243,13 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
     except WorkerPreempted as error:
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
         log.warning("worker.task_handed_back", task=task_name, reason=str(error))
+        raise Reject(str(error), requeue=True) from error
+    except RankLost as error:
+        # Another rank of this multi-GPU worker died or hung: this worker cannot train any more. Hand the step
+        # back and stop; the launcher ends every rank and the unit restarts the worker as a whole.
+        worker_state.should_stop = 0
+        worker_metrics.observe_error("other")
+        log.error("worker.rank_lost", task=task_name, error=str(error))
         raise Reject(str(error), requeue=True) from error
     except BaseException as error:
         kind = next((k for t, k in _ERROR_KINDS.items() if isinstance(error, t)), "other")
