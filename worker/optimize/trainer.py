@@ -522,7 +522,8 @@ class Trainer:
 
     def _set_training(self, training: bool) -> None:
         # Without dropout both modes compute the same; switching walks every module (~ms on a small model).
-        if not self._eval_is_train:
+        # transformers checkpoints a layer only in train mode: with gradient checkpointing, switch anyway.
+        if not self._eval_is_train or self.optimizer_cfg.gradient_checkpointing:
             self.model.train(training)
 
     @torch.no_grad()

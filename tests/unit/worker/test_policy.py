@@ -13,9 +13,11 @@ import torch
 from peft import PeftModel
 from torch._dynamo.utils import counters
 
-from asyncgrpo.run.config import LoraConfig, OptimizerConfig
+from asyncgrpo.run.config import LoraConfig, OptimizerConfig, RunConfig
+from tests.support.train_samples import synthetic_samples
 from worker.model.policy import Policy, decoder_layers, prepare_for_training, wrap_with_lora
 from worker.model.tiny_model import TINY_LAYERS
+from worker.optimize.trainer import Trainer
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 1, 5, 5, 7, 3, 4, 9, 10]])
 MASK = torch.tensor([[1] * 9, [0, 0] + [1] * 7])  # the second row left-padded, as prompts are
@@ -170,3 +172,22 @@ def test_torch_compile_compiles_each_layer_and_keeps_logits_and_gradients(tiny_m
         torch.testing.assert_close(gradient, expected[name], rtol=0, atol=1e-5, msg=name)
     real = MASK.bool()
     torch.testing.assert_close(_logits(compiled)[real], _logits(plain)[real], rtol=0, atol=1e-5)
+
+
+def test_the_trainer_recomputes_layers_in_its_step_with_gradient_checkpointing(tiny_model_dir: Path) -> None:
+    """The switch reaches the trainer's own step (transformers checkpoints only a module in train mode), and
+    the step's update is the one without it."""
+    trainers, calls = [], []
+    for checkpointing in (False, True):
+        config = RunConfig.model_validate({"optimizer": {"gradient_checkpointing": checkpointing}})
+        trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), config)
+        trainers.append(trainer)
+        calls.append(_count_calls(decoder_layers(trainer.model)[0].mlp))
+    samples = synthetic_samples(trainers[0], 8, seed=1)
+    for counted in calls:
+        counted[0] = 0  # the rescoring that made the samples' behaviour logprobs
+    plain, checkpointed = (trainer.step(samples) for trainer in trainers)
+    assert calls[1][0] == 2 * calls[0][0] > 0  # every micro-batch's layer ran again in the backward
+    assert checkpointed.loss == pytest.approx(plain.loss, abs=1e-6)
+    for a, b in zip(trainers[0].lora_parameters, trainers[1].lora_parameters, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
