@@ -133,3 +133,9 @@ def test_demo_config_is_valid_and_spells_out_every_section() -> None:
         # TOML has no null: a field unset by default is shown commented out.
         missing -= {field for field in missing if getattr(sub_model, field) is None and f"# {field} = " in text}
         assert not missing, f"{path} [{key}] does not set {sorted(missing)}"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda path: path.name)
+def test_every_example_config_loads(path: Path) -> None:
+    config = load_run_config(path)
+    assert config.model.base
