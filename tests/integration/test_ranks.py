@@ -171,3 +171,17 @@ def test_resume_across_2_then_1_then_2_ranks_takes_the_never_stopped_updates(
     again = reloaded.version_files(4)
     for name in (ADAPTER_WEIGHTS_NAME, TRAINER_STATE_TENSORS_NAME):
         assert again[name] == (tmp_path / "v4" / name).read_bytes(), name
+
+
+def test_a_non_finite_loss_on_one_rank_fails_the_update_on_every_rank_and_the_next_one_runs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Only the rank holding the poisoned sample meets the overflow; the others must not wait for it in a
+    collective: every rank refuses the update, none applies it, and the next update is the one-rank update."""
+    config = _config()
+    samples = _base_version(tiny_model_dir, config, tmp_path / "base")
+    ops = [["load", str(tmp_path / "base")], ["step_poisoned", 0], ["step"]]
+    expected = _timings_out(_on_one_rank(_plan(tiny_model_dir, config, samples, ops), tiny_model_dir, config))
+    got = _timings_out(_on_two_ranks(_plan(tiny_model_dir, config, samples, ops), tmp_path / "plan.json"))
+    assert got[1] == expected[1] == "non_finite"
+    _close(got, expected)

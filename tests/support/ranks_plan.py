@@ -4,9 +4,10 @@
 
 The plan (JSON): ``model`` (a local model folder), ``config`` (the run config's JSON), ``samples`` (train
 samples' fields) and ``ops``, each one of ``["load", folder]`` (a version's files), ``["step"]``,
-``["rescore"]``, ``["rescore_under", folder]`` (ratio sums under another version's adapter) and
-``["save", folder, version]``. Rank 0 writes each op's result to ``results`` (the plan's path with
-``.results.json``): what ``run_plan`` in the test process returns for one rank, so the two compare directly.
+``["step_poisoned", index]`` (one sample's ratio overflowing), ``["rescore"]``, ``["rescore_under", folder]``
+(ratio sums under another version's adapter) and ``["save", folder, version]``. Rank 0 writes each op's
+result to the plan's path with ``.results.json``: what ``run_plan`` in the test process returns for one rank,
+so the two compare directly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from asyncgrpo.run.config import RunConfig
+from worker.algo.grpo import NonFiniteError
 from worker.model.policy import Policy
 from worker.optimize.batch import TrainSample
 from worker.optimize.ranks import BUILD, Ranks, follow, join, leave
@@ -40,6 +42,17 @@ def run_plan(plan: dict[str, Any], trainer: Trainer) -> list[Any]:
         elif op[0] == "step":
             metrics, sums = trainer.step_with_ratio_sums(samples)
             results.append({"metrics": metrics.model_dump(), "ratio_sums": sums})
+        elif op[0] == "step_poisoned":  # sample ``op[1]`` made to overflow its ratio: the update must fail
+            poisoned = list(samples)
+            bad = poisoned[op[1]]
+            poisoned[op[1]] = TrainSample(
+                bad.prompt_token_ids, bad.completion_token_ids, [-1e4] * len(bad.behavior_logprobs), bad.advantage
+            )
+            try:
+                trainer.step(poisoned)
+                results.append("updated")
+            except NonFiniteError:
+                results.append("non_finite")
         elif op[0] == "rescore":
             results.append(trainer.rescore(samples))
         elif op[0] == "rescore_under":

@@ -572,26 +572,34 @@ class Trainer:
         loss_total = 0.0
         weighted: dict[str, float] = {}
         ratio_sums: dict[int, RatioSums] = {}
+        non_finite: NonFiniteError | None = None
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
             logprobs, entropy = token_logprobs_and_entropy(self._completion_logits(batch), self._targets(batch))
             logprobs, entropy = batch.completion_view(logprobs), batch.completion_view(entropy)
-            loss, stats = policy_loss(
-                logprobs,
-                batch.behavior_logprobs,
-                batch.advantages,
-                batch.mask,
-                loss_type=loss_cfg.loss_type,
-                epsilon_low=loss_cfg.epsilon_low,
-                epsilon_high=loss_cfg.epsilon_high,
-                max_completion_length=self.max_completion_length,
-                ref_logprobs=reference,
-                beta=loss_cfg.beta,
-                entropy=entropy,
-                step_tokens=step_tokens,
-                step_sequences=sequences,
-                micro_batches=micro_batches,
-            )
+            try:
+                loss, stats = policy_loss(
+                    logprobs,
+                    batch.behavior_logprobs,
+                    batch.advantages,
+                    batch.mask,
+                    loss_type=loss_cfg.loss_type,
+                    epsilon_low=loss_cfg.epsilon_low,
+                    epsilon_high=loss_cfg.epsilon_high,
+                    max_completion_length=self.max_completion_length,
+                    ref_logprobs=reference,
+                    beta=loss_cfg.beta,
+                    entropy=entropy,
+                    step_tokens=step_tokens,
+                    step_sequences=sequences,
+                    micro_batches=micro_batches,
+                )
+            except NonFiniteError as error:
+                if not self.ranks.distributed:
+                    raise
+                # The other ranks are in this pass's collectives: finish the passes as a filler, fail together.
+                non_finite = non_finite or error
+                loss, stats, batch.weight = logprobs.sum() * 0.0, {}, 0.0
             (loss * batch.weight).backward()  # a filler pass (weight 0) runs the collectives, adds nothing
             if not batch.weight:
                 continue
@@ -600,6 +608,8 @@ class Trainer:
             for key, value in stats.items():
                 if key != "tokens":
                     weighted[key] = weighted.get(key, 0.0) + value * stats["tokens"]
+        if self.ranks.distributed and self.ranks.sum_floats([float(non_finite is not None)], self.policy.device)[0]:
+            raise non_finite or NonFiniteError(f"another rank met a non-finite loss at update {self.updates}")
         # Each rank holds the gradient of its own micro-batches: their sum is the whole step's.
         self.ranks.sum_tensors([parameter.grad for parameter in self.lora_parameters if parameter.grad is not None])
         # The same names on every rank, in one order (a rank may hold only filler passes).
