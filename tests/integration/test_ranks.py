@@ -130,8 +130,9 @@ def test_two_ranks_compute_what_one_rank_computes(
     samples = _base_version(tiny_model_dir, config, tmp_path / "base")
     ops = [
         ["load", str(tmp_path / "base")],
-        ["rescore"],
+        ["rescore_under", str(tmp_path / "base")],  # the first forward of a call: rescoring, not training
         ["step"],
+        ["rescore"],
         ["step"],
         ["rescore_under", str(tmp_path / "base")],
     ]

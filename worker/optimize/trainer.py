@@ -75,7 +75,7 @@ from worker.optimize.batch import (
     plan_micro_batches,
     positions_computed,
 )
-from worker.optimize.ranks import Ranks, collective, shard
+from worker.optimize.ranks import Ranks, collective, reshard, shard
 
 # ---- the trainer ----
 TRAINER_STATE_FORMAT = 1
@@ -342,6 +342,7 @@ class Trainer:
             shard(self.model, decoder_layers(self.model), self.ranks, policy.model.dtype)
         self.model.eval()
         self._eval_is_train = self._no_active_dropout()
+        self.padding_free = optimizer_cfg.padding_free and self._packing_is_exact()
         self._adapter_config: bytes | None = None
         named = trainable_parameters(self.model)
         self.param_names = [name for name, _ in named]
@@ -416,7 +417,7 @@ class Trainer:
         and how many micro-batches the whole call has over all ranks."""
         if not samples:
             raise ValueError("no samples given")
-        padding_free = self.optimizer_cfg.padding_free
+        padding_free = self.padding_free
         lengths = [sample.length for sample in samples]
         plan = plan_micro_batches(lengths, self.optimizer_cfg.micro_batch_tokens, padding_free)
         mine = plan
@@ -450,7 +451,6 @@ class Trainer:
         return [merged[index] for index in range(len(samples))]
 
     @collective
-    @torch.inference_mode()  # nothing here ever meets autograd: skip even its version counters
     def rescore_ratio_sums(
         self, samples: list[TrainSample], lora_values: list[torch.Tensor] | None = None
     ) -> list[RatioSums]:
@@ -458,7 +458,9 @@ class Trainer:
         under ``lora_values`` (another version's LoRA, in ``lora_parameters`` order) when given, the
         trainer's own weights put back exactly afterwards."""
         self._set_training(False)
-        with self._lora_swapped(lora_values):
+        # Nothing here meets autograd: inference mode skips even its version counters. Not across ranks: FSDP
+        # would allocate its gathered parameters as inference tensors, which a later step cannot write.
+        with torch.inference_mode(not self.ranks.distributed), torch.no_grad(), self._lora_swapped(lora_values):
             sums: dict[int, RatioSums] = {}
             for batch in self._batches(samples)[0]:
                 if batch.weight:
@@ -508,6 +510,31 @@ class Trainer:
             state[name].to(device=parameter.device, dtype=parameter.dtype)
             for name, parameter in zip(saved_names, self.lora_parameters, strict=True)
         ]
+
+    def _packing_is_exact(self) -> bool:
+        """Whether this model keeps attention inside each sequence of a packed row: two short sequences scored
+        packed and padded. transformers does for the attention kernels it ships (it reads the restarting
+        position ids); a model that does not (custom remote code) trains padded instead, with a warning."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        ids = [token % vocab for token in range(1, 17)]
+        probe = [TrainSample(ids[:5], ids[5:9], [0.0] * 4, 0.0), TrainSample(ids[9:12], ids[12:], [0.0] * 4, 0.0)]
+        device, pad = self.policy.device, self.policy.pad_token_id
+        with torch.no_grad():  # not inference mode: see rescore_ratio_sums
+            padded = self._logprobs(collate(probe, [0, 1], pad, device, padding_free=False))
+            packed = self._logprobs(collate(probe, [0, 1], pad, device, padding_free=True))
+        if self.ranks.distributed:
+            reshard(self.model)  # as after every call: no rank keeps parameters gathered
+        gap = float((padded - packed).abs().max())
+        tolerance = 1e-4 if self.policy.model.dtype == torch.float32 else 5e-2
+        if gap > tolerance:
+            log.warning(
+                "trainer.padding_free_off",
+                reason="this model attends across the sequences of a packed row",
+                logprob_gap=gap,
+                hint="micro-batches are padded instead; set optimizer.padding_free = false to skip this check",
+            )
+            return False
+        return True
 
     @property
     def training_forward_is_eval_forward(self) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import masking_utils
 
 from asyncgrpo.run.config import RunConfig
 from tests.support.train_samples import synthetic_samples
@@ -128,3 +129,17 @@ def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss
     assert other.micro_batches < one.micro_batches  # the same budget holds more real tokens per row
     for name, gradient in gradients[0].items():
         torch.testing.assert_close(gradients[1][name], gradient, rtol=0, atol=TOLERANCE)
+
+
+def test_a_model_that_attends_across_a_packed_row_trains_padded(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Padding-free is the default only where it is exact: the trainer checks the model at build time."""
+    assert _trainer(tiny_model_dir, padding_free=True, loss_type="dapo").padding_free
+    # transformers no longer finds the sequences of a packed row: attention then runs across all of it.
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    leaky = _trainer(tiny_model_dir, padding_free=True, loss_type="dapo")
+    assert not leaky.padding_free
+    padded = _trainer(tiny_model_dir, padding_free=False, loss_type="dapo")
+    samples = synthetic_samples(padded, 12, seed=2)
+    assert leaky.step(samples).loss == pytest.approx(padded.step(samples).loss, abs=TOLERANCE)
