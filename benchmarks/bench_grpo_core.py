@@ -3,6 +3,7 @@
     python3 benchmarks/bench_grpo_core.py                       # tiny: 8 prompts x 8 samples x 8 tokens
     python3 benchmarks/bench_grpo_core.py --workload compute    # same model, 128-256 completion tokens
     python3 benchmarks/bench_grpo_core.py --prompts 8 --group 8 --max-new-tokens 32 --reps 9 --threads 2
+    python3 benchmarks/bench_grpo_core.py --layout padded       # trainer and floor in padded micro-batches
 
 The tiny model is built into a temporary cache (no download). One training batch is sampled once through
 our sampling loop (for ``compute`` without stopping at EOS, then each completion cut to a seeded length in
@@ -12,7 +13,11 @@ medians, and each ratio is the median of the per-repetition ratios. Component ra
 
 * ``step_vs_bare``: ``Trainer.step`` against a bare PEFT forward + clipped-ratio loss + backward + grad
   clipping + AdamW step over the very same micro-batches (collated beforehand: the floor, without our
-  collate, diagnostics, checks and RNG bookkeeping). Target <= 1.25.
+  collate, diagnostics, checks and RNG bookkeeping). Target <= 1.25. Both run the layout ``--layout`` names
+  (``optimizer.padding_free``, pinned in the config; default padding-free, the trainer's default; the line
+  printed first names the layout the trainer took): the floor forwards a padding-free micro-batch as the
+  trainer does (one row, position ids restarting per sequence, logits of the completion positions only) and
+  a padded one as rows x longest, so the ratio compares the same work either way.
 * ``sampling_vs_generate``: our ``sample_completions`` (tokens and per-token logprobs) against transformers'
   ``model.generate(do_sample=True, top_k=0, output_scores=True)`` plus the gather of the sampled tokens'
   logprobs from its scores, same rows, same adapter, same length. Target <= 1.0.
@@ -69,22 +74,34 @@ def _interleaved(actions: dict[str, Callable[[], object]], reps: int) -> dict[st
 
 
 def _bare_step(trainer: Trainer, optimizer: torch.optim.Optimizer, batches: list[MicroBatch], tokens: int) -> None:
-    """Forward, dapo clipped loss, backward per micro-batch; clip and AdamW: nothing but the math."""
+    """Forward, dapo clipped loss, backward per micro-batch; clip and AdamW: nothing but the math, in the
+    micro-batches' own layout (padding-free: the completion tokens as one flat run, never laid out as (B, C))."""
     model, cfg = trainer.model, trainer.loss_cfg
     optimizer.zero_grad(set_to_none=True)
     for batch in batches:
-        width = batch.completion_ids.shape[1]
-        out = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-            use_cache=False, logits_to_keep=width + 1,
-        )
-        logits = out.logits[:, -width - 1 : -1, :] / trainer.temperature
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.exp(logprobs - batch.behavior_logprobs)
-        adv = batch.advantages.unsqueeze(1)
+        if batch.padding_free:
+            out = model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                logits_to_keep=batch.logit_positions,
+            )
+            logits = out.logits[0] / trainer.temperature  # (K, V): the positions predicting completion tokens
+            targets, behavior = batch.completion_ids[batch.mask], batch.behavior_logprobs[batch.mask]
+            adv = batch.advantages.unsqueeze(1).expand_as(batch.mask)[batch.mask]
+            mask = None
+        else:
+            width = batch.completion_ids.shape[1]
+            out = model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False, logits_to_keep=width + 1,
+            )
+            logits = out.logits[:, -width - 1 : -1, :] / trainer.temperature
+            targets, behavior, adv = batch.completion_ids, batch.behavior_logprobs, batch.advantages.unsqueeze(1)
+            mask = batch.mask
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logprobs - behavior)
         clipped = torch.clamp(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv)
-        (torch.where(batch.mask, per_token, 0.0).sum() / tokens).backward()
+        (per_token if mask is None else torch.where(mask, per_token, 0.0)).sum().div(tokens).backward()
     torch.nn.utils.clip_grad_norm_(trainer.lora_parameters, trainer.optimizer_cfg.max_grad_norm)
     optimizer.step()
 
@@ -152,6 +169,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--layout", choices=("padding-free", "padded"), default="padding-free",
+                        help="micro-batch layout of the trainer and of the bare floor (optimizer.padding_free)")
     args = parser.parse_args()
     defaults = WORKLOADS[args.workload]
     args.prompts = args.prompts or defaults[0]
@@ -163,7 +182,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
         base = str(ensure_tiny_model(cache_dir=Path(tmp)))
         config = RunConfig.model_validate(
-            {"sampling": {"samples_per_prompt": args.group, "max_completion_length": args.max_new_tokens}}
+            {
+                "sampling": {"samples_per_prompt": args.group, "max_completion_length": args.max_new_tokens},
+                "optimizer": {"padding_free": args.layout == "padding-free"},
+            }
         )
         trainer = Trainer.initial(Policy.load(base), config)
         files = trainer.version_files(0)
@@ -174,7 +196,8 @@ def main() -> None:
         peft = backend._select("v0")
         eos = None if long else backend.eos_token_id
         bare_optimizer = torch.optim.AdamW(trainer.lora_parameters, lr=config.optimizer.learning_rate)
-        batches = trainer._batches(samples)
+        batches = trainer._batches(samples)[0]  # one rank: its micro-batches are the whole plan
+        layout = "padding-free" if batches[0].padding_free else "padded"  # as the trainer took it
         tokens = sum(len(s.completion_token_ids) for s in samples)
 
         def ours_sampling() -> None:
@@ -218,7 +241,7 @@ def main() -> None:
     print(
         f"{args.workload}: tiny model, {args.prompts} prompts x G={args.group} = {len(samples)} sequences, "
         f"{tokens} completion tokens in the training batch ({len(batches)} micro-batches), up to "
-        f"{args.max_new_tokens} sampled, {args.threads} thread(s), {args.reps} interleaved reps"
+        f"{args.max_new_tokens} sampled, {layout}, {args.threads} thread(s), {args.reps} interleaved reps"
     )
     print(f"{'operation':<20}{'median s':>12}{'min s':>12}")
     for name, values in times.items():
@@ -227,7 +250,7 @@ def main() -> None:
         print(f"{name:<20}{value:>12.3f}")
     print(json.dumps({
         "workload": args.workload, "sequences": len(samples), "tokens": tokens, "max_new_tokens": args.max_new_tokens,
-        "threads": args.threads, "reps": args.reps,
+        "layout": layout, "micro_batches": len(batches), "threads": args.threads, "reps": args.reps,
         **{f"{name}_median_s": round(statistics.median(values), 5) for name, values in times.items()},
         **{name: round(value, 4) for name, value in ratios.items()},
     }))
