@@ -23,12 +23,11 @@ the ratio is the median of the per-repetition ratios.
 * ``tokens/s``: real completion tokens of the batch / wall seconds of one ``Trainer.step``.
 * ``padding``: a micro-batch's padding share, 1 - real tokens / positions computed
   (``batch.positions_computed``), mean and max over the step's micro-batches, and ``all`` over the step.
-* ``attn x``: query-key pairs an attention kernel with a dense mask computes (each row's length squared, per
-  layer and head: what SDPA does with the padded mask and with the block-diagonal mask transformers builds
-  from padding-free position ids) over the pairs causal attention inside each sequence needs
-  (sum of L(L+1)/2; about what flash-attention's varlen kernel computes). A padding-free row of T tokens costs
-  T^2 under a dense mask, where the padded rows cost rows x longest^2: on CPU (no varlen kernel) the
-  padding it saves in the linear layers can be lost to attention; ``--micro-batch-tokens`` moves the balance.
+* ``attn x``: query-key pairs the attention kernel computes over the pairs causal attention inside each
+  sequence needs (sum of L(L+1)/2). Padded: each row's padded length squared, rows x longest^2 (SDPA with the
+  padding mask). Padding-free: each sequence's own L^2, as ``worker.model.attention`` runs causal attention
+  on each sequence's slice of the packed row (flash-attention's varlen kernel, where installed, skips the
+  masked half too); a dense (T, T) block-diagonal mask over the whole row would cost T^2 instead.
 
 ``--ranks``: the padding-free step on 1 rank vs 2 ranks (``torch.distributed.run --standalone
 --nproc-per-node 2`` as a subprocess, gloo on CPU, the frozen base sharded with FSDP2, each rank
@@ -152,7 +151,8 @@ def _plan_figures(lengths: list[int], budget: int, padding_free: bool) -> dict[s
     computed = [positions_computed([lengths[i] for i in batch], padding_free) for batch in plan]
     shares = [1 - r / c for r, c in zip(real, computed, strict=True)]
     if padding_free:
-        pairs = sum(c * c for c in computed)
+        # worker.model.attention: each sequence of a row attends over its own slice (L^2 per sequence).
+        pairs = sum(length * length for length in lengths)
     else:
         pairs = sum(len(batch) * max(lengths[i] for i in batch) ** 2 for batch in plan)
     needed = sum(length * (length + 1) // 2 for length in lengths)

@@ -204,8 +204,8 @@ class ModelConfig(_Section):
         description="Attention kernel of the base model in the trainer and the transformers generate backend "
         "(transformers' attn_implementation; TRL's model_init_kwargs): 'sdpa', 'eager', 'flash_attention_2' or "
         "'flash_attention_3'; unset: transformers' default. flash-attention needs its package (flash-attn; "
-        "flash_attn_interface for 3) and a GPU. The padding-free trainer uses flash-attention's varlen path where "
-        "it is installed, an exact block-diagonal mask elsewhere.",
+        "flash_attn_interface for 3) and a GPU. The padding-free trainer uses flash-attention's varlen kernel when "
+        "it is chosen here; with sdpa (the default) it attends within each sequence's own slice of a packed row.",
     )
 
 

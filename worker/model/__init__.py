@@ -2,5 +2,7 @@
 
 Modules:
     policy      load a base model, wrap it with plain LoRA, prepare it for training (checkpointing, compile)
+    attention   exact attention inside each sequence of a packed row, without a (T, T) mask (padding-free
+                training where flash-attention's varlen kernel is not in use)
     tiny_model  the tiny random-init model and its tokenizer, built offline
 """

@@ -6,7 +6,7 @@ Two layouts of a micro-batch (``optimizer.padding_free``):
 
 * **padding-free** (the default): the micro-batch's sequences concatenated in one row, position ids
   restarting at 0 for each sequence and no attention mask, so attention stays inside each sequence
-  (transformers builds a block-diagonal mask from the position ids; flash-attention's varlen kernel reads
+  (``worker.model.attention`` attends within each sequence's slice; flash-attention's varlen kernel reads
   the same ids). Only the logits of positions that predict a completion token are computed, then laid out
   as the padded ``(B, C)`` view the loss reads. ``micro_batch_tokens`` bounds the real tokens of a row.
 * **padded**: rows of left-padded prompts followed by right-padded completions, so the logits of every

@@ -59,6 +59,7 @@ from asyncgrpo.bucket.layout import (
 from asyncgrpo.protocol.records import UpdateMetrics
 from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs, token_logprobs_and_entropy
+from worker.model.attention import use_segment_attention
 from worker.model.policy import (
     TRAIN_ADAPTER,
     Policy,
@@ -336,6 +337,10 @@ class Trainer:
         self.max_completion_length = max_completion_length
         self.temperature = temperature
         self.seed = seed
+        if optimizer_cfg.padding_free and policy.model.config._attn_implementation == "sdpa":
+            # Without flash-attention's varlen kernel, attend within each sequence of a packed row rather than
+            # through a (T, T) block-diagonal mask (worker.model.attention).
+            use_segment_attention(policy.model)
         self.model = wrap_with_lora(policy, lora_cfg, seed)
         prepare_for_training(self.model, optimizer_cfg)
         if self.ranks.distributed:

@@ -12,6 +12,8 @@ from transformers import masking_utils
 
 from asyncgrpo.run.config import RunConfig
 from tests.support.train_samples import synthetic_samples
+from worker.model import attention as attention_module
+from worker.model.attention import SEGMENT_ATTENTION
 from worker.model.policy import Policy
 from worker.optimize.batch import (
     TrainSample,
@@ -131,15 +133,27 @@ def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss
         torch.testing.assert_close(gradients[1][name], gradient, rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_model_that_attends_across_a_packed_row_trains_padded(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, attention: str
 ) -> None:
     """Padding-free is the default only where it is exact: the trainer checks the model at build time."""
-    assert _trainer(tiny_model_dir, padding_free=True, loss_type="dapo").padding_free
-    # transformers no longer finds the sequences of a packed row: attention then runs across all of it.
-    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    leaky = _trainer(tiny_model_dir, padding_free=True, loss_type="dapo")
+
+    def trainer(padding_free: bool) -> Trainer:
+        config = RunConfig.model_validate({"optimizer": {"micro_batch_tokens": 40, "padding_free": padding_free}})
+        return Trainer.initial(Policy.load(str(tiny_model_dir), attn_implementation=attention), config)
+
+    exact = trainer(padding_free=True)
+    assert exact.padding_free
+    if attention == "sdpa":  # the trainer's own per-sequence attention (worker.model.attention) is in use
+        assert exact.policy.model.config._attn_implementation == SEGMENT_ATTENTION
+        # ... and no longer sees where the sequences of a row start.
+        monkeypatch.setattr(attention_module, "segments", lambda position_ids: [(0, int(position_ids.shape[0]))])
+    else:  # transformers' mask: it no longer finds the sequences of a packed row
+        monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    leaky = trainer(padding_free=True)
     assert not leaky.padding_free
-    padded = _trainer(tiny_model_dir, padding_free=False, loss_type="dapo")
+    padded = trainer(padding_free=False)
+    assert padded.policy.model.config._attn_implementation == attention
     samples = synthetic_samples(padded, 12, seed=2)
     assert leaky.step(samples).loss == pytest.approx(padded.step(samples).loss, abs=TOLERANCE)

@@ -1,0 +1,70 @@
+"""Attention inside each sequence of a packed row (worker/model/attention.py) against attention written out:
+softmax over each sequence's own causal (and, for sliding-window layers, windowed) keys, grouped KV heads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.model.attention import segment_attention, segments
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+class _Layer(torch.nn.Module):
+    """What transformers' sdpa path reads from an attention module."""
+
+    num_key_value_groups = HEADS // KV_HEADS
+    is_causal = True
+
+
+def _written_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], window: int | None):
+    """(1, T, H, D): each sequence attends to itself only, causally (within ``window`` when given)."""
+    key = key.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    value = value.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    pieces, start = [], 0
+    for length in lengths:
+        q, k, v = (t[:, :, start : start + length] for t in (query, key, value))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(DIM)
+        index = torch.arange(length)
+        allowed = index[:, None] >= index[None, :]
+        if window is not None:
+            allowed &= index[:, None] - index[None, :] < window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        pieces.append((scores.softmax(-1) @ v).transpose(1, 2))
+        start += length
+    return torch.cat(pieces, dim=1)
+
+
+def test_segments_start_wherever_the_position_ids_restart() -> None:
+    assert segments(torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3])) == [(0, 3), (3, 5), (5, 6), (6, 10)]
+    assert segments(torch.tensor([0, 1, 2])) == [(0, 3)]
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-window"])
+def test_each_sequence_attends_to_itself_only(window: int | None) -> None:
+    lengths = [5, 1, 7, 5, 2]  # two of one length: attended in one stacked call
+    total = sum(lengths)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, HEADS, total, DIM, generator=generator)
+    key = torch.randn(1, KV_HEADS, total, DIM, generator=generator)
+    value = torch.randn(1, KV_HEADS, total, DIM, generator=generator)
+    position_ids = torch.tensor([[p for length in lengths for p in range(length)]])
+    got, _ = segment_attention(
+        _Layer(), query, key, value, None, scaling=1 / math.sqrt(DIM), position_ids=position_ids, sliding_window=window
+    )
+    assert got.shape == (1, total, HEADS, DIM)
+    torch.testing.assert_close(got, _written_out(query, key, value, lengths, window), rtol=0, atol=1e-5)
+
+
+def test_a_padded_batch_goes_to_sdpa_with_its_mask() -> None:
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(2, HEADS, 4, DIM, generator=generator)
+    key = torch.randn(2, KV_HEADS, 4, DIM, generator=generator)
+    value = torch.randn(2, KV_HEADS, 4, DIM, generator=generator)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 4)
+    got, _ = segment_attention(_Layer(), query, key, value, causal, position_ids=torch.zeros(2, 4, dtype=torch.long))
+    expected = torch.cat([_written_out(query[i : i + 1], key[i : i + 1], value[i : i + 1], [4], None) for i in (0, 1)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

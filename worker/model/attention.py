@@ -1,0 +1,83 @@
+"""Exact attention inside each sequence of a packed row, without a dense mask: the padding-free trainer's
+attention wherever flash-attention's varlen kernel is not in use.
+
+transformers keeps the sequences of a packed row apart by building a (T, T) block-diagonal mask from the
+position ids that restart at each sequence; sdpa and eager then compute all T^2 query-key pairs of the row,
+most of them masked away (on a long-tailed length mix several times what padded rows compute, and slower
+than padding). ``SEGMENT_ATTENTION`` runs causal attention on each sequence's own slice instead, sum of L_i^2
+pairs, as flash-attention's varlen kernel does on GPUs. A batch with an attention mask (padded rows) goes to
+transformers' sdpa unchanged. Registered under its name with transformers' attention and mask interfaces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+SEGMENT_ATTENTION = "asyncgrpo_segments"
+
+
+def segments(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each sequence in a row of position ids: a new one wherever an id is not the last + 1."""
+    starts = [0, *(torch.diff(position_ids).ne(1).nonzero().flatten() + 1).tolist()]
+    ends = [*starts[1:], int(position_ids.shape[0])]
+    return list(zip(starts, ends, strict=True))
+
+
+def segment_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query (B, H, T, D), key and value (B, H_kv, T, D) -> (B, T, H, D)."""
+    position_ids = kwargs.pop("position_ids", None)
+    if attention_mask is not None or position_ids is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    window = kwargs.pop("sliding_window", None)
+    rows = []
+    for row in range(query.shape[0]):
+        # Sequences of one length attend in one call, stacked as a batch: a row holds many short ones.
+        by_length: dict[int, list[int]] = {}
+        for start, end in segments(position_ids[min(row, position_ids.shape[0] - 1)]):
+            by_length.setdefault(end - start, []).append(start)
+        pieces: dict[int, torch.Tensor] = {}
+        for length, starts in by_length.items():
+            stacked = [
+                torch.cat([tensor[row : row + 1, :, start : start + length] for start in starts])
+                for tensor in (query, key, value)
+            ]
+            mask = None
+            if window is not None and length > window:  # a sliding-window layer: causal and within the window
+                index = torch.arange(length, device=query.device)
+                distance = index[:, None] - index[None, :]
+                mask = ((distance >= 0) & (distance < window))[None, None]
+            out, _ = sdpa_attention_forward(
+                module, *stacked, mask, dropout, scaling, is_causal=mask is None, **kwargs
+            )  # (n, length, H, D)
+            pieces.update((start, out[number : number + 1]) for number, start in enumerate(starts))
+        rows.append(torch.cat([pieces[start] for start in sorted(pieces)], dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def segment_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """No (T, T) mask for a row without padding: ``segment_attention`` reads the sequences from the position
+    ids. With padding, sdpa's mask."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def use_segment_attention(model: PreTrainedModel) -> None:
+    """Make ``model`` attend with ``segment_attention`` (its weights are untouched)."""
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+    AttentionMaskInterface.register(SEGMENT_ATTENTION, segment_mask)
+    model.set_attn_implementation(SEGMENT_ATTENTION)
