@@ -40,7 +40,8 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H, T, D), key and value (B, H_kv, T, D) -> (B, T, H, D)."""
     position_ids = kwargs.pop("position_ids", None)
-    if attention_mask is not None or position_ids is None:
+    # Padded rows, or decoding against a cache (keys beyond the queries): plain sdpa.
+    if attention_mask is not None or position_ids is None or key.shape[2] != query.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     window = kwargs.pop("sliding_window", None)
     rows = []
@@ -68,12 +69,28 @@ def segment_attention(
     return torch.cat(rows, dim=0), None
 
 
-def segment_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """No (T, T) mask for a row without padding: ``segment_attention`` reads the sequences from the position
-    ids. With padding, sdpa's mask."""
-    if attention_mask is None:
+def segment_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """No (T, T) mask for a row without padding and without a cache: ``segment_attention`` reads the sequences
+    from the position ids. Otherwise sdpa's mask."""
+    if attention_mask is None and q_length == kv_length and q_offset == 0 and kv_offset == 0:
         return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
 
 
 def use_segment_attention(model: PreTrainedModel) -> None:

@@ -4,11 +4,13 @@ softmax over each sequence's own causal (and, for sliding-window layers, windowe
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from worker.model.attention import segment_attention, segments
+from worker.model.attention import SEGMENT_ATTENTION, segment_attention, segments, use_segment_attention
+from worker.model.policy import Policy
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -68,3 +70,30 @@ def test_a_padded_batch_goes_to_sdpa_with_its_mask() -> None:
     got, _ = segment_attention(_Layer(), query, key, value, causal, position_ids=torch.zeros(2, 4, dtype=torch.long))
     expected = torch.cat([_written_out(query[i : i + 1], key[i : i + 1], value[i : i + 1], [4], None) for i in (0, 1)])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_a_model_switched_to_it_still_decodes_against_a_cache_as_sdpa(tiny_model_dir: Path) -> None:
+    """Generation (queries shorter than the keys) and padded prompts are sdpa's, unchanged."""
+    policy = Policy.load(str(tiny_model_dir))
+    prompts = torch.tensor([[3, 4, 5, 6], [0, 0, 7, 8]])
+    attention = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+
+    def greedy() -> torch.Tensor:
+        scores = []
+        # Padded prompts, and one prompt with no attention mask at all (each decoding step: one query, more keys).
+        for mask in ({"attention_mask": attention, "input_ids": prompts}, {"input_ids": prompts[:1]}):
+            out = policy.model.generate(
+                **mask,
+                do_sample=False,
+                max_new_tokens=5,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=policy.pad_token_id,
+            )
+            scores.append(torch.stack(out.scores).flatten())
+        return torch.cat(scores)
+
+    expected = greedy()
+    use_segment_attention(policy.model)
+    assert policy.model.config._attn_implementation == SEGMENT_ATTENTION
+    torch.testing.assert_close(greedy(), expected, rtol=0, atol=1e-5)
