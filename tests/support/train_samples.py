@@ -1,8 +1,11 @@
-"""Synthetic training samples for trainer tests: random digit prompts and completions on the tiny model."""
+"""Synthetic training samples for trainer tests (random digit prompts and completions on the tiny model), and
+the gradients a trainer is about to apply."""
 
 from __future__ import annotations
 
 import random
+
+import torch
 
 from worker.optimize.batch import TrainSample
 from worker.optimize.trainer import Trainer
@@ -23,3 +26,17 @@ def synthetic_samples(trainer: Trainer, count: int, seed: int) -> list[TrainSamp
     for sample, logprobs in zip(samples, trainer.rescore(samples), strict=True):
         sample.behavior_logprobs = logprobs
     return samples
+
+
+def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Record the (clipped) gradients the optimizer is about to apply, at each step."""
+    gradients: dict[str, torch.Tensor] = {}
+    apply = trainer.optimizer.step
+
+    def recording_step(*args: object, **kwargs: object) -> object:
+        for name, parameter in zip(trainer.param_names, trainer.lora_parameters, strict=True):
+            gradients[name] = parameter.grad.detach().clone()
+        return apply(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    return gradients

@@ -11,7 +11,7 @@ import torch
 from transformers import masking_utils
 
 from asyncgrpo.run.config import RunConfig
-from tests.support.train_samples import synthetic_samples
+from tests.support.train_samples import capture_gradients, synthetic_samples
 from worker.model import attention as attention_module
 from worker.model.attention import SEGMENT_ATTENTION
 from worker.model.policy import Policy
@@ -97,19 +97,6 @@ def _trainer(model: Path, padding_free: bool, loss_type: str) -> Trainer:
     return Trainer.initial(Policy.load(str(model)), config)
 
 
-def _gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    captured: dict[str, torch.Tensor] = {}
-    apply = trainer.optimizer.step
-
-    def recording_step(*args: object, **kwargs: object) -> object:
-        for name, parameter in zip(trainer.param_names, trainer.lora_parameters, strict=True):
-            captured[name] = parameter.grad.detach().clone()
-        return apply(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
-    return captured
-
-
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss_type: str) -> None:
     """Loss, gradients, ratios, entropy, reference KL and rescoring, from the same (non-initial) weights."""
@@ -124,7 +111,7 @@ def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss
         assert a == pytest.approx(b, abs=TOLERANCE)
     for a, b in zip(padded.rescore_ratio_sums(samples), packed.rescore_ratio_sums(samples), strict=True):
         assert a == pytest.approx(b, abs=TOLERANCE * 20)  # sums over up to 20 tokens
-    gradients = [_gradients(padded), _gradients(packed)]
+    gradients = [capture_gradients(padded), capture_gradients(packed)]
     one, other = padded.step(samples), packed.step(samples)
     for figure in ("loss", "ratio", "kl", "entropy", "kl_ref", "clip_region", "grad_norm"):
         assert getattr(other, figure) == pytest.approx(getattr(one, figure), abs=TOLERANCE), figure

@@ -18,7 +18,7 @@ from asyncgrpo.bucket.layout import (
     TRAINER_STATE_TENSORS_NAME,
 )
 from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
-from tests.support.train_samples import synthetic_samples
+from tests.support.train_samples import capture_gradients, synthetic_samples
 from worker.algo.grpo import NonFiniteError
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import TRAIN_ADAPTER, Policy
@@ -41,20 +41,6 @@ def make_config(**sections: dict) -> RunConfig:
 
 def make_trainer(base: Path, config: RunConfig | None = None) -> Trainer:
     return Trainer.initial(Policy.load(str(base)), config or make_config())
-
-
-def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Record the (clipped) gradients the optimizer is about to apply, at each step."""
-    gradients: dict[str, torch.Tensor] = {}
-    apply = trainer.optimizer.step
-
-    def recording_step(*args: object, **kwargs: object) -> object:
-        for name, parameter in zip(trainer.param_names, trainer.lora_parameters, strict=True):
-            gradients[name] = parameter.grad.detach().clone()
-        return apply(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
-    return gradients
 
 
 def lora_state(trainer: Trainer) -> dict[str, torch.Tensor]:
