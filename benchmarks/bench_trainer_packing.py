@@ -16,7 +16,8 @@ The tiny model's config says 256 positions; its rotary embeddings are computed f
 longer sequences here run as any other.
 
 Layouts (``optimizer.padding_free``, ``worker/optimize/batch.py``): two trainers built alike but for the
-layout, both with ``optimizer.micro_batch_tokens = --micro-batch-tokens``, step on the same batch, interleaved
+layout, both with ``optimizer.micro_batch_tokens = --micro-batch-tokens`` (default: the run config's default,
+8192), step on the same batch, interleaved
 (padded, padding-free, padded, ...) after one warm-up step each; figures are medians over the repetitions and
 the ratio is the median of the per-repetition ratios.
 
@@ -64,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from asyncgrpo.run.config import RunConfig
+from asyncgrpo.run.config import OptimizerConfig, RunConfig
 from worker.algo.grpo import group_advantages
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
@@ -241,7 +242,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--median", type=float, default=64.0, help="median completion length (log-normal)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="optimizer.micro_batch_tokens")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=OptimizerConfig().micro_batch_tokens,  # what a run uses unless its config says otherwise
+        help="optimizer.micro_batch_tokens (default: the run config's default)",
+    )
     parser.add_argument("--hidden", type=int, default=None, help="hidden size of a model of the tiny family")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of a model of the tiny family")
     parser.add_argument("--reps", type=int, default=7)
