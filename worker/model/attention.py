@@ -46,27 +46,26 @@ def segment_attention(
     window = kwargs.pop("sliding_window", None)
     rows = []
     for row in range(query.shape[0]):
-        # Sequences of one length attend in one call, stacked as a batch: a row holds many short ones.
+        lengths = [end - start for start, end in segments(position_ids[min(row, position_ids.shape[0] - 1)])]
+        # One split per tensor (its backward is one concatenation, where a slice per sequence would write a
+        # whole-row gradient each); sequences of one length attend in one call, stacked as a batch.
+        parts = [tensor[row].split(lengths, dim=1) for tensor in (query, key, value)]
         by_length: dict[int, list[int]] = {}
-        for start, end in segments(position_ids[min(row, position_ids.shape[0] - 1)]):
-            by_length.setdefault(end - start, []).append(start)
-        pieces: dict[int, torch.Tensor] = {}
-        for length, starts in by_length.items():
-            stacked = [
-                torch.cat([tensor[row : row + 1, :, start : start + length] for start in starts])
-                for tensor in (query, key, value)
-            ]
+        for number, length in enumerate(lengths):
+            by_length.setdefault(length, []).append(number)
+        pieces: list[torch.Tensor] = [query.new_empty(0)] * len(lengths)
+        for length, members in by_length.items():
+            stacked = [torch.stack([split[number] for number in members]) for split in parts]
             mask = None
             if window is not None and length > window:  # a sliding-window layer: causal and within the window
                 index = torch.arange(length, device=query.device)
                 distance = index[:, None] - index[None, :]
                 mask = ((distance >= 0) & (distance < window))[None, None]
-            out, _ = sdpa_attention_forward(
-                module, *stacked, mask, dropout, scaling, is_causal=mask is None, **kwargs
-            )  # (n, length, H, D)
-            pieces.update((start, out[number : number + 1]) for number, start in enumerate(starts))
-        rows.append(torch.cat([pieces[start] for start in sorted(pieces)], dim=1))
-    return torch.cat(rows, dim=0), None
+            out, _ = sdpa_attention_forward(module, *stacked, mask, dropout, scaling, is_causal=mask is None, **kwargs)
+            for number, piece in zip(members, out.unbind(0), strict=True):  # (length, H, D) each
+                pieces[number] = piece
+        rows.append(torch.cat(pieces))
+    return torch.stack(rows), None
 
 
 def segment_mask(
