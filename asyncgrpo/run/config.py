@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class TrackingConfig(BaseModel):
@@ -178,7 +178,9 @@ class DatasetConfig(BaseModel):
         return self.chat_template or self.messages_column is not None
 
 
-LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+ScaleRewards = Literal["group", "batch", "none"]
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 class _Section(BaseModel):
@@ -302,15 +304,112 @@ class OptimizerConfig(_Section):
 
 
 class LossConfig(_Section):
+    """``[loss]``: the GRPO objective. Field names and defaults are TRL's ``GRPOConfig``'s (``worker.algo.grpo``
+    defines each option), except ``epsilon_high``, whose default here is DAPO's 0.28."""
+
     loss_type: LossType = Field(
         "dapo",
         description="dapo: token sum / tokens in the step; grpo: mean of per-sequence means; "
-        "dr_grpo: token sum / (B * max_completion_length); bnpo: token mean per micro-batch.",
+        "dr_grpo: token sum / (B * max_completion_length); bnpo: token mean per micro-batch; cispo: clipped "
+        "importance weight (at most epsilon_high, no gradient) times advantage times logprob, token sum / tokens; "
+        "sapo: soft sigmoid gate instead of the clip (sapo_temperature_*), grpo's aggregation; luspo: per-sequence "
+        "token sums, mean over sequences; vespo: gamma-shaped sequence weight (vespo_*) times advantage times "
+        "logprob, token sum / tokens.",
     )
-    epsilon_low: float = Field(0.2, ge=0.0, le=10.0, description="Lower PPO clip: ratio >= 1 - epsilon_low.")
-    epsilon_high: float = Field(0.28, ge=0.0, le=10.0, description="Upper PPO clip: ratio <= 1 + epsilon_high.")
+    epsilon_low: float = Field(
+        0.2,
+        ge=0.0,
+        le=10.0,
+        validation_alias=AliasChoices("epsilon_low", "epsilon"),
+        description="Lower PPO clip: ratio >= 1 - epsilon_low (TRL's `epsilon`, accepted as that name too).",
+    )
+    epsilon_high: float = Field(
+        0.28,
+        ge=0.0,
+        le=100.0,
+        description="Upper PPO clip: ratio <= 1 + epsilon_high; for cispo the cap of the importance weight "
+        "(TRL recommends 5.0 there).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="'token': one importance ratio per token; 'sequence': the exponential of the mean log ratio "
+        "of each sequence, shared by its tokens (GSPO).",
+    )
+    delta: float | None = Field(
+        None,
+        gt=1.0,
+        le=100.0,
+        description="Two-sided clipping: the unclipped ratio is also capped at delta (> 1; e.g. 1 + 2 * "
+        "epsilon_high), so a negative advantage cannot weigh without bound. Unset: off. The clipped loss types "
+        "only.",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0.0, le=100.0, description="sapo: temperature of the gate on tokens with a positive advantage."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0.0, le=100.0, description="sapo: temperature of the gate on tokens with a negative advantage."
+    )
+    vespo_k_pos: float = Field(2.0, ge=0.0, le=100.0, description="vespo: shape k of the weight, advantage >= 0.")
+    vespo_lambda_pos: float = Field(3.0, ge=0.0, le=100.0, description="vespo: rate lambda, advantage >= 0.")
+    vespo_k_neg: float = Field(3.0, ge=0.0, le=100.0, description="vespo: shape k of the weight, advantage < 0.")
+    vespo_lambda_neg: float = Field(2.0, ge=0.0, le=100.0, description="vespo: rate lambda, advantage < 0.")
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=100.0,
+        description="Off-policy sequence mask (DeepSeek-V3.2): a sequence with a negative advantage whose mean "
+        "log ratio of the generator's logprobs to the current policy's exceeds this is left out of the loss. "
+        "Unset: off.",
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Train only on the tokens whose entropy is in this top share of each micro-batch's "
+        "(0.2: the 20% most uncertain tokens); 1.0: every token.",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Leave completions cut at max_completion_length out of the loss (their group's advantages "
+        "still count them).",
+    )
     beta: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the base model (0: off).")
-    scale_rewards: bool = Field(True, description="Divide group advantages by the group std.")
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="Multiply the per-token KL term by the importance ratio, so that samples of an older policy "
+        "estimate the current policy's KL without bias (with beta > 0).",
+    )
+    scale_rewards: ScaleRewards = Field(
+        "group",
+        description="Divide advantages by the std of the rewards of their group ('group'), of the generate task's "
+        "groups ('batch'), or not at all ('none', Dr. GRPO). true and false are read as 'group' and 'none'.",
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="With several rewards: weight and sum them, then normalise per group (scale_rewards); or "
+        "normalise each reward per group, sum with the weights, then normalise the sum over the generate task "
+        "(GDPO).",
+    )
+    vllm_importance_sampling_correction: bool | None = Field(
+        None,
+        description="Correct for the generator's logprobs differing from the trainer's (bf16, other kernels): "
+        "every sequence is rescored under the version that generated it, those logprobs are the PPO "
+        "denominator, and exp(trainer - generator) weighs the loss (vllm_importance_sampling_mode). Unset: on "
+        "for rollouts of the vLLM backend, off for the transformers backend (whose logprobs are the trainer's "
+        "own forward); true or false: for every rollout.",
+    )
+    vllm_importance_sampling_mode: ImportanceSamplingMode = Field(
+        "sequence_mask",
+        description="How the correction weight is formed: per token or per sequence (the product over its "
+        "tokens), and kept inside [clip_min, clip_max] by truncating it there or by dropping (weight 0) what "
+        "falls outside.",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, ge=0.0, le=1e6, description="Lower bound of the correction weight (unset: none)."
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0, gt=0.0, le=1e6, description="Upper bound of the correction weight (unset: none)."
+    )
     ratio_flag_tolerance: float = Field(
         0.05,
         gt=0.0,
@@ -327,6 +426,35 @@ class LossConfig(_Section):
         "after the first update of a step with publish_every > 1); at least one sequence per rollout, a "
         "seeded random choice. 1.0 rescores every such sequence.",
     )
+
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _bool_scale_rewards(cls, value: object) -> object:
+        # Runs stored before the modes existed (and TRL) spell it as a bool.
+        if isinstance(value, bool):
+            return "group" if value else "none"
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LossConfig:
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"loss.vllm_importance_sampling_clip_min={low} is above loss.vllm_importance_sampling_clip_max="
+                f"{high}; the correction weight would have no allowed value"
+            )
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction is not False
+            and self.vllm_importance_sampling_mode.startswith("sequence")
+        ):
+            raise ValueError(
+                "loss.loss_type='vespo' folds the correction weight into its per-token sum: set "
+                "loss.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (or "
+                "loss.vllm_importance_sampling_correction = false)"
+            )
+        return self
 
 
 class AsyncConfig(_Section):

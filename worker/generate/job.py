@@ -34,7 +34,7 @@ from asyncgrpo.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyErro
 from asyncgrpo.protocol.records import GenerateTimings, RolloutExtra
 from asyncgrpo.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import task_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
 from worker.generate.backend import FedPrompts, GenerationBackend, fed_prompts
@@ -286,12 +286,11 @@ def _score(
     result: Any, groups: list[GroupRef], texts: list[str], answers: list[str | None], config: RunConfig
 ) -> tuple[list[GroupRef], list[RolloutSample], int, list[RejectedGroup]]:
     """Score each group on its own: a group whose reward raises or is not finite is rejected with its reason
-    and the others are kept. Returns (groups kept, their samples, their tokens, groups rejected)."""
-    group_size = config.sampling.samples_per_prompt
-    kept: list[GroupRef] = []
+    and the others are kept; then the advantages of the kept groups, together (``loss.scale_rewards = "batch"``
+    and ``normalize_then_sum`` normalise over the task). Returns (groups kept, their samples, their tokens,
+    groups rejected)."""
+    kept: list[tuple[int, list[float], dict[str, list[float]]]] = []
     rejected: list[RejectedGroup] = []
-    samples: list[RolloutSample] = []
-    tokens = 0
     for group_index, prompt_result in enumerate(result.results):
         completions = prompt_result.completions
         try:
@@ -305,23 +304,37 @@ def _score(
             log.warning("generate.group_unscored", group_id=groups[group_index].group_id, error=str(error))
             rejected.append(RejectedGroup(group_id=groups[group_index].group_id, reason=error.reason))
             continue
-        advantages = group_advantages(totals, group_size, scale=config.loss.scale_rewards)
-        for i, completion in enumerate(completions):
+        kept.append((group_index, totals, per_reward))
+    if not kept:
+        return [], [], 0, rejected
+    names = [reward.name for reward in config.rewards]
+    table = [[per_reward[name][i] for name in names] for _, totals, per_reward in kept for i in range(len(totals))]
+    advantages = task_advantages(
+        table,
+        [reward.weight for reward in config.rewards],
+        config.sampling.samples_per_prompt,
+        scale_rewards=config.loss.scale_rewards,
+        aggregation=config.loss.multi_objective_aggregation,
+    )
+    samples: list[RolloutSample] = []
+    tokens = 0
+    for position, (group_index, totals, per_reward) in enumerate(kept):
+        prompt_result = result.results[group_index]
+        for i, completion in enumerate(prompt_result.completions):
             tokens += len(completion.token_ids)
             samples.append(
                 RolloutSample(
-                    group_index=len(kept),  # the index among the groups the rollout keeps
+                    group_index=position,  # the index among the groups the rollout keeps
                     prompt_token_ids=list(prompt_result.prompt_token_ids),
                     completion_token_ids=list(completion.token_ids),
                     behavior_logprobs=list(completion.logprobs),
                     reward=float(totals[i]),
-                    advantage=float(advantages[i]),
+                    advantage=float(advantages[len(samples)]),
                     finish_reason=completion.finish_reason,
                     rewards_by_name={name: float(values[i]) for name, values in per_reward.items()},
                 )
             )
-        kept.append(groups[group_index])
-    return kept, samples, tokens, rejected
+    return [groups[group_index] for group_index, _, _ in kept], samples, tokens, rejected
 
 
 def _submit(

@@ -10,7 +10,7 @@ import torch
 
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.datasets import repeat_digit_prompts
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import task_advantages
 from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions
 from worker.model.policy import Policy
@@ -53,8 +53,10 @@ def synchronous_grpo(base: Path, config: RunConfig, steps: int, seed: int = 0) -
         texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in tokens]
         prompts = [r["prompt"] for r in batch for _ in range(group_size)]
         answers = [r["answer"] for r in batch for _ in range(group_size)]
-        rewards, _ = score_completions(config.rewards, prompts, texts, answers)
-        advantages = group_advantages(rewards, group_size, scale=config.loss.scale_rewards).tolist()
+        rewards, by_name = score_completions(config.rewards, prompts, texts, answers)
+        table = [[by_name[reward.name][i] for reward in config.rewards] for i in range(len(texts))]
+        weights = [reward.weight for reward in config.rewards]
+        advantages = task_advantages(table, weights, group_size, scale_rewards=config.loss.scale_rewards)
         samples = [TrainSample(rows[i], tokens[i], logprobs[i], advantages[i], version=step) for i in range(len(rows))]
         trainer.step(samples)
         curve.append(sum(rewards) / len(rewards))
