@@ -58,12 +58,17 @@ class RolloutExtra(_Stored):
     """Per accepted group, in header order: the prompt text actually fed to the model (after the chat template,
     if the run uses one; see ``worker.generate.backend``). None (and not written) in rollouts made before
     it existed, which still read and write the same bytes."""
+    sampler: str | None = None
+    """The generation backend whose logprobs the rollout carries ('transformers', 'vllm'): whether the
+    generator-trainer correction applies by default (``loss.vllm_importance_sampling_correction`` unset). None
+    (and not written) in rollouts made before it existed."""
 
     @model_serializer(mode="wrap")
     def _drop_unset_prompts(self, handler: SerializerFunctionWrapHandler, _: SerializationInfo) -> dict[str, Any]:
         data = handler(self)
-        if data.get("prompts") is None:
-            data.pop("prompts", None)
+        for name in ("prompts", "sampler"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
@@ -100,6 +105,32 @@ class RolloutHeader(_Stored):
 # ---- the step record: version folder's step_record.json, copied to runs/<run>/metrics/step-S.json ----
 
 
+class CorrectionFigures(_Stored):
+    """The correction weights exp(trainer logprob - generator logprob) of an update or a step (TRL's
+    ``sampling/importance_sampling_ratio/*`` and ``sampling/sampling_logp_difference/*``): per token, or per
+    sequence in the sequence modes."""
+
+    min: float
+    mean: float
+    max: float
+    logp_difference_mean: float
+    """Token mean of |trainer logprob - generator logprob|."""
+    logp_difference_max: float
+
+    @staticmethod
+    def combine(parts: list[CorrectionFigures]) -> CorrectionFigures | None:
+        """Over several updates: the extremes of their extremes, the mean of their means."""
+        if not parts:
+            return None
+        return CorrectionFigures(
+            min=min(part.min for part in parts),
+            mean=sum(part.mean for part in parts) / len(parts),
+            max=max(part.max for part in parts),
+            logp_difference_mean=sum(part.logp_difference_mean for part in parts) / len(parts),
+            logp_difference_max=max(part.logp_difference_max for part in parts),
+        )
+
+
 class UpdateMetrics(_Stored):
     """One optimizer update (a step takes ``async.publish_every`` of them), as the trainer measured it."""
 
@@ -130,6 +161,9 @@ class UpdateMetrics(_Stored):
     """Gradient clipping and the AdamW update."""
     kl_ref: float | None = None
     """KL to the base model (adapter disabled); only when loss.beta > 0."""
+    importance_sampling_ratio: CorrectionFigures | None = Field(None, exclude_if=lambda value: value is None)
+    """The generator-trainer correction's weights and logprob gaps; only when the update corrected a sample
+    (``loss.vllm_importance_sampling_correction``). Absent otherwise, and from records written before it."""
 
 
 class RolloutEntry(_Stored):
@@ -221,6 +255,9 @@ class StepRecord(_Stored):
     reused_sequences: int | None = Field(None, exclude_if=lambda value: value is None)
     """Fresh sequences whose ratio came from the training forward of the step's first update (no extra
     forward). Absent from records written before it existed."""
+    importance_sampling_ratio: CorrectionFigures | None = Field(None, exclude_if=lambda value: value is None)
+    """Over the step's updates, the generator-trainer correction's weights (``UpdateMetrics``); only when the
+    step corrected a sample."""
     kl: float | None
     entropy: float | None
     clip_low: float | None

@@ -41,6 +41,13 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
         "grad_norm": record.grad_norm,
         "learning_rate": record.lr,
     }
+    if record.importance_sampling_ratio is not None:
+        figures = record.importance_sampling_ratio
+        named["sampling/importance_sampling_ratio/min"] = figures.min
+        named["sampling/importance_sampling_ratio/mean"] = figures.mean
+        named["sampling/importance_sampling_ratio/max"] = figures.max
+        named["sampling/sampling_logp_difference/mean"] = figures.logp_difference_mean
+        named["sampling/sampling_logp_difference/max"] = figures.logp_difference_max
     for name, mean in record.rewards_by_name.items():
         named[f"rewards/{name}/mean"] = mean
         named[f"rewards/{name}/std"] = record.rewards_std_by_name.get(name)

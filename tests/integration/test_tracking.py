@@ -17,6 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.protocol.records import CorrectionFigures
 from asyncgrpo.run.config import ConfigError, RunConfig, TrackingConfig, parse_run_config
 from proxy.coordinator.redis_store import RunKeys
 from proxy.tracking import forwarder as forwarder_module
@@ -50,6 +51,24 @@ def test_a_step_record_is_sent_under_trl_names_and_missing_values_are_left_out()
         "asyncgrpo/timings/fetch_s": 0.01, "asyncgrpo/timings/step_s": 0.9,
     }  # fmt: skip
     # entropy, the reward with no values and kl_ref (beta = 0) have no value: not logged as 0.
+
+
+def test_the_correction_weights_are_sent_under_trls_sampling_names() -> None:
+    record = step_record(2)
+    record.importance_sampling_ratio = CorrectionFigures(
+        min=0.5, mean=1.02, max=2.5, logp_difference_mean=0.04, logp_difference_max=0.9
+    )
+    metrics = step_metrics(record)
+    assert {name: value for name, value in metrics.items() if name.startswith("sampling/")} == {
+        "sampling/importance_sampling_ratio/min": 0.5,
+        "sampling/importance_sampling_ratio/mean": 1.02,
+        "sampling/importance_sampling_ratio/max": 2.5,
+        "sampling/sampling_logp_difference/mean": 0.04,
+        "sampling/sampling_logp_difference/max": 0.9,
+    }
+    # A record written before the correction existed reads back without it, and sends none of these names.
+    assert CorrectionFigures.combine([]) is None
+    assert not any(name.startswith("sampling/") for name in step_metrics(step_record(2)))
 
 
 def test_an_eval_record_is_sent_as_eval_names_numbers_only() -> None:

@@ -9,7 +9,14 @@ import subprocess
 import httpx
 import pytest
 
-from asyncgrpo.protocol.records import FlaggedRollout, GenerateTimings, StepRecord, StepTimings, UpdateMetrics
+from asyncgrpo.protocol.records import (
+    CorrectionFigures,
+    FlaggedRollout,
+    GenerateTimings,
+    StepRecord,
+    StepTimings,
+    UpdateMetrics,
+)
 from asyncgrpo.protocol.schemas import GroupRef
 from tests.support.fixtures_redis import free_port
 from worker.algo.rollout import Rollout, RolloutSample
@@ -236,3 +243,17 @@ def test_each_role_endpoint_shows_only_its_families() -> None:
     assert "asyncgrpo_generate_" not in optimize_text and "asyncgrpo_worker_errors_total" in optimize_text
     with pytest.raises(ValueError, match="role"):
         wm.role_registry("trainer")
+
+
+def test_the_correction_weights_move_their_gauges_only_when_a_step_corrected() -> None:
+    record = step_record()
+    record.importance_sampling_ratio = CorrectionFigures(
+        min=0.4, mean=1.05, max=2.9, logp_difference_mean=0.03, logp_difference_max=0.7
+    )
+    result_metrics.observe_optimize_step(record, "published")
+    for stat, expected in (("min", 0.4), ("mean", 1.05), ("max", 2.9)):
+        assert value("asyncgrpo_policy_importance_sampling_ratio", stat=stat) == pytest.approx(expected)
+    assert value("asyncgrpo_policy_sampling_logp_difference", stat="max") == pytest.approx(0.7)
+    uncorrected = step_record()  # no correction: the gauges keep the last corrected step's figures
+    result_metrics.observe_optimize_step(uncorrected, "published")
+    assert value("asyncgrpo_policy_importance_sampling_ratio", stat="mean") == pytest.approx(1.05)

@@ -162,6 +162,10 @@ class UnknownAdapter(KeyError):
 class GenerationBackend(Protocol):
     """What a generate worker needs from a generation engine."""
 
+    name: str
+    """The engine ('transformers', 'vllm'), recorded in each rollout: whether its logprobs are the trainer's
+    own numerics (``loss.vllm_importance_sampling_correction``)."""
+
     @property
     def eos_token_id(self) -> int: ...
 

@@ -44,6 +44,8 @@ getting new LoRA layers (PEFT's ``load_adapter``), which costs several times mor
 class TransformersBackend:
     """A :class:`~worker.generate.backend.GenerationBackend` on transformers + PEFT."""
 
+    name = "transformers"  # what rollouts record as their sampler (RolloutExtra.sampler)
+
     def __init__(
         self,
         base: str,

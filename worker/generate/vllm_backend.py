@@ -163,6 +163,8 @@ class _LoadedAdapter:
 class VLLMBackend:
     """A :class:`~worker.generate.backend.GenerationBackend` on vLLM's offline engine, in this process."""
 
+    name = "vllm"  # what rollouts record as their sampler (RolloutExtra.sampler)
+
     def __init__(
         self,
         base: str,

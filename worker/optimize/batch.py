@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.run.config import LossConfig
 from worker.algo.rollout import Rollout
 
 
@@ -40,6 +41,12 @@ class TrainSample:
     behavior_logprobs: list[float]
     advantage: float
     version: int = 0  # the policy version that sampled it (for staleness bookkeeping; not used by the math)
+    # The generator-trainer correction applies (loss.vllm_importance_sampling_correction): the PPO denominator
+    # is the trainer's logprobs under ``version``, ``old_logprobs``, or when None those of the training forward
+    # itself (a fresh sample in the step's first update), and ``behavior_logprobs`` only weigh the loss.
+    corrected: bool = False
+    old_logprobs: list[float] | None = None
+    trained: bool = True  # False: left out of the loss (a truncated completion, loss.mask_truncated_completions)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -49,18 +56,35 @@ class TrainSample:
                 f"a train sample has {len(self.completion_token_ids)} completion tokens but "
                 f"{len(self.behavior_logprobs)} behaviour logprobs; they must align one to one"
             )
+        if self.old_logprobs is not None and len(self.old_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"a train sample has {len(self.completion_token_ids)} completion tokens but "
+                f"{len(self.old_logprobs)} rescored logprobs; they must align one to one"
+            )
 
     @property
     def length(self) -> int:
         return len(self.prompt_token_ids) + len(self.completion_token_ids)
 
 
-def build_train_samples(rollouts: list[Rollout]) -> tuple[list[TrainSample], list[tuple[int, int]]]:
-    """Flatten rollouts into train samples; also return each sample's (rollout index, group index)."""
+def corrects(rollout: Rollout, setting: bool | None) -> bool:
+    """Whether the generator-trainer correction applies to ``rollout`` under
+    ``loss.vllm_importance_sampling_correction = setting``: unset, for the vLLM backend's rollouts only (the
+    transformers backend's logprobs come from the trainer's own forward)."""
+    return setting if setting is not None else rollout.extra.sampler == "vllm"
+
+
+def build_train_samples(
+    rollouts: list[Rollout], loss: LossConfig | None = None
+) -> tuple[list[TrainSample], list[tuple[int, int]]]:
+    """Flatten rollouts into train samples (marked for the correction and the truncation mask of ``loss``);
+    also return each sample's (rollout index, group index)."""
     samples: list[TrainSample] = []
     keys: list[tuple[int, int]] = []
     for owner, rollout in enumerate(rollouts):
+        corrected = corrects(rollout, loss.vllm_importance_sampling_correction) if loss else False
         for sample in rollout.samples:
+            truncated = sample.finish_reason == "length"
             samples.append(
                 TrainSample(
                     prompt_token_ids=sample.prompt_token_ids,
@@ -68,6 +92,8 @@ def build_train_samples(rollouts: list[Rollout]) -> tuple[list[TrainSample], lis
                     behavior_logprobs=sample.behavior_logprobs,
                     advantage=sample.advantage,
                     version=rollout.version,
+                    corrected=corrected,
+                    trained=not (loss is not None and loss.mask_truncated_completions and truncated),
                 )
             )
             keys.append((owner, sample.group_index))
@@ -172,8 +198,13 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # None when padding-free: the position ids separate the sequences
     completion_ids: torch.Tensor  # (B, C)
     mask: torch.Tensor  # (B, C) bool: real completion tokens
-    behavior_logprobs: torch.Tensor  # (B, C) float32
+    behavior_logprobs: torch.Tensor  # (B, C) float32: the generator's
     advantages: torch.Tensor  # (B,) float32
+    # The PPO denominator (B, C): the generator's logprobs, or a corrected sample's rescored ones; the rows of
+    # ``from_forward`` take the training forward's own (detached) logprobs instead.
+    denominator: torch.Tensor
+    from_forward: torch.Tensor  # (B,) bool
+    loss_mask: torch.Tensor  # (B, C) bool: ``mask`` without the rows left out of the loss
     logit_positions: torch.Tensor | None = None  # padding-free: row positions predicting each completion token
     weight: float = 1.0  # 0 for a rank's filler pass: it runs the collectives and adds nothing
 
@@ -199,18 +230,25 @@ def collate(
     chosen = [samples[index] for index in indices]
     completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
     # Padded Python rows, then one tensor each: per-row tensor writes cost more than the model on small batches.
-    completions, mask, behavior = [], [], []
+    completions, mask, behavior, denominator = [], [], [], []
     for sample in chosen:
         right = completion_width - len(sample.completion_token_ids)
         completions.append([*sample.completion_token_ids] + [pad_id] * right)
         mask.append([True] * len(sample.completion_token_ids) + [False] * right)
         behavior.append(list(sample.behavior_logprobs) + [0.0] * right)
+        old = sample.old_logprobs if sample.corrected and sample.old_logprobs is not None else sample.behavior_logprobs
+        denominator.append(list(old) + [0.0] * right)
+    mask_tensor = torch.tensor(mask, dtype=torch.bool)
+    trained = torch.tensor([s.trained for s in chosen], dtype=torch.bool)
     common = {
         "indices": indices,
         "completion_ids": torch.tensor(completions, dtype=torch.long).to(device),
-        "mask": torch.tensor(mask, dtype=torch.bool).to(device),
+        "mask": mask_tensor.to(device),
         "behavior_logprobs": torch.tensor(behavior, dtype=torch.float32).to(device),
         "advantages": torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
+        "denominator": torch.tensor(denominator, dtype=torch.float32).to(device),
+        "from_forward": torch.tensor([s.corrected and s.old_logprobs is None for s in chosen]).to(device),
+        "loss_mask": (mask_tensor & trained.unsqueeze(1)).to(device),
     }
     if padding_free:
         ids: list[int] = []

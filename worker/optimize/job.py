@@ -73,7 +73,14 @@ from asyncgrpo.bucket.layout import (
 )
 from asyncgrpo.protocol.client import ProxyClient, process_incarnation
 from asyncgrpo.protocol.errors import Conflict, NotFound, ProxyError, StepGone
-from asyncgrpo.protocol.records import FlaggedRollout, RolloutEntry, StepRecord, StepTimings, UpdateMetrics
+from asyncgrpo.protocol.records import (
+    CorrectionFigures,
+    FlaggedRollout,
+    RolloutEntry,
+    StepRecord,
+    StepTimings,
+    UpdateMetrics,
+)
 from asyncgrpo.protocol.schemas import (
     PublishRequest,
     RepairTaskMessage,
@@ -475,7 +482,7 @@ def _train_and_upload(
         # Invariant 2, checked again where the gradient is made: the proxy should never send these.
         check_fresh(base_version, rollout.version, max_staleness)
 
-    samples, sample_keys = build_train_samples(rollouts)
+    samples, sample_keys = build_train_samples(rollouts, config.loss)
     sample_rollout = [owner for owner, _ in sample_keys]
     chunks = split_indices_by_group(sample_keys, config.async_.publish_every)
     plan = plan_rescoring(
@@ -486,6 +493,7 @@ def _train_and_upload(
         first_update=chunks[0],
         fraction=config.loss.rescore_stale_fraction,
         seed=config.seed * 2**32 + step,
+        samples=samples,
     )
     rescore_started = time.perf_counter()
     # Before any update: the separately rescored samples need the weights of the versions they claim.
@@ -524,6 +532,9 @@ def _train_and_upload(
     )
     record.rescored_sequences = plan.rescored
     record.reused_sequences = len(plan.reused)
+    record.importance_sampling_ratio = CorrectionFigures.combine(
+        [update.importance_sampling_ratio for update in updates if update.importance_sampling_ratio is not None]
+    )
     files[bucket_keys.STEP_RECORD_NAME] = _record_bytes(record)
     publish_started = time.perf_counter()
     metadata = {

@@ -9,6 +9,11 @@ of the first update reuse the training forward (no extra forward at all); the ot
 ``loss.rescore_stale_fraction`` of each rollout (at least one sequence), are rescored separately, under an
 older version by swapping its LoRA weights into the trainer for the moment and restoring its own exactly
 afterwards.
+
+Where the generator-trainer correction applies (``loss.vllm_importance_sampling_correction``, samples marked
+``corrected``), the trainer's logprobs under the claimed version are the PPO denominator of every such
+sequence, so all of them are rescored (not a fraction), per token: each one's ``old_logprobs`` is set, and
+its ratio sums are those of the correction weight exp(trainer - generator).
 """
 
 from __future__ import annotations
@@ -73,9 +78,15 @@ def plan_rescoring(
     first_update: Collection[int],
     fraction: float,
     seed: int,
+    samples: list[TrainSample] | None = None,
 ) -> RescorePlan:
     """The rescoring plan of one step; ``first_update`` holds the indices of the samples its first optimizer
-    update trains on, ``fraction`` is ``loss.rescore_stale_fraction`` and ``seed`` fixes the sample."""
+    update trains on, ``fraction`` is ``loss.rescore_stale_fraction`` and ``seed`` fixes the sample. A rollout
+    whose ``samples`` are ``corrected`` has every sequence the training forward does not serve rescored."""
+
+    def rollout_corrected(indices: list[int]) -> bool:
+        return samples is not None and samples[indices[0]].corrected
+
     reuse = trainer.training_forward_is_eval_forward
     first = set(first_update)
     plan = RescorePlan()
@@ -87,7 +98,8 @@ def plan_rescoring(
             others.setdefault(owner, []).append(index)
     rng = random.Random(seed)
     for owner, indices in sorted(others.items()):
-        count = len(indices) if fraction >= 1.0 else math.ceil(fraction * len(indices))  # >= 1
+        whole = fraction >= 1.0 or rollout_corrected(indices)
+        count = len(indices) if whole else math.ceil(fraction * len(indices))  # >= 1
         chosen = sorted(rng.sample(indices, count))
         plan.separate.setdefault(rollouts[owner].version, []).extend(chosen)
     for indices in plan.separate.values():
@@ -119,10 +131,8 @@ def rescore_planned(
         del _recent_adapter_weights[stale_key]
     sums: dict[int, RatioSums] = {}
     for version, indices in sorted(plan.separate.items()):
-        subset = [samples[i] for i in indices]
-        if version == base_version:
-            scored = trainer.rescore_ratio_sums(subset)
-        else:
+        weights: bytes | list[torch.Tensor] | None = None
+        if version != base_version:
             weights = _recent_adapter_weights.get((run, version))
             if weights is None or (isinstance(weights, list) and not _fits(trainer, weights)):
                 manifest, manifest_sha = read_manifest(bucket, run, version)
@@ -137,10 +147,23 @@ def rescore_planned(
             if isinstance(weights, bytes):
                 weights = trainer.lora_values(weights)
                 _recent_adapter_weights[(run, version)] = weights
-            # Under that version's LoRA for the moment; the trainer puts its own back exactly.
-            scored = trainer.rescore_ratio_sums(subset, lora_values=weights)
-        sums.update(zip(indices, scored, strict=True))
+        # Under that version's LoRA for the moment (None: the trainer's own); the trainer puts its own back.
+        corrected = [i for i in indices if samples[i].corrected]
+        checked = [i for i in indices if not samples[i].corrected]
+        if checked:
+            scored = trainer.rescore_ratio_sums([samples[i] for i in checked], lora_values=weights)
+            sums.update(zip(checked, scored, strict=True))
+        if corrected:
+            logprobs = trainer.rescore([samples[i] for i in corrected], lora_values=weights)
+            for index, old in zip(corrected, logprobs, strict=True):
+                samples[index].old_logprobs = old
+                sums[index] = _sequence_ratio_sums(samples[index].behavior_logprobs, old)
     return sums
+
+
+def _sequence_ratio_sums(behavior: list[float], current: list[float]) -> RatioSums:
+    log_ratios = [c - b for b, c in zip(behavior, current, strict=True)]
+    return sum(math.exp(value) for value in log_ratios), sum(log_ratios)
 
 
 @dataclass

@@ -56,7 +56,7 @@ from asyncgrpo.bucket.layout import (
     TRAINER_STATE_JSON_NAME,
     TRAINER_STATE_TENSORS_NAME,
 )
-from asyncgrpo.protocol.records import UpdateMetrics
+from asyncgrpo.protocol.records import CorrectionFigures, UpdateMetrics
 from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from worker.algo.grpo import NonFiniteError, policy_loss, token_logprobs, token_logprobs_and_entropy
 from worker.model.attention import use_segment_attention
@@ -315,6 +315,64 @@ _FIGURES = ("ratio", "kl", "clip_low", "clip_high", "clip_region", "entropy")
 """The token-weighted figures of an update (``worker.algo.grpo``'s stats; ``kl_ref`` too when beta > 0)."""
 
 
+def _loss_options(loss: LossConfig) -> dict[str, Any]:
+    """The ``policy_loss`` keywords a run's ``[loss]`` table fixes, under their shared (TRL) names."""
+    names = (
+        "loss_type",
+        "epsilon_low",
+        "epsilon_high",
+        "importance_sampling_level",
+        "delta",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "off_policy_mask_threshold",
+        "top_entropy_quantile",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+        "use_bias_correction_kl",
+        "beta",
+    )
+    return {name: getattr(loss, name) for name in names}
+
+
+class _CorrectionTotals:
+    """The correction figures of an update's micro-batches, combined on every rank: extremes of the extremes,
+    means weighted by what each micro-batch averaged over (tokens, or sequences in the sequence modes)."""
+
+    def __init__(self) -> None:
+        self.low, self.high, self.gap_max = math.inf, -math.inf, 0.0
+        self.ratio_sum = self.ratio_count = self.gap_sum = self.gap_count = 0.0
+
+    def add(self, stats: dict[str, float], sequences: int, per_sequence: bool) -> None:
+        if "is_ratio_mean" not in stats:
+            return
+        count = float(sequences) if per_sequence else stats["tokens"]
+        self.low, self.high = min(self.low, stats["is_ratio_min"]), max(self.high, stats["is_ratio_max"])
+        self.ratio_sum += stats["is_ratio_mean"] * count
+        self.ratio_count += count
+        self.gap_sum += stats.get("sampling_logp_difference_mean", 0.0) * stats["tokens"]
+        self.gap_count += stats["tokens"]
+        self.gap_max = max(self.gap_max, stats.get("sampling_logp_difference_max", 0.0))
+
+    def figures(self, ranks: Ranks, device: torch.device) -> CorrectionFigures | None:
+        sums = ranks.sum_floats([self.ratio_sum, self.ratio_count, self.gap_sum, self.gap_count], device)
+        extremes = ranks.gather((self.low, self.high, self.gap_max))
+        if not sums[1]:
+            return None
+        return CorrectionFigures(
+            min=min(low for low, _, _ in extremes),
+            mean=sums[0] / sums[1],
+            max=max(high for _, high, _ in extremes),
+            logp_difference_mean=sums[2] / sums[3] if sums[3] else 0.0,
+            logp_difference_max=max(gap for _, _, gap in extremes),
+        )
+
+
 class Trainer:
     """GRPO optimizer state for one run: LoRA policy, AdamW, update counter, private RNG."""
 
@@ -335,6 +393,7 @@ class Trainer:
         self.optimizer_cfg = optimizer_cfg
         self.loss_cfg = loss_cfg
         self.max_completion_length = max_completion_length
+        self._loss_options = _loss_options(loss_cfg)
         self.temperature = temperature
         self.seed = seed
         if optimizer_cfg.padding_free and policy.model.config._attn_implementation == "sdpa":
@@ -443,15 +502,20 @@ class Trainer:
 
     @collective
     @torch.no_grad()
-    def rescore(self, samples: list[TrainSample]) -> list[list[float]]:
-        """Logprob of every completion token under the current weights and the sampling temperature."""
+    def rescore(self, samples: list[TrainSample], lora_values: list[torch.Tensor] | None = None) -> list[list[float]]:
+        """Logprob of every completion token under the current weights (or ``lora_values``, another version's
+        LoRA in ``lora_parameters`` order, the trainer's own put back exactly afterwards) and the sampling
+        temperature."""
         self._set_training(False)
         result: dict[int, list[float]] = {}
-        for batch in self._batches(samples)[0]:
-            logprobs = self._logprobs(batch)
-            if batch.weight:
-                for row, index in enumerate(batch.indices):
-                    result[index] = logprobs[row, : len(samples[index].completion_token_ids)].tolist()
+        with self._lora_swapped(lora_values):
+            batches = self._batches(samples)[0]
+            for batch in batches:
+                logprobs = self._logprobs(batch)
+                if batch.weight:
+                    rows = logprobs.tolist()
+                    for row, index in enumerate(batch.indices):
+                        result[index] = rows[row][: len(samples[index].completion_token_ids)]
         merged = {index: value for part in self.ranks.gather(result) for index, value in part.items()}
         return [merged[index] for index in range(len(samples))]
 
@@ -576,16 +640,20 @@ class Trainer:
         log under the weights the update started from: its rescoring, free when
         ``training_forward_is_eval_forward``."""
         batches, micro_batches = self._batches(samples)
-        step_tokens = sum(len(s.completion_token_ids) for s in samples)
+        step_tokens = sum(len(s.completion_token_ids) for s in samples if s.trained)
         if step_tokens == 0:
-            raise ValueError("the batch has no completion tokens to train on")
+            raise ValueError(
+                "the batch has no completion tokens to train on (with loss.mask_truncated_completions, every "
+                "completion of it was truncated: raise sampling.max_completion_length)"
+            )
+        correcting = any(sample.corrected for sample in samples)
         cuda_devices = [self.policy.device] if self.policy.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda_devices):
             torch.set_rng_state(self._rng_cpu)
             if self._rng_cuda is not None:
                 torch.cuda.set_rng_state(self._rng_cuda, self.policy.device)
             try:
-                metrics, ratio_sums = self._update(batches, micro_batches, len(samples), step_tokens)
+                metrics, ratio_sums = self._update(batches, micro_batches, len(samples), step_tokens, correcting)
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._set_training(False)
@@ -595,7 +663,7 @@ class Trainer:
         return metrics, ratio_sums
 
     def _update(
-        self, batches: list[MicroBatch], micro_batches: int, sequences: int, step_tokens: int
+        self, batches: list[MicroBatch], micro_batches: int, sequences: int, step_tokens: int, correcting: bool
     ) -> tuple[UpdateMetrics, list[RatioSums]]:
         loss_cfg = self.loss_cfg
         self.optimizer.zero_grad(set_to_none=True)
@@ -605,23 +673,26 @@ class Trainer:
         weighted: dict[str, float] = {}
         ratio_sums: dict[int, RatioSums] = {}
         non_finite: NonFiniteError | None = None
+        correction = _CorrectionTotals()
+        per_sequence = loss_cfg.vllm_importance_sampling_mode.startswith("sequence")
         for batch in batches:
             reference = self._reference_logprobs(batch) if loss_cfg.beta > 0 else None
             logprobs, entropy = token_logprobs_and_entropy(self._completion_logits(batch), self._targets(batch))
             logprobs, entropy = batch.completion_view(logprobs), batch.completion_view(entropy)
+            # A fresh corrected sample's denominator is this very forward under the version that sampled it.
+            denominator = torch.where(batch.from_forward.unsqueeze(1), logprobs.detach(), batch.denominator)
             try:
                 loss, stats = policy_loss(
                     logprobs,
-                    batch.behavior_logprobs,
+                    denominator,
                     batch.advantages,
-                    batch.mask,
-                    loss_type=loss_cfg.loss_type,
-                    epsilon_low=loss_cfg.epsilon_low,
-                    epsilon_high=loss_cfg.epsilon_high,
+                    batch.loss_mask,
+                    **self._loss_options,
                     max_completion_length=self.max_completion_length,
                     ref_logprobs=reference,
-                    beta=loss_cfg.beta,
                     entropy=entropy,
+                    sampling_logprobs=batch.behavior_logprobs if correcting else None,
+                    vllm_importance_sampling_correction=correcting,
                     step_tokens=step_tokens,
                     step_sequences=sequences,
                     micro_batches=micro_batches,
@@ -636,6 +707,7 @@ class Trainer:
             if not batch.weight:
                 continue
             ratio_sums.update(zip(batch.indices, _ratio_sums(logprobs.detach(), batch), strict=True))
+            correction.add(stats, len(batch.indices), per_sequence)
             loss_total += float(loss.detach())
             for key, value in stats.items():
                 if key != "tokens":
@@ -650,6 +722,7 @@ class Trainer:
         totals = self.ranks.sum_floats([loss_total, *(weighted[name] for name in names)], self.policy.device)
         loss_total, weighted = totals[0], dict(zip(names, totals[1:], strict=True))
         merged = {index: value for part in self.ranks.gather(ratio_sums) for index, value in part.items()}
+        corrected = correction.figures(self.ranks, self.policy.device) if correcting else None
         if self.policy.device.type == "cuda":
             torch.cuda.synchronize(self.policy.device)
         forward_backward_s = time.perf_counter() - started
@@ -690,6 +763,7 @@ class Trainer:
             forward_backward_s=forward_backward_s,
             optimizer_s=optimizer_s,
             kl_ref=mean.get("kl_ref"),
+            importance_sampling_ratio=corrected,
         )
         return metrics, [merged[index] for index in range(sequences)]
 

@@ -174,6 +174,17 @@ POLICY_CLIP_FRACTION = _gauge(
     "Share of tokens whose ratio was clipped, last step (low, high, region).",
     ("bound",),
 )
+POLICY_IMPORTANCE_SAMPLING_RATIO = _gauge(
+    "asyncgrpo_policy_importance_sampling_ratio",
+    "Generator-trainer correction weight exp(trainer - generator logprob), last step (min, mean, max); only "
+    "while the correction applies (loss.vllm_importance_sampling_correction).",
+    ("stat",),
+)
+POLICY_SAMPLING_LOGP_DIFFERENCE = _gauge(
+    "asyncgrpo_policy_sampling_logp_difference",
+    "|trainer - generator| logprob per token of corrected samples, last step (mean, max).",
+    ("stat",),
+)
 POLICY_LOSS = _gauge("asyncgrpo_policy_loss", "GRPO loss of the last step.")
 POLICY_GRAD_NORM = _gauge("asyncgrpo_policy_grad_norm", "Global gradient norm before clipping, last step.")
 POLICY_LEARNING_RATE = _gauge("asyncgrpo_policy_learning_rate", "Learning rate of the last step.")
@@ -392,6 +403,12 @@ def _observe_policy(record: StepRecord) -> None:
     _set(POLICY_CLIP_FRACTION.labels(bound="low"), record.clip_low)
     _set(POLICY_CLIP_FRACTION.labels(bound="high"), record.clip_high)
     _set(POLICY_CLIP_FRACTION.labels(bound="region"), record.clip_region)
+    if record.importance_sampling_ratio is not None:
+        figures = record.importance_sampling_ratio
+        for stat in ("min", "mean", "max"):
+            _set(POLICY_IMPORTANCE_SAMPLING_RATIO.labels(stat=stat), getattr(figures, stat))
+        _set(POLICY_SAMPLING_LOGP_DIFFERENCE.labels(stat="mean"), figures.logp_difference_mean)
+        _set(POLICY_SAMPLING_LOGP_DIFFERENCE.labels(stat="max"), figures.logp_difference_max)
     _set(POLICY_LOSS, record.loss)
     _set(POLICY_GRAD_NORM, record.grad_norm)
     _set(POLICY_LEARNING_RATE, record.lr)
