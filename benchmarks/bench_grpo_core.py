@@ -26,6 +26,10 @@ medians, and each ratio is the median of the per-repetition ratios. Component ra
   step (rescoring + ``Trainer.step``). Target <= 0.10. ``rescore_step_share`` adds the version files to the
   step, as the step records' ``step_s`` does (fetching the rollouts left out). ``rescore_all_share`` is
   rescoring every sequence in a separate forward (the behaviour before ``rescore_stale_fraction``).
+* ``correction_cost``: what the generator-trainer correction (``loss.vllm_importance_sampling_correction``,
+  on by default for vLLM's rollouts) adds to that steady-state step: every stale sequence rescored per token
+  under its version instead of a sample of them, and the weighted loss; (corrected rescoring + corrected step)
+  / (rescoring + step) - 1.
 
 Prints a table and one JSON line; asserts nothing.
 """
@@ -33,6 +37,7 @@ Prints a table and one JSON line; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -219,6 +224,9 @@ def main() -> None:
         steady = _steady_rescore(trainer, config, samples, args.group, Path(tmp))
         if steady is not None:
             actions["rescore_steady"] = steady
+        corrected = _steady_corrected(trainer, config, samples, args.group, Path(tmp))
+        if corrected is not None:
+            actions["rescore_corrected"], actions["step_corrected"] = corrected
         times = _interleaved(actions, args.reps)
 
     def ratio(a: str, b: str) -> float:
@@ -237,6 +245,14 @@ def main() -> None:
         ratios["rescore_step_share"] = statistics.median(
             r / (r + t + v)
             for r, t, v in zip(times["rescore_steady"], times["trainer_step"], times["version_files"], strict=True)
+        )
+    if "step_corrected" in times:
+        ratios["correction_cost"] = statistics.median(
+            (rc + sc) / (r + t) - 1
+            for rc, sc, r, t in zip(
+                times["rescore_corrected"], times["step_corrected"], times["rescore_steady"], times["trainer_step"],
+                strict=True,
+            )
         )
     print(
         f"{args.workload}: tiny model, {args.prompts} prompts x G={args.group} = {len(samples)} sequences, "
@@ -275,6 +291,33 @@ def _steady_rescore(
         rescore_planned(trainer, bucket, "bench", 1, rollouts, samples, plan)
 
     return action
+
+
+def _steady_corrected(
+    trainer: Trainer, config: RunConfig, samples: list[TrainSample], group: int, tmp: Path
+) -> tuple[Callable[[], object], Callable[[], object]] | None:
+    """The same steady-state batch with every rollout from vLLM (the correction on): its rescoring, its step."""
+    try:
+        from worker.optimize.batch import build_train_samples
+        from worker.optimize.rescore import plan_rescoring, rescore_planned
+    except ImportError:
+        return None
+    if "corrected" not in {f.name for f in dataclasses.fields(TrainSample)}:  # before the correction existed
+        return None
+    bucket = open_bucket(f"file://{tmp / 'bucket-corrected'}")
+    rollouts = _as_rollouts(samples, group, [1, 0])
+    for rollout in rollouts:
+        rollout.extra.sampler = "vllm"
+    corrected, keys = build_train_samples(rollouts, config.loss)
+    owners = [owner for owner, _ in keys]
+
+    def rescore() -> None:
+        plan = plan_rescoring(trainer, rollouts, owners, base_version=1, first_update=range(len(corrected)),
+                              fraction=config.loss.rescore_stale_fraction, seed=0, samples=corrected)
+        rescore_planned(trainer, bucket, "bench", 1, rollouts, corrected, plan)
+
+    rescore()  # the stale samples' denominators, as the job sets them before the step
+    return rescore, lambda: trainer.step(corrected)
 
 
 if __name__ == "__main__":

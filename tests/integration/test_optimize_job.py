@@ -4,6 +4,7 @@ where the gradient is made, and a redelivered step is a no-op."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.layout import IntegrityError, fetch_version, read_manifest, sha256_hex, write_version
 from asyncgrpo.protocol.errors import Conflict, NotFound
-from asyncgrpo.protocol.records import StepRecord
+from asyncgrpo.protocol.records import RolloutExtra, StepRecord
 from asyncgrpo.protocol.schemas import (
     CorruptResult,
     GroupRef,
@@ -29,7 +30,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import group_advantages
-from worker.algo.rollout import Rollout, RolloutSample, encode_rollout
+from worker.algo.rollout import Rollout, RolloutSample, decode_rollout, encode_rollout
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize import rescore
@@ -111,11 +112,26 @@ def wrong_weights(adapter_dir: Path, out: Path) -> Path:
 
 
 def make_rollout(
-    bucket: Bucket, backend: TransformersBackend, adapter: str, task_id: str, worker_id: str, version: int
+    bucket: Bucket,
+    backend: TransformersBackend,
+    adapter: str,
+    task_id: str,
+    worker_id: str,
+    version: int,
+    *,
+    noise: float = 0.0,
+    sampler: str | None = None,
 ) -> RolloutRef:
+    """A rollout of 2 groups of G; ``noise``: the std of seeded noise added to its behaviour logprobs (a
+    generator whose numerics differ from the trainer's); ``sampler``: the backend it claims."""
     result = backend.generate(
         ["3=", "5="], adapter=adapter, samples_per_prompt=G, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=7
     )
+    perturb = torch.Generator().manual_seed(11)
+    for prompt_result in result.results:
+        for completion in prompt_result.completions:
+            shift = noise * torch.randn(len(completion.logprobs), generator=perturb)
+            completion.logprobs = (torch.tensor(completion.logprobs) + shift).tolist()
     rewards = [random.Random(i).random() for i in range(2 * G)]
     advantages = group_advantages(rewards, G).tolist()
     samples = [
@@ -132,7 +148,8 @@ def make_rollout(
         for i, c in enumerate(result.results[g].completions)
     ]
     groups = [GroupRef(group_id=f"{task_id}.{g}", prompt_index=g) for g in range(2)]
-    data = encode_rollout(Rollout(RUN, task_id, version, worker_id, groups, samples))
+    extra = RolloutExtra(sampler=sampler)
+    data = encode_rollout(Rollout(RUN, task_id, version, worker_id, groups, samples, extra=extra))
     key = bucket_keys.rollout_key(RUN, task_id)
     bucket.put(key, data)
     return RolloutRef(
@@ -371,3 +388,67 @@ def test_rescoring_under_an_older_version_is_pinned_to_the_sha_the_proxy_publish
         trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: V0_SHA[0]
     )
     assert list(scored) == [0]
+
+
+def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weighted(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Step 3 from version 2, the correction at its default (on for the vLLM sampler's rollouts only): a noisy
+    # "vLLM" rollout two versions stale, an exact one a version stale and a fresh one, and a transformers one
+    # two versions stale.
+    trainer, bucket, v0_dir = setup
+    cfg = RunConfig.model_validate({**config().model_dump(by_alias=True), "async": {"max_staleness": 2}})
+    assert cfg.loss.vllm_importance_sampling_correction is None
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, v0_dir)
+    noisy = make_rollout(bucket, backend, "v0", "t-v0-vllm", "gen-v", 0, noise=0.3, sampler="vllm")
+    plain = make_rollout(bucket, backend, "v0", "t-v0-hf", "gen-t", 0, sampler="transformers")
+    refs = [noisy, plain]
+    for step in (1, 2):
+        published = run_optimize_step(
+            run=RUN, step=step, base_version=step - 1, rollout_refs=[plain], config=cfg, trainer=trainer,
+            bucket=bucket, client=RecordingProxy(current_version=step - 1), worker_id="opt-1",
+        )
+        assert published.status == "published"
+        fetch_version(bucket, RUN, step, tmp_path / f"v{step}")
+        backend.load_adapter(f"v{step}", step, tmp_path / f"v{step}")
+        refs.append(make_rollout(bucket, backend, f"v{step}", f"t-v{step}-vllm", "gen-v", step, sampler="vllm"))
+
+    # What the step will rescore: every sequence of the stale vLLM rollouts, per token, under the weights that
+    # sampled it (the exact one's equal its generator's logprobs), and a quarter of the transformers one.
+    rollouts = [decode_rollout(bucket.get(ref.key)) for ref in refs]
+    samples, keys = build_train_samples(rollouts, cfg.loss)
+    owners = [owner for owner, _ in keys]
+    plan = rescore.plan_rescoring(
+        trainer, rollouts, owners, base_version=2, first_update=range(len(samples)), fraction=0.25, seed=0,
+        samples=samples,
+    )
+    rescore.rescore_planned(trainer, bucket, RUN, 2, rollouts, samples, plan)
+    by_task = {rollouts[owner].task_id: [] for owner in owners}
+    for sample, owner in zip(samples, owners, strict=True):
+        by_task[rollouts[owner].task_id].append(sample)
+    assert all(s.corrected and s.old_logprobs is None for s in by_task["t-v2-vllm"])  # the training forward's
+    assert all(not s.corrected and s.old_logprobs is None for s in by_task["t-v0-hf"])
+    for sample in by_task["t-v1-vllm"]:
+        assert sample.old_logprobs == pytest.approx(sample.behavior_logprobs, abs=1e-4)
+    assert all(s.corrected and s.old_logprobs is not None for s in by_task["t-v0-vllm"])
+    gaps = [
+        abs(o - b) for s in by_task["t-v0-vllm"] for o, b in zip(s.old_logprobs or [], s.behavior_logprobs, strict=True)
+    ]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.3 * (2 / math.pi) ** 0.5, rel=0.35)
+
+    result = run_optimize_step(
+        run=RUN, step=3, base_version=2, rollout_refs=refs, config=cfg, trainer=trainer,
+        bucket=bucket, client=RecordingProxy(current_version=2), worker_id="opt-1",
+    )
+    record = result.record
+    assert record is not None and result.status == "published"
+    assert (record.rescored_sequences, record.reused_sequences) == (2 * 2 * G + 2, 2 * G)
+    figures = record.importance_sampling_ratio
+    assert figures is not None and figures.min < 1.0 < figures.max <= cfg.loss.vllm_importance_sampling_clip_max
+    assert figures.logp_difference_max > 0.3
+    # The correction weighs the noisy rollout; the rescoring check still names it (its ratio is not 1).
+    assert [f.task_id for f in record.flagged_rollouts] == ["t-v0-vllm"]
+    manifest, _ = read_manifest(bucket, RUN, 3)
+    stored = StepRecord.model_validate_json(bucket.get(manifest.file_key(RUN, bucket_keys.STEP_RECORD_NAME)))
+    assert stored.importance_sampling_ratio == figures
