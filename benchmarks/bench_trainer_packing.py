@@ -103,6 +103,8 @@ def _model(tmp: Path, hidden: int | None, layers: int | None) -> Path:
     config = AutoConfig.from_pretrained(tiny)
     config.hidden_size = hidden or config.hidden_size
     config.num_hidden_layers = layers or config.num_hidden_layers
+    if getattr(config, "layer_types", None) is not None:  # one entry per layer: saved for the tiny model's count
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
     config.num_attention_heads = max(1, config.hidden_size // 32)
     config.num_key_value_heads = max(1, config.num_attention_heads // 2)
     config.intermediate_size = 2 * config.hidden_size
