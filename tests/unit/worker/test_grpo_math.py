@@ -1,4 +1,8 @@
-"""The GRPO math of worker/algo/grpo.py: hand-computed values, a naive reference loop, gradients, masks."""
+"""The GRPO math of worker/algo/grpo.py: hand-computed values, a naive reference loop, gradients, masks.
+
+The match with TRL's own loss, option by option, is in test_loss_trl.py; this module holds the properties
+TRL cannot show: micro-batch split invariance, padding that never leaks, option validation.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import math
 import pytest
 import torch
 
-from worker.algo.grpo import LOSS_TYPES, NonFiniteError, group_advantages, policy_loss
+from worker.algo.grpo import LOSS_TYPES, VLLM_IMPORTANCE_SAMPLING_MODES, NonFiniteError, group_advantages, policy_loss
+
+CLASSIC = ("dapo", "grpo", "dr_grpo", "bnpo")  # the clipped-surrogate types the hand values and naive loop cover
 
 # --- a hand-worked batch -----------------------------------------------------------------------------------
 # Row 0: advantage +1, three tokens; row 1: advantage -2, two tokens and one padding position (garbage there).
@@ -39,7 +45,7 @@ def hand_batch(dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLASSIC)
 def test_hand_computed_loss(loss_type: str) -> None:
     loss, _ = policy_loss(
         **hand_batch(), loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, max_completion_length=4
@@ -98,8 +104,8 @@ def test_entropy_from_logits() -> None:
 # --- against a naive per-token loop ------------------------------------------------------------------------
 
 
-def naive_loss(lp, beh, adv, mask, loss_type, eps_low, eps_high, max_len, ref=None, beta=0.0) -> float:
-    """The definitions, one token at a time in plain Python."""
+def naive_loss(lp, beh, adv, mask, loss_type, eps_low, eps_high, max_len, ref=None, beta=0.0, bias=True) -> float:
+    """The definitions, one token at a time in plain Python (``bias``: the KL term times the ratio)."""
     per_seq_sums, per_seq_counts = [], []
     for i in range(len(lp)):
         total, count = 0.0, 0
@@ -111,7 +117,7 @@ def naive_loss(lp, beh, adv, mask, loss_type, eps_low, eps_high, max_len, ref=No
             value = -min(ratio * adv[i], clipped * adv[i])
             if beta:
                 d = ref[i][t] - lp[i][t]
-                value += beta * (math.exp(d) - d - 1)
+                value += beta * (math.exp(d) - d - 1) * (ratio if bias else 1.0)
             total += value
             count += 1
         per_seq_sums.append(total)
@@ -135,9 +141,9 @@ def random_batch(seed: int, rows: int = 6, width: int = 7) -> dict[str, torch.Te
     return {"logprobs": logprobs, "behavior_logprobs": behavior, "advantages": advantages, "mask": mask}
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_vectorised_matches_naive_loop(loss_type: str, seed: int) -> None:
+@pytest.mark.parametrize("loss_type", CLASSIC)
+@pytest.mark.parametrize(("seed", "bias"), [(0, True), (1, True), (2, True), (2, False)])
+def test_vectorised_matches_naive_loop(loss_type: str, seed: int, bias: bool) -> None:
     batch = random_batch(seed)
     ref = batch["logprobs"] + 0.3
     beta = 0.05 if seed == 2 else 0.0
@@ -149,6 +155,7 @@ def test_vectorised_matches_naive_loop(loss_type: str, seed: int) -> None:
         max_completion_length=9,
         ref_logprobs=ref if beta else None,
         beta=beta,
+        use_bias_correction_kl=bias,
     )
     expected = naive_loss(
         batch["logprobs"].tolist(),
@@ -161,6 +168,7 @@ def test_vectorised_matches_naive_loop(loss_type: str, seed: int) -> None:
         9,
         ref.tolist(),
         beta,
+        bias,
     )
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
@@ -168,13 +176,25 @@ def test_vectorised_matches_naive_loop(loss_type: str, seed: int) -> None:
 # --- gradients ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_finite_difference_gradient(loss_type: str) -> None:
+# cispo and vespo are left out: their weights are held constant in the gradient on purpose (see below).
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "sapo", "luspo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_finite_difference_gradient(loss_type: str, level: str) -> None:
     batch = random_batch(3)
     logprobs = batch.pop("logprobs").clone().requires_grad_(True)
+    ref = batch["behavior_logprobs"] - 0.2
 
     def loss_of(lp: torch.Tensor) -> torch.Tensor:
-        return policy_loss(lp, **batch, loss_type=loss_type, epsilon_high=0.28, max_completion_length=8)[0]
+        return policy_loss(
+            lp,
+            **batch,
+            loss_type=loss_type,
+            epsilon_high=0.28,
+            max_completion_length=8,
+            importance_sampling_level=level,
+            ref_logprobs=ref,
+            beta=0.1,
+        )[0]
 
     assert torch.autograd.gradcheck(loss_of, (logprobs,), eps=1e-6, atol=1e-7)
 
@@ -324,3 +344,301 @@ def test_group_advantages_rejects_bad_input() -> None:
         group_advantages([1.0], 1)
     with pytest.raises(NonFiniteError, match=r"positions \[1\]"):
         group_advantages([1.0, float("nan")], 2)
+
+
+# --- the TRL 1.16 options: properties TRL cannot show -------------------------------------------------------
+
+
+def option_batch(seed: int, rows: int = 7, width: int = 9) -> dict[str, torch.Tensor]:
+    """A random batch with everything the options read: sampling and reference logprobs, entropies."""
+    batch = random_batch(seed, rows=rows, width=width)
+    generator = torch.Generator().manual_seed(seed + 100)
+    shape = batch["logprobs"].shape
+    batch["sampling_logprobs"] = batch["behavior_logprobs"] + torch.randn(*shape, generator=generator).double() * 0.3
+    batch["ref_logprobs"] = batch["logprobs"] - 0.2
+    batch["entropy"] = torch.rand(*shape, generator=generator).double() * 3
+    return batch
+
+
+SPLIT_OPTIONS = {
+    "cispo": {"loss_type": "cispo", "epsilon_high": 1.2},
+    "sapo": {"loss_type": "sapo"},
+    "luspo-sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "luspo-token": {"loss_type": "luspo"},
+    "vespo": {"loss_type": "vespo"},
+    "vespo-corrected": {"loss_type": "vespo", "vllm_importance_sampling_correction": True},
+    "dapo-sequence": {"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.3},
+    "grpo-sequence": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "sapo-sequence": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
+    "dr_grpo-opsm": {"loss_type": "dr_grpo", "off_policy_mask_threshold": 0.02},
+    "dapo-sequence-mask": {
+        "vllm_importance_sampling_correction": True,
+        "vllm_importance_sampling_mode": "sequence_mask",
+        "vllm_importance_sampling_clip_min": 0.5,
+    },
+    "grpo-token-truncate-beta": {
+        "loss_type": "grpo",
+        "vllm_importance_sampling_correction": True,
+        "vllm_importance_sampling_mode": "token_truncate",
+        "beta": 0.1,
+    },
+}
+
+
+def call(batch: dict[str, torch.Tensor], logprobs: torch.Tensor, rows: slice, **options):
+    """``policy_loss`` on the rows of ``batch`` with ``logprobs`` in place of its own."""
+    part = {key: value[rows] for key, value in batch.items() if key != "logprobs"}
+    if not options.pop("with_sampling", True):
+        part.pop("sampling_logprobs")
+    return policy_loss(logprobs[rows], **part, **options)
+
+
+@pytest.mark.parametrize("name", SPLIT_OPTIONS)
+def test_new_aggregations_accumulate_to_the_whole_batch(name: str) -> None:
+    batch = option_batch(7)
+    options = {"max_completion_length": 12, **SPLIT_OPTIONS[name]}
+    if not options.get("beta"):
+        batch.pop("ref_logprobs")
+    whole = batch["logprobs"].clone().requires_grad_(True)
+    loss, _ = call(batch, whole, slice(None), **options)
+    loss.backward()
+
+    split = batch["logprobs"].clone().requires_grad_(True)
+    step = {"step_tokens": int(batch["mask"].sum()), "step_sequences": 7, "micro_batches": 3}
+    accumulated = 0.0
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 7)):
+        part, _ = call(batch, split, rows, **options, **step)
+        part.backward()
+        accumulated += part.item()
+    assert accumulated == pytest.approx(loss.item(), rel=1e-12)
+    torch.testing.assert_close(split.grad, whole.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_entropy_quantile_depends_on_the_split() -> None:
+    # Documented: the threshold is this call's quantile, so (like bnpo) the split changes the result.
+    batch = option_batch(8)
+    batch.pop("ref_logprobs")
+    logprobs = batch["logprobs"]
+    whole, _ = call(batch, logprobs, slice(None), top_entropy_quantile=0.3)
+    step = {"step_tokens": int(batch["mask"].sum()), "top_entropy_quantile": 0.3}
+    parts = [call(batch, logprobs, rows, **step)[0].item() for rows in (slice(0, 3), slice(3, 7))]
+    assert sum(parts) != pytest.approx(whole.item())
+
+
+def test_cispo_and_vespo_hold_their_weights_constant() -> None:
+    # Both losses are -sg(weight) * A * logprob: the gradient is -weight * A / tokens, no derivative of it.
+    batch = option_batch(9)
+    mask, adv = batch["mask"], batch["advantages"].unsqueeze(1)
+    tokens = int(mask.sum())
+    log_ratio = torch.where(mask, batch["logprobs"] - batch["behavior_logprobs"], 0.0)
+
+    logprobs = batch["logprobs"].clone().requires_grad_(True)
+    loss, _ = policy_loss(logprobs, batch["behavior_logprobs"], batch["advantages"], mask, loss_type="cispo",
+                          epsilon_high=1.1)
+    loss.backward()
+    expected = torch.where(mask, -log_ratio.exp().clamp(max=1.1) * adv / tokens, 0.0)
+    torch.testing.assert_close(logprobs.grad, expected, rtol=1e-12, atol=1e-15)
+
+    logprobs = batch["logprobs"].clone().requires_grad_(True)
+    loss, _ = policy_loss(logprobs, batch["behavior_logprobs"], batch["advantages"], mask, loss_type="vespo")
+    loss.backward()
+    log_w = log_ratio.sum(dim=1, keepdim=True)
+    k = torch.where(adv >= 0, 2.0, 3.0).double()
+    lam = torch.where(adv >= 0, 3.0, 2.0).double()
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    torch.testing.assert_close(logprobs.grad, torch.where(mask, -phi * adv / tokens, 0.0), rtol=1e-12, atol=1e-15)
+
+
+def test_vespo_weight_is_one_on_policy() -> None:
+    # phi(1) = exp(lambda - lambda) = 1: on-policy, vespo is the plain policy gradient -A * logprob.
+    batch = option_batch(10)
+    behavior = batch["logprobs"].clone()
+    loss, _ = policy_loss(batch["logprobs"], behavior, batch["advantages"], batch["mask"], loss_type="vespo")
+    expected = -(batch["advantages"].unsqueeze(1) * torch.where(batch["mask"], batch["logprobs"], 0.0)).sum()
+    assert loss.item() == pytest.approx(expected.item() / int(batch["mask"].sum()), rel=1e-12)
+
+
+def test_bias_corrected_kl_changes_the_gradient_even_on_policy() -> None:
+    batch = option_batch(11)
+    behavior = batch["logprobs"].clone()
+    grads = {}
+    for bias in (True, False):
+        logprobs = batch["logprobs"].clone().requires_grad_(True)
+        loss, stats = policy_loss(
+            logprobs, behavior, batch["advantages"], batch["mask"], ref_logprobs=batch["ref_logprobs"], beta=0.1,
+            use_bias_correction_kl=bias,
+        )
+        loss.backward()
+        grads[bias] = logprobs.grad
+    # The weight is exactly 1 on-policy, so the values agree; d(w * kl) = kl * dw + dkl, so the gradients do not.
+    assert not torch.allclose(grads[True], grads[False])
+    kl = math.exp(-0.2) - 1 + 0.2  # ref - logp = -0.2 everywhere
+    difference = torch.where(batch["mask"], 0.1 * kl / int(batch["mask"].sum()), 0.0).double()
+    torch.testing.assert_close(grads[True] - grads[False], difference, rtol=1e-6, atol=1e-12)  # ref - logp ~ -0.2
+    assert stats["kl_ref"] == pytest.approx(kl)
+
+
+LEAK_OPTIONS = {
+    **SPLIT_OPTIONS,
+    "entropy": {"top_entropy_quantile": 0.4},
+    "opsm-sampling": {"loss_type": "grpo", "off_policy_mask_threshold": 0.02},
+    "opsm-behavior": {"loss_type": "sapo", "off_policy_mask_threshold": 0.02, "with_sampling": False},
+    "given-token-ratio": {"loss_type": "dapo", "importance_sampling_level": "sequence", "given_ratio": "token"},
+    "given-token-ratio-vespo": {"loss_type": "vespo", "given_ratio": "token"},
+    "given-sequence-ratio": {"loss_type": "luspo", "given_ratio": "sequence"},
+    **{
+        f"{mode}-min": {
+            "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": mode,
+            "vllm_importance_sampling_clip_min": 0.7,
+            "vllm_importance_sampling_clip_max": 2.0,
+            "importance_sampling_level": "sequence",
+        }
+        for mode in VLLM_IMPORTANCE_SAMPLING_MODES
+    },
+    "everything": {
+        "loss_type": "cispo",
+        "epsilon_high": 3.0,
+        "importance_sampling_level": "sequence",
+        "off_policy_mask_threshold": 0.01,
+        "top_entropy_quantile": 0.5,
+        "vllm_importance_sampling_correction": True,
+        "beta": 0.2,
+    },
+}
+
+
+@pytest.mark.parametrize("name", LEAK_OPTIONS)
+def test_nan_at_padding_never_leaks_with_the_new_options(name: str) -> None:
+    options = dict(LEAK_OPTIONS[name])
+    given = options.pop("given_ratio", None)
+    if given:
+        options["vllm_importance_sampling_correction"] = True
+    batch = option_batch(12)
+    if not options.pop("with_sampling", True):
+        batch.pop("sampling_logprobs")
+    if not options.get("beta"):
+        batch.pop("ref_logprobs")
+    padding = ~batch["mask"]
+    assert padding.any()
+    rows = batch["mask"].shape[0]
+    ratios = {"token": torch.rand(rows, 9, dtype=torch.float64) + 0.5, "sequence": torch.rand(rows, 1).double() + 0.5}
+
+    def run(dirty: bool) -> tuple[float, dict[str, float], torch.Tensor]:
+        data = {key: value.clone() for key, value in batch.items()}
+        if given:
+            data["importance_sampling_ratio"] = ratios[given].clone()
+        if dirty:
+            for key, garbage in (
+                ("logprobs", float("nan")),
+                ("behavior_logprobs", 1e6),
+                ("sampling_logprobs", float("nan")),
+                ("ref_logprobs", float("nan")),
+                ("entropy", float("nan")),
+            ):
+                if key in data:
+                    data[key][padding] = garbage
+            if given == "token":
+                data["importance_sampling_ratio"][padding] = float("nan")
+        logprobs = data.pop("logprobs").requires_grad_(True)
+        loss, stats = policy_loss(logprobs, **data, **options)
+        loss.backward()
+        return loss.item(), stats, logprobs.grad
+
+    loss_a, stats_a, grad_a = run(dirty=False)
+    loss_b, stats_b, grad_b = run(dirty=True)
+    assert math.isfinite(loss_a)
+    assert loss_b == loss_a
+    assert stats_b == stats_a
+    assert torch.equal(grad_b, grad_a)
+    assert (grad_a[padding] == 0).all()
+
+
+def test_nan_sampling_logprob_inside_the_mask_means_no_correction() -> None:
+    # A token the generator could not score: weight 1, no drift evidence, left out of the difference figures.
+    batch = hand_batch()
+    sampling = batch["behavior_logprobs"].clone()
+    sampling[0, 0] = float("nan")
+    sampling[1, 1] -= 0.5  # the sampler gave this token e^0.5 less weight than the behaviour policy
+    _, stats = policy_loss(
+        **batch,
+        sampling_logprobs=sampling,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+        off_policy_mask_threshold=0.01,
+    )
+    assert stats["is_ratio_min"] == 1.0
+    assert stats["is_ratio_max"] == pytest.approx(math.exp(0.5))
+    assert stats["is_ratio_mean"] == pytest.approx((4 + math.exp(0.5)) / 5)
+    assert stats["sampling_logp_difference_mean"] == pytest.approx(0.5 / 4)
+    assert stats["sampling_logp_difference_max"] == pytest.approx(0.5)
+    # Row 1 (A < 0) drifts by mean(sampling - logprobs) = (0.5 - 0.5) / 2 = 0 <= 0.01: kept.
+    assert stats["off_policy_masked"] == 0.0
+
+
+def test_new_figures_by_hand() -> None:
+    batch = hand_batch()
+    # Row 1 (A = -2) drifts by mean(beh - logp) = (0.5 + 0) / 2 = 0.25 > 0.1: dropped; row 0 has A > 0: kept.
+    loss, stats = policy_loss(**batch, epsilon_high=0.28, off_policy_mask_threshold=0.1)
+    assert stats["off_policy_masked"] == 0.5
+    assert loss.item() == pytest.approx(ROW0 / 5)
+    entropy = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, float("nan")]], dtype=torch.float64)
+    # Keep the top 40% of the 5 masked entropies: the 0.6 quantile of (0.1, 0.3, 0.5, 0.7, 0.9) is 0.58.
+    _, stats = policy_loss(**batch, entropy=entropy, top_entropy_quantile=0.4)
+    assert stats["entropy_masked"] == pytest.approx(3 / 5)
+    sequence_ratio = torch.tensor([[0.5], [2.0]], dtype=torch.float64)
+    _, stats = policy_loss(**batch, importance_sampling_ratio=sequence_ratio, vllm_importance_sampling_correction=True)
+    assert (stats["is_ratio_min"], stats["is_ratio_mean"], stats["is_ratio_max"]) == (0.5, 1.25, 2.0)
+    assert "sampling_logp_difference_mean" not in stats and "off_policy_masked" not in stats
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"importance_sampling_level": "sentence"}, "importance_sampling_level='sentence' is unknown"),
+        ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode='token' is unknown"),
+        ({"loss_type": "gspo"}, "loss_type='gspo' is unknown"),
+        ({"epsilon_low": -0.1}, "epsilon_low=-0.1"),
+        ({"epsilon_high": -1.0}, "epsilon_high=-1.0"),
+        ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high=0.0"),
+        ({"delta": 0.9}, "delta=0.9"),
+        ({"delta": float("inf")}, "delta=inf"),
+        ({"sapo_temperature_pos": 0.0}, "sapo_temperature_pos=0.0"),
+        ({"sapo_temperature_neg": -1.0}, "sapo_temperature_neg=-1.0"),
+        ({"vespo_k_pos": -1.0}, "vespo_k_pos=-1.0"),
+        ({"vespo_lambda_pos": 0.0}, "vespo_lambda_pos=0.0"),
+        ({"vespo_k_neg": float("nan")}, "vespo_k_neg=nan"),
+        ({"vespo_lambda_neg": None}, "vespo_lambda_neg=None"),
+        ({"off_policy_mask_threshold": -0.5}, "off_policy_mask_threshold=-0.5"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile=1.5"),
+        ({"top_entropy_quantile": "0.2"}, "top_entropy_quantile='0.2'"),
+        ({"vllm_importance_sampling_clip_min": -1.0}, "vllm_importance_sampling_clip_min=-1.0"),
+        ({"vllm_importance_sampling_clip_max": 0.0}, "vllm_importance_sampling_clip_max=0.0"),
+        ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "clip_min=2.0 must"),
+        (
+            {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+            "needs vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max",
+        ),
+        ({"micro_batches": 0}, "micro_batches=0"),
+        ({"vllm_importance_sampling_correction": True}, "needs importance_sampling_ratio or sampling_logprobs"),
+        ({"importance_sampling_ratio": torch.ones(2, 1)}, "vllm_importance_sampling_correction=False"),
+        (
+            {"importance_sampling_ratio": torch.ones(2, 2), "vllm_importance_sampling_correction": True},
+            "importance_sampling_ratio has shape",
+        ),
+        ({"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5 needs entropy or logits"),
+        ({"sampling_logprobs": torch.zeros(2, 4)}, "sampling_logprobs has shape"),
+    ],
+)
+def test_bad_options_raise_naming_the_option(options: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name.replace("(", r"\(").replace("[", r"\[")):
+        policy_loss(**hand_batch(), **options)
+
+
+def test_a_negative_or_non_finite_given_ratio_is_refused() -> None:
+    ratio = torch.tensor([[1.0, -0.5, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="importance_sampling_ratio has negative values"):
+        policy_loss(**hand_batch(), importance_sampling_ratio=ratio, vllm_importance_sampling_correction=True)
+    ratio[0, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match="importance_sampling_ratio"):
+        policy_loss(**hand_batch(), importance_sampling_ratio=ratio, vllm_importance_sampling_correction=True)
