@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -30,21 +30,37 @@ def _default(info: FieldInfo) -> str:
         if isinstance(value, BaseModel):
             return "(table)"
         if isinstance(value, list) and value and isinstance(value[0], BaseModel):
-            return str([item.model_dump() for item in value])
+            return str([item.stored() if hasattr(item, "stored") else item.model_dump() for item in value])
         return repr(value)
     return "required" if info.is_required() else repr(info.default)
 
 
-def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+def _item_model(annotation: Any) -> type[BaseModel] | None:
+    """The entry model of a list-of-tables field (``list[RewardConfig]``), else None."""
+    if get_origin(annotation) is list:
+        (item,) = get_args(annotation)
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item
+    return None
+
+
+def rows(model: type[BaseModel], prefix: str = "", expanded: set[type[BaseModel]] | None = None) -> list[str]:
+    """One row per field; a table's fields under its name, and a list of tables' entry fields once (the first
+    list of that entry model: ``rewards.name``, not again under ``eval.rewards``)."""
+    expanded = set() if expanded is None else expanded
     lines = []
     for name, info in model.model_fields.items():
         key = prefix + (info.alias or name)
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines.extend(rows(annotation, key + "."))
+            lines.extend(rows(annotation, key + ".", expanded))
             continue
         description = (info.description or "").replace("|", "\\|")
         lines.append(f"| `{key}` | `{_default(info)}` | {field_bounds(info)} | {description} |")
+        item = _item_model(annotation)
+        if item is not None and item not in expanded:
+            expanded.add(item)
+            lines.extend(rows(item, key + ".", expanded))
     return lines
 
 

@@ -21,6 +21,11 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from asyncgrpo.run.reward_config import BUILTIN_REWARD_NAMES as BUILTIN_REWARD_NAMES
+from asyncgrpo.run.reward_config import REWARD_CHOICES as REWARD_CHOICES
+from asyncgrpo.run.reward_config import REWARDS_NEEDING_ANSWER as REWARDS_NEEDING_ANSWER
+from asyncgrpo.run.reward_config import RewardConfig, resolve_reward_folders
+
 
 class TrackingConfig(BaseModel):
     # As every config section (config._Section): a misspelt field is an error, not an ignored default.
@@ -225,35 +230,6 @@ class LoraConfig(_Section):
     def _non_empty(cls, value: list[str] | str) -> list[str] | str:
         if isinstance(value, list) and not value:
             raise ValueError("give at least one module name, or 'all-linear'")
-        return value
-
-
-# The built-in rewards of ``worker.algo.rewards`` (a test keeps the two lists equal; the proxy never imports
-# worker code), and those that score against the dataset's reference answer.
-BUILTIN_REWARD_NAMES = ("exact_match", "format", "math_verify", "repeat_digit")
-REWARDS_NEEDING_ANSWER = frozenset({"exact_match", "math_verify"})
-_USER_REWARD = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-
-
-REWARD_CHOICES = f"a built-in ({', '.join(BUILTIN_REWARD_NAMES)}) or 'package.module:function' for your own"
-
-
-class RewardConfig(_Section):
-    name: str = Field(
-        ...,
-        min_length=1,
-        description="A built-in reward ('repeat_digit', 'exact_match', 'format', 'math_verify') or "
-        "'package.module:function' for user code.",
-    )
-    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this reward in the total.")
-
-    @field_validator("name")
-    @classmethod
-    def _known_or_importable_path(cls, value: str) -> str:
-        # Only the spelling here: whether a 'module:function' imports is checked by `run create`, not by
-        # every process that reads the stored config.
-        if value not in BUILTIN_REWARD_NAMES and not _USER_REWARD.match(value):
-            raise ValueError(f"reward {value!r} is unknown; use {REWARD_CHOICES}")
         return value
 
 
@@ -580,7 +556,9 @@ class EvalConfig(_Section):
         0, ge=0, le=131072, description="Eval completions stop after this many tokens (0: the sampling one)."
     )
     rewards: list[RewardConfig] = Field(
-        default_factory=list, description="Rewards of the eval, summed with their weights (empty: the run's rewards)."
+        default_factory=list,
+        description="Rewards of the eval, summed with their weights (empty: the run's rewards); entries as in "
+        "[[rewards]], reward models too.",
     )
     pass_threshold: float = Field(
         1.0, ge=-1e6, le=1e6, description="A completion is correct (pass@k) when its total reward is at least this."
@@ -638,7 +616,10 @@ class RunConfig(_Section):
         return -(-self.optimizer.total_steps // self.async_.publish_every)
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json", by_alias=True), indent=2, sort_keys=True)
+        data = self.model_dump(mode="json", by_alias=True)
+        data["rewards"] = [reward.stored() for reward in self.rewards]
+        data["eval"]["rewards"] = [reward.stored() for reward in self.eval.rewards]
+        return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RunConfig:
@@ -674,4 +655,4 @@ def load_run_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"config file {path} does not exist") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}") from error
-    return parse_run_config(data, str(path))
+    return parse_run_config(resolve_reward_folders(data, path.parent), str(path))

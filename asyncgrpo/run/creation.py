@@ -72,6 +72,9 @@ def check_rewards(
     (the config table, e.g. ``"eval."``): another reward list than the run's, checked against its prompts."""
     has_answers = any(record["answer"] is not None for record in prompts)
     for index, reward in enumerate(config.rewards if rewards is None else rewards):
+        if reward.model is not None:
+            check_reward_model_source(reward, f"{where}rewards.{index}")
+            continue
         field = f"{where}rewards.{index}.name={reward.name!r}"
         if reward.name in REWARDS_NEEDING_ANSWER and not has_answers:
             raise ConfigError(
@@ -93,6 +96,21 @@ def check_rewards(
             raise ConfigError(
                 f"{field}: module {module_name!r} has no function {function_name!r}; fix the name, or use "
                 f"{REWARD_CHOICES}"
+            )
+
+
+def check_reward_model_source(reward: RewardConfig, where: str) -> None:
+    """Refuse a reward model (and tokenizer) that is neither an existing local folder nor spelt as a Hub id. Whether
+    it loads is checked by the command line (``worker.model.reward_models.check_reward_models``), which may import
+    transformers; this package may not (the proxy imports it)."""
+    for key, value in (("model", reward.model), ("tokenizer", reward.tokenizer)):
+        if value is None or Path(value).is_dir():
+            continue
+        if Path(value).is_absolute() or not _HUB_ID.match(value):
+            raise ConfigError(
+                f"{where}.{key}={value!r} (reward {reward.name!r}) is not an existing folder and does not look like a "
+                "Hugging Face Hub id (org/name); fix the path (a relative folder is read from the config file's "
+                "folder) or the id"
             )
 
 

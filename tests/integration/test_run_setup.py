@@ -230,3 +230,35 @@ def test_cli_run_create_refuses_unusable_rewards(tmp_path: Path, rewards: str, d
     assert created.exit_code == 0, created.output
     config, _, _ = load_run(FileBucket(tmp_path / "bucket"), "exp")
     assert [reward.name for reward in config.rewards] == ["repeat_digit", length_reward]
+
+
+def test_cli_run_create_refuses_a_reward_model_that_does_not_load(tmp_path: Path, tiny_reward_model_dir: Path) -> None:
+    """A reward model whose config or tokenizer does not load is refused by `run create` with its name, before
+    anything is stored; a relative folder is read from the config file's folder and stored as an absolute path."""
+    from asyncgrpo.cli.main import main
+
+    url = f"file://{tmp_path / 'bucket'}"
+    (tmp_path / "broken-rm").mkdir()
+    (tmp_path / "broken-rm" / "config.json").write_text("{not json")
+    bad = _config(tmp_path, CONFIG + FIXED_REWARD + '[[rewards]]\nmodel = "broken-rm"\nname = "judge"\n', "bad.toml")
+    refused = CliRunner().invoke(main, ["run", "create", str(bad), "--run", "exp", "--bucket", url])
+    assert refused.exit_code == 1, refused.output
+    assert f"reward 'judge' (model '{tmp_path / 'broken-rm'}')" in refused.output, refused.output
+    assert "cannot load its config" in refused.output
+    assert FileBucket(tmp_path / "bucket").list("") == []
+    missing = _config(tmp_path, CONFIG + '[[rewards]]\nmodel = "./no-such-rm"\n', "missing.toml")
+    refused = CliRunner().invoke(main, ["run", "create", str(missing), "--run", "exp", "--bucket", url])
+    assert refused.exit_code == 1 and "reward 'no-such-rm'" in refused.output, refused.output
+    with pytest.raises(ConfigError, match=r"rewards\.0\.model=.*is not an existing folder"):
+        create_run(missing, "exp", FileBucket(tmp_path / "bucket"))  # without the command line's load check too
+    assert FileBucket(tmp_path / "bucket").list("") == []
+
+    (tmp_path / "rm").symlink_to(tiny_reward_model_dir)
+    good = _config(tmp_path, CONFIG + FIXED_REWARD + '[[rewards]]\nmodel = "rm"\nweight = 0.1\n', "good.toml")
+    created = CliRunner().invoke(main, ["run", "create", str(good), "--run", "exp", "--bucket", url])
+    assert created.exit_code == 0, created.output
+    config, _, _ = load_run(FileBucket(tmp_path / "bucket"), "exp")
+    assert [(reward.name, reward.model) for reward in config.rewards] == [
+        ("repeat_digit", None),
+        ("rm", str(tmp_path / "rm")),
+    ]

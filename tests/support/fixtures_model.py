@@ -25,3 +25,40 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def build_tiny_reward_model(out_dir: Path, seed: int = 1) -> Path:
+    """A tiny random-init reward model: a Qwen2 sequence-classification model with one label and its pad token
+    set, saved with the tiny tokenizer (which has a chat template), in Hugging Face format."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from worker.model.tiny_model import train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+        # Random-init heads start at std 0.02: widen the score head so scores differ visibly between texts.
+        torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-reward-model"))

@@ -12,6 +12,9 @@ reference answer (None when the dataset has none). Built-ins:
 * ``math_verify``: 1.0 when the completion's final math answer is equivalent to the reference, checked by
   the ``math-verify`` package (``pip install 'asyncgrpo[math]'``); 0.0 otherwise, and when math-verify times out
   (``worker.algo.math_scoring`` runs it in a helper process, away from this process's signals).
+
+A reward model (an entry with ``model``, ``worker.model.reward_models``) is scored by the worker over a whole task
+before the groups are; ``score_completions`` takes its values (``scored``) and checks them like a function's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from worker.algo.math_scoring import default_verifier
@@ -47,6 +50,7 @@ class RewardSpec(Protocol):
 
     name: str
     weight: float
+    model: str | None  # a reward model's Hub id or folder; None for a function
 
 
 def _toy_digit(prompt: str, answer: str | None) -> str:
@@ -118,11 +122,13 @@ def score_completions(
     prompts: Sequence[str],
     completions: Sequence[str],
     answers: Sequence[str | None],
+    scored: Mapping[str, Sequence[float]] | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Weighted total reward of each completion, and each reward's raw values by name.
 
-    ``prompts``, ``completions`` and ``answers`` are parallel (one entry per completion). A reward that raises
-    or returns something other than a finite number raises ``RewardFailed`` with the rejection reason.
+    ``prompts``, ``completions`` and ``answers`` are parallel (one entry per completion); ``scored`` holds, by
+    name, the values of the reward models among ``reward_configs``, scored already. A reward that raises or
+    returns something other than a finite number raises ``RewardFailed`` with the rejection reason.
     """
     if not (len(prompts) == len(completions) == len(answers)):
         raise ValueError(
@@ -138,11 +144,11 @@ def score_completions(
     totals = [0.0] * len(completions)
     per_reward: dict[str, list[float]] = {}
     for config in reward_configs:
-        function = resolve_reward(config.name)
+        function = _function_of(config, scored, len(completions))
         values: list[float] = []
         for index, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
             try:
-                value = function(prompt, completion, answer)
+                value = function(index, prompt, completion, answer)
             except Exception as error:
                 raise RewardFailed(
                     f"reward {config.name!r} raised on completion {index}: {error!r}", f"reward_error_{config.name}"
@@ -156,3 +162,19 @@ def score_completions(
             totals[index] += config.weight * float(value)
         per_reward[config.name] = values
     return totals, per_reward
+
+
+def _function_of(
+    config: RewardSpec, scored: Mapping[str, Sequence[float]] | None, count: int
+) -> Callable[[int, str, str, str | None], object]:
+    """The reward as a function of (index, prompt, completion, answer): a reward model's value is looked up."""
+    if getattr(config, "model", None) is None:
+        function = resolve_reward(config.name)
+        return lambda _index, prompt, completion, answer: function(prompt, completion, answer)
+    values = (scored or {}).get(config.name)
+    if values is None or len(values) != count:
+        raise RewardError(
+            f"reward model {config.name!r} has {'no' if values is None else len(values)} scores for {count} "
+            "completions; the worker scores reward models before the groups"
+        )
+    return lambda index, _prompt, _completion, _answer: values[index]

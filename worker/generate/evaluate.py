@@ -28,8 +28,9 @@ from asyncgrpo.protocol.errors import Cancelled, NotHolder
 from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
 from asyncgrpo.run.config import RunConfig
 from worker.algo.rewards import RewardFailed, score_completions
-from worker.generate.backend import GenerationBackend, GenerationResult, fed_prompts
+from worker.generate.backend import GenerationBackend, GenerationResult, chat_messages, fed_prompts
 from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly, report_corrupt_object
+from worker.model.reward_models import RewardModels
 
 log = structlog.get_logger()
 
@@ -70,8 +71,10 @@ def run_evaluate_task(
     adapter_cache: AdapterCache,
     worker_id: str,
     backend_lock: AbstractContextManager[object] | None = None,
+    reward_models: RewardModels | None = None,
 ) -> EvaluateResult:
-    """Evaluate the version the proxy leases for ``task_id`` on its slice of ``eval_prompts``."""
+    """Evaluate the version the proxy leases for ``task_id`` on its slice of ``eval_prompts`` (``reward_models``: the
+    worker's, when the eval rewards include one)."""
     started = time.perf_counter()
     try:
         grant = client.eval_lease(task_id, worker_id)
@@ -92,6 +95,8 @@ def run_evaluate_task(
         fed = fed_prompts(prompts, range(len(prompts)), cfg.dataset, backend.tokenizer)
         fed_records = [{**record, "prompt": fed.texts[index]} for index, record in enumerate(prompts)]
         usable = _usable(fed_records, backend, config.model.max_prompt_length, fed.add_special_tokens)
+        # The chat of each prompt (for a reward model's own chat template), before its prompt became the fed text.
+        chats = {id(fed): chat_messages(record, cfg.dataset) for record, fed in zip(prompts, fed_records, strict=True)}
         result = None
         if usable:
             result = backend.generate(
@@ -104,7 +109,14 @@ def run_evaluate_task(
                 seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),
                 add_special_tokens=fed.add_special_tokens,
             )
-    summary = summarize(result, usable, config, failed=len(prompts) - len(usable))
+    rewards = list(cfg.rewards) or list(config.rewards)
+    model_scores = (reward_models or RewardModels({})).score_groups(
+        rewards,
+        [record["prompt"] for record in usable],
+        [chats[id(record)] for record in usable],
+        [[completion.text for completion in r.completions] for r in result.results] if result else [[] for _ in usable],
+    )
+    summary = summarize(result, usable, config, failed=len(prompts) - len(usable), model_scores=model_scores)
     request = EvalResultRequest(worker_id=worker_id, lease_id=grant.lease_id, summary=summary)
     try:
         answer = client.eval_result(task_id, request)
@@ -139,10 +151,16 @@ def _usable(
 
 
 def summarize(
-    result: GenerationResult | None, prompts: list[dict[str, Any]], config: RunConfig, *, failed: int = 0
+    result: GenerationResult | None,
+    prompts: list[dict[str, Any]],
+    config: RunConfig,
+    *,
+    failed: int = 0,
+    model_scores: list[dict[str, list[float]]] | None = None,
 ) -> EvalChunkSummary:
     """Score each prompt's completions on its own (a reward that fails counts the prompt as failed) and sum
-    the rewards, per-prompt pass@k and completion lengths; keep the first ``eval.examples`` examples."""
+    the rewards, per-prompt pass@k and completion lengths; keep the first ``eval.examples`` examples.
+    ``model_scores``: per prompt, the reward models' scores of its completions, by name."""
     cfg = config.eval
     rewards = list(cfg.rewards) or list(config.rewards)
     ks = reported_ks(cfg.samples_per_prompt)
@@ -151,12 +169,16 @@ def summarize(
     pass_sums = {str(k): 0.0 for k in ks}
     scored = tokens = 0
     examples: list[EvalExample] = []
-    for record, prompt_result in zip(prompts, result.results if result else [], strict=True):
+    for index, (record, prompt_result) in enumerate(zip(prompts, result.results if result else [], strict=True)):
         completions = prompt_result.completions
         texts = [completion.text for completion in completions]
         try:
             values, per_reward = score_completions(
-                rewards, [record["prompt"]] * len(texts), texts, [record.get("answer")] * len(texts)
+                rewards,
+                [record["prompt"]] * len(texts),
+                texts,
+                [record.get("answer")] * len(texts),
+                model_scores[index] if model_scores else None,
             )
         except RewardFailed as error:
             log.warning("generate.eval_prompt_unscored", prompt=record["prompt"][:80], error=str(error))

@@ -5,4 +5,6 @@ Modules:
     attention   exact attention inside each sequence of a packed row, without a (T, T) mask (padding-free
                 training where flash-attention's varlen kernel is not in use)
     tiny_model  the tiny random-init model and its tokenizer, built offline
+    reward_models  sequence-classification reward models as rewards: checked at `run create`, loaded once per
+                generate worker, scoring a task's completions in batches
 """

@@ -41,7 +41,7 @@ import httpx
 import structlog
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.backends import Bucket, BucketError, open_bucket
 from asyncgrpo.bucket.layout import fetch_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import ProxyError
@@ -49,13 +49,14 @@ from asyncgrpo.protocol.schemas import (
     LatestVersion,
 )
 from asyncgrpo.run.config import RunConfig
-from asyncgrpo.run.creation import load_eval_prompts, load_run
+from asyncgrpo.run.creation import RunNotFound, load_eval_prompts, load_run
 from worker.generate.backend import GenerationBackend
 from worker.generate.job import AdapterCache
 from worker.process.heartbeat import Heartbeat
 from worker.process.settings import RankSettings, WorkerSettings, process_settings
 
-if TYPE_CHECKING:  # the trainer is built lazily, on optimize workers only
+if TYPE_CHECKING:  # the trainer is built lazily, on optimize workers only; reward models on generate workers
+    from worker.model.reward_models import RewardModels
     from worker.optimize.ranks import Ranks
     from worker.optimize.trainer import Trainer
 
@@ -83,6 +84,8 @@ class WorkerRuntime:
     runs: dict[str, RunContext] = field(default_factory=dict)
     backend: GenerationBackend | None = None  # on generate workers
     backend_run: str | None = None
+    reward_models: RewardModels | None = None  # on generate workers: the run's reward models, loaded once
+    reward_models_run: str | None = None
     adapter_caches: dict[str, AdapterCache] = field(default_factory=dict)
     trainer: Trainer | None = None  # on optimize workers
     trainer_run: str | None = None
@@ -130,6 +133,19 @@ class WorkerRuntime:
             self.backend = build_generation_backend(context.config, self.settings)
             self.backend_run = context.run
         return self.backend
+
+    def run_reward_models(self, context: RunContext) -> RewardModels:
+        """The reward models of the run's ``[[rewards]]`` and ``[eval] rewards``, loaded on the worker's device at
+        start (``load_reward_models_at_start``), or here by the first task of a run created after the worker
+        started. Raises ``RewardModelError``, which stops the worker (``worker.process.tasks``)."""
+        if self.reward_models is None or self.reward_models_run != context.run:
+            from worker.model.reward_models import RewardModels
+
+            config = context.config
+            rewards = [*config.rewards, *config.eval.rewards]
+            self.reward_models = RewardModels.load(rewards, self.settings.device, config.model.dtype)
+            self.reward_models_run = context.run
+        return self.reward_models
 
     def adapter_cache(self, context: RunContext) -> AdapterCache:
         cache = self.adapter_caches.get(context.run)
@@ -220,6 +236,22 @@ def start_heartbeat(role: str) -> None:
             metrics_port=runtime.settings.metrics_port,
         )
         runtime.heartbeat.start()
+
+
+def load_reward_models_at_start(role: str) -> None:
+    """On a generate worker whose run has reward models, load them now, before the first task (a run not created
+    yet: at its first task). Raises ``RewardModelError`` naming the reward and the model."""
+    runtime = get_runtime(role)
+    run = runtime.settings.run
+    if role != "generate" or run is None:
+        return
+    try:
+        context = runtime.run_context(run)
+    except (RunNotFound, BucketError) as error:  # the first task loads them
+        log.info("worker.reward_models_deferred", run=run, reason=str(error))
+        return
+    with runtime.adapter_lock:  # the prefetcher may be building this run's backend meanwhile
+        runtime.run_reward_models(context)
 
 
 def start_prefetcher(role: str) -> None:

@@ -55,6 +55,7 @@ from asyncgrpo.protocol.schemas import (
 from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import AdapterCache, run_generate_task
+from worker.model.reward_models import RewardModelError, RewardModels
 from worker.optimize.job import OptimizeResult, repair_object, run_initialize, run_optimize_step, step_failure_of
 from worker.optimize.ranks import RankLost, leave
 from worker.process import metrics as worker_metrics
@@ -64,6 +65,7 @@ from worker.process.runtime import (
     WorkerRuntime,
     get_runtime,
     join_ranks,
+    load_reward_models_at_start,
     start_heartbeat,
     start_prefetcher,
 )
@@ -193,9 +195,23 @@ def _on_worker_ready(**_: Any) -> None:
     if role == "optimize" and RankSettings().world_size > 1:  # the other ranks wait for this one to join
         join_ranks(runtime.settings)
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
+    try:
+        load_reward_models_at_start(role)
+    except RewardModelError as error:
+        _stop_for_reward_model(error)
+        return
     start_heartbeat(role)
     start_prefetcher(role)
     _idle_since = time.monotonic()
+
+
+EXIT_REWARD_MODEL = 78  # EX_CONFIG: the run's config names a reward model this machine cannot load
+
+
+def _stop_for_reward_model(error: RewardModelError) -> None:
+    """A reward model this worker cannot load: exit (non-zero) rather than fail every task of the run."""
+    log.error("worker.reward_model_failed", error=str(error), exit_code=EXIT_REWARD_MODEL)
+    worker_state.should_stop = EXIT_REWARD_MODEL
 
 
 @signals.worker_shutting_down.connect
@@ -244,6 +260,12 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
         log.warning("worker.task_handed_back", task=task_name, reason=str(error))
         raise Reject(str(error), requeue=True) from error
+    except RewardModelError as error:
+        # Only a run created after this worker started gets here (its first task loads them): hand the task back
+        # for a worker that can, and stop.
+        worker_metrics.observe_error("other")
+        _stop_for_reward_model(error)
+        raise Reject(str(error), requeue=True) from error
     except RankLost as error:
         # Another rank of this multi-GPU worker died or hung: this worker cannot train any more. Hand the step
         # back and stop; the launcher ends every rank and the unit restarts the worker as a whole.
@@ -277,7 +299,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context, backend, adapter_cache = _generation_parts(runtime, message.run)
+        context, backend, adapter_cache, reward_models = _generation_parts(runtime, message.run)
         settings = runtime.settings
         worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
         result = run_generate_task(
@@ -292,6 +314,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             adapter_cache=adapter_cache,
             worker_id=runtime.settings.worker_id,
             backend_lock=runtime.adapter_lock,
+            reward_models=reward_models,
         )
         worker_metrics.observe_generate_task(result)
         return result.summary()
@@ -307,7 +330,7 @@ def evaluate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context, backend, adapter_cache = _generation_parts(runtime, message.run)
+        context, backend, adapter_cache, reward_models = _generation_parts(runtime, message.run)
         result = run_evaluate_task(
             task_id=message.task_id,
             config=context.config,
@@ -317,17 +340,21 @@ def evaluate(**payload: Any) -> dict[str, Any]:
             adapter_cache=adapter_cache,
             worker_id=runtime.settings.worker_id,
             backend_lock=runtime.adapter_lock,
+            reward_models=reward_models,
         )
         return result.summary()
 
     return _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
 
 
-def _generation_parts(runtime: WorkerRuntime, run: str) -> tuple[RunContext, GenerationBackend, AdapterCache]:
-    """The run's context, backend and adapter cache, built on first use."""
+def _generation_parts(
+    runtime: WorkerRuntime, run: str
+) -> tuple[RunContext, GenerationBackend, AdapterCache, RewardModels]:
+    """The run's context, backend, adapter cache and reward models, built on first use."""
     with runtime.adapter_lock:  # the prefetcher may be building them right now
         context = runtime.run_context(run)
-        return context, runtime.generation_backend(context), runtime.adapter_cache(context)
+        backend, cache = runtime.generation_backend(context), runtime.adapter_cache(context)
+        return context, backend, cache, runtime.run_reward_models(context)
 
 
 def _run_generate_role(body: Callable[[WorkerRuntime], dict[str, Any]], *, task_id: str, **context: Any) -> dict:
