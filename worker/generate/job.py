@@ -37,7 +37,8 @@ from asyncgrpo.run.config import RunConfig
 from worker.algo.advantages import task_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
-from worker.generate.backend import FedPrompts, GenerationBackend, fed_prompts
+from worker.generate.backend import FedPrompts, GenerationBackend, chat_messages, fed_prompts
+from worker.model.reward_models import RewardModels
 
 log = structlog.get_logger()
 
@@ -138,9 +139,11 @@ def run_generate_task(
     adapter_cache: AdapterCache,
     worker_id: str,
     backend_lock: AbstractContextManager[object] | None = None,
+    reward_models: RewardModels | None = None,
 ) -> GenerateResult:
     """``backend_lock``: held while the task loads its adapter and samples, the same lock the worker's adapter
-    prefetcher (``worker.generate.job``) holds to load a version, so neither sees the other half-done."""
+    prefetcher (``worker.generate.job``) holds to load a version, so neither sees the other half-done.
+    ``reward_models``: the worker's loaded reward models (needed when the run's rewards include one)."""
     started = time.perf_counter()
     key = bucket_keys.rollout_key(run, task_id)
 
@@ -207,7 +210,11 @@ def run_generate_task(
             )
             timings.generate_s = time.perf_counter() - gen_started
             score_started = time.perf_counter()
-            accepted, samples, tokens, unscored = _score(result, accepted, texts, answers, config)
+            # Reward models score the whole task at once, in batches; each group is then scored on its own.
+            chats = [chat_messages(prompts[group.prompt_index], config.dataset) for group in accepted]
+            completions = [[completion.text for completion in r.completions] for r in result.results]
+            scored = (reward_models or RewardModels({})).score_groups(config.rewards, texts, chats, completions)
+            accepted, samples, tokens, unscored = _score(result, accepted, texts, answers, config, scored)
             rejected.extend(unscored)
             timings.score_s = time.perf_counter() - score_started
         if keeper.lost:
@@ -283,7 +290,12 @@ def _split_bad_prompts(
 
 
 def _score(
-    result: Any, groups: list[GroupRef], texts: list[str], answers: list[str | None], config: RunConfig
+    result: Any,
+    groups: list[GroupRef],
+    texts: list[str],
+    answers: list[str | None],
+    config: RunConfig,
+    scored: list[dict[str, list[float]]] | None = None,
 ) -> tuple[list[GroupRef], list[RolloutSample], int, list[RejectedGroup]]:
     """Score each group on its own: a group whose reward raises or is not finite is rejected with its reason
     and the others are kept; then the advantages of the kept groups, together (``loss.scale_rewards = "batch"``
@@ -299,6 +311,7 @@ def _score(
                 [texts[group_index]] * len(completions),
                 [completion.text for completion in completions],
                 [answers[group_index]] * len(completions),
+                scored[group_index] if scored else None,
             )
         except RewardFailed as error:
             log.warning("generate.group_unscored", group_id=groups[group_index].group_id, error=str(error))
