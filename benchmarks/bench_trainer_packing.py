@@ -120,6 +120,7 @@ def _model(tmp: Path, hidden: int | None, layers: int | None) -> Path:
 def _config(args: argparse.Namespace, padding_free: bool) -> RunConfig:
     return RunConfig.model_validate(
         {
+            "model": {"dtype": args.dtype},
             "sampling": {"samples_per_prompt": args.group, "max_completion_length": MAX_COMPLETION},
             "optimizer": {"micro_batch_tokens": args.micro_batch_tokens, "padding_free": padding_free},
         }
@@ -253,6 +254,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=None, help="hidden size of a model of the tiny family")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of a model of the tiny family")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the layout comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ranks", action="store_true", help="also time the padding-free step on 1 vs 2 ranks")
@@ -265,7 +267,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp_name:
         tmp = Path(tmp_name)
         model = _model(tmp, args.hidden, args.layers)
-        trainers = {name: Trainer.initial(Policy.load(str(model)), _config(args, pf)) for name, pf in LAYOUTS.items()}
+        trainers = {
+            name: Trainer.initial(Policy.load(str(model), dtype=args.dtype), _config(args, pf))
+            for name, pf in LAYOUTS.items()
+        }
         for name, pf in LAYOUTS.items():  # a trainer runs padded where packing would not be exact (it warns)
             if getattr(trainers[name], "padding_free", pf) != pf:
                 raise SystemExit(f"the {name} trainer did not take the {name} layout; nothing to compare")

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.model.attention import SEGMENT_ATTENTION, segment_attention, segments, use_segment_attention
+from worker.model.attention import (
+    SEGMENT_ATTENTION,
+    attend_split,
+    attend_varlen,
+    runs_varlen,
+    segment_attention,
+    segments,
+    use_segment_attention,
+)
 from worker.model.policy import Policy
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -97,3 +105,38 @@ def test_a_model_switched_to_it_still_decodes_against_a_cache_as_sdpa(tiny_model
     use_segment_attention(policy.model)
     assert policy.model.config._attn_implementation == SEGMENT_ATTENTION
     torch.testing.assert_close(greedy(), expected, rtol=0, atol=1e-5)
+
+
+def test_a_packed_row_runs_the_varlen_kernel_only_on_cuda_in_half_precision() -> None:
+    row = torch.zeros(1, HEADS, 4, DIM)
+    assert not runs_varlen(row[0], None, 0.0)  # CPU: the split path
+    assert not runs_varlen(row[0].double(), None, 0.0)
+    if torch.cuda.is_available():
+        half = row[0].to("cuda", torch.bfloat16)
+        assert runs_varlen(half, None, 0.0)
+        assert not runs_varlen(half, 4, 0.0)  # sliding window: the split path builds its mask
+        assert not runs_varlen(half, None, 0.1)  # attention dropout: sdpa applies it
+        assert not runs_varlen(half.float(), None, 0.0)  # float32: flash has no kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel runs on CUDA only")
+def test_the_varlen_kernel_equals_the_split_path_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    lengths = [5, 1, 17, 5, 64, 3]
+    total = sum(lengths)
+    tensors = [
+        torch.randn(heads, total, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for heads in (HEADS, KV_HEADS, KV_HEADS)
+    ]
+    scaling = DIM**-0.5
+    varlen = attend_varlen(*tensors, lengths, scaling)
+    (varlen.float() ** 2).sum().backward()
+    varlen_grads = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    split = attend_split(_Layer(), *tensors, lengths, None, 0.0, scaling)
+    (split.float() ** 2).sum().backward()
+    assert varlen.shape == split.shape == (total, HEADS, DIM)
+    torch.testing.assert_close(varlen.float(), split.float(), atol=2e-2, rtol=2e-2)
+    for ours, theirs in zip(varlen_grads, [t.grad for t in tensors], strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)
