@@ -27,7 +27,8 @@ from asyncgrpo.run.config import RunConfig
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.batch import TrainSample
-from worker.optimize.trainer import Trainer, mean_ratio, write_adapter_folder
+from worker.optimize.trainer import Trainer, mean_ratio
+from worker.optimize.trainer_state import write_adapter_folder
 
 TEMPERATURE = 1.0
 # (name, prompts, samples per prompt, max new tokens): the demo's generate task, and a larger batch.

@@ -56,7 +56,7 @@ from asyncgrpo.run.config import RunConfig, load_run_config
 from asyncgrpo.run.creation import create_run
 from asyncgrpo.run.datasets import build_dataset
 from tests.support.fixtures_s3 import open_env_bucket
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import group_advantages
 from worker.algo.rewards import score_completions
 from worker.generate.transformers_backend import sample_completions
 from worker.model.policy import Policy
@@ -193,7 +193,7 @@ def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]
             texts,
             [record.get("answer") for record in batch for _ in range(group)],
         )
-        advantages = group_advantages(totals, group, scale=config.loss.scale_rewards).tolist()
+        advantages = group_advantages(totals, group, scale=config.loss.scale_rewards != "none").tolist()
         samples = [
             TrainSample(rows[i], tokens[i], logprobs[i], advantages[i]) for i in range(len(rows)) if tokens[i]
         ]

@@ -54,14 +54,15 @@ import torch
 from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.config import RunConfig
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import group_advantages
 from worker.algo.rewards import repeat_digit
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.transformers_backend import TransformersBackend, sample_completions
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.batch import MicroBatch, TrainSample
-from worker.optimize.trainer import Trainer, write_adapter_folder
+from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import write_adapter_folder
 
 WORKLOADS = {"tiny": (8, 8, 8), "compute": (8, 8, 252)}  # prompts, group, max new tokens (positions <= 256)
 

@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from asyncgrpo.run.config import OptimizerConfig, RunConfig
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import group_advantages
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.batch import TrainSample, deal_to_ranks, plan_micro_batches, positions_computed

@@ -238,7 +238,7 @@ def vllm_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMSetup]:
 
 
 def adapter_folder(setup: VLLMSetup, version: int, root: Path) -> Path:
-    from worker.optimize.trainer import write_adapter_folder
+    from worker.optimize.trainer_state import write_adapter_folder
 
     return write_adapter_folder(setup.versions[version], root / f"v{version}")
 
@@ -506,10 +506,19 @@ def test_run_with_a_vllm_generate_worker_learns_like_one_with_transformers(tmp_p
 
     vllm_curve, transformers_curve = reward_per_10_steps(vllm_records), reward_per_10_steps(transformers_records)
     ratios = [r.rescore_ratio for r in vllm_records]
+    # The generator-trainer correction is on by default for vLLM's rollouts, off for the transformers backend's.
+    weights = [r.importance_sampling_ratio for r in vllm_records]
+    assert all(figures is not None for figures in weights), "a vLLM step reported no correction weights"
+    assert all(r.importance_sampling_ratio is None for r in transformers_records)
+    low, high = min(f.min for f in weights if f), max(f.max for f in weights if f)
+    gap = max(f.logp_difference_max for f in weights if f)
     print(
         f"\nreward per 10 steps: vLLM {vllm_curve}, transformers {transformers_curve}; "
-        f"vLLM rescore ratio in [{min(ratios):.7f}, {max(ratios):.7f}]"
+        f"vLLM rescore ratio in [{min(ratios):.7f}, {max(ratios):.7f}]; correction weights in "
+        f"[{low:.7f}, {high:.7f}], largest |trainer - vLLM| logprob gap {gap:.2e}"
     )
+    # On CPU both compute in float32: the weights are 1 up to the same tolerance as the rescoring ratio.
+    assert all(abs(f.mean - 1.0) < RATIO_TOLERANCE for f in weights if f), weights
     # The trainer rescored every vLLM rollout under the version it claims: the served policy is the trained one.
     assert all(abs(ratio - 1.0) < RATIO_TOLERANCE for ratio in ratios), ratios
     assert not any(r.flagged_rollouts for r in vllm_records)

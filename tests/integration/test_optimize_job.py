@@ -29,15 +29,15 @@ from asyncgrpo.protocol.schemas import (
     VersionInfo,
 )
 from asyncgrpo.run.config import RunConfig
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import group_advantages
 from worker.algo.rollout import Rollout, RolloutSample, decode_rollout, encode_rollout
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize import rescore
 from worker.optimize.batch import build_train_samples
 from worker.optimize.job import run_optimize_step
-from worker.optimize.trainer import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
 from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
 
 RUN = "opt-job"
 G = 4

@@ -24,7 +24,8 @@ from worker.algo.grpo import NonFiniteError
 from worker.model.policy import Policy
 from worker.optimize.batch import TrainSample
 from worker.optimize.ranks import BUILD, Ranks, follow, join, leave
-from worker.optimize.trainer import VERSION_FILE_NAMES, Trainer
+from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import VERSION_FILE_NAMES
 from worker.process.settings import RankSettings
 
 

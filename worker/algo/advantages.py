@@ -23,9 +23,38 @@ from typing import Literal
 
 import torch
 
+from worker.algo.grpo import NonFiniteError
+
 ADVANTAGE_EPS = 1e-4
 ScaleRewards = Literal["group", "batch", "none"]
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+
+
+def group_advantages(
+    rewards: Sequence[float] | torch.Tensor,
+    group_size: int,
+    *,
+    scale: bool = True,
+    eps: float = ADVANTAGE_EPS,
+) -> torch.Tensor:
+    """Advantages of consecutive groups of ``group_size`` rewards: ``(r - mean) / (std + eps)``.
+
+    ``std`` is the sample standard deviation (``n - 1`` in the denominator); ``scale=False`` skips the
+    division. A group whose rewards are all equal gets advantages of exactly 0. Returns float32, shape (N,).
+    """
+    values = torch.as_tensor(rewards, dtype=torch.float32).detach().reshape(-1)
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a group needs at least 2 samples to have an advantage")
+    if values.numel() == 0 or values.numel() % group_size:
+        raise ValueError(f"{values.numel()} rewards do not split into groups of {group_size}; pass whole groups")
+    if not torch.isfinite(values).all():
+        bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
+        raise NonFiniteError(f"rewards at positions {bad} are not finite; fix the reward function")
+    grouped = values.view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    return centered.reshape(-1)
 
 
 def _std(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -92,7 +92,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -103,7 +103,6 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 VllmImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 VLLM_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-ADVANTAGE_EPS = 1e-4
 # VESPO's bounds on a log weight (log 1e-8 below, as the paper's implementation).
 _VESPO_LOG_MIN = math.log(1e-8)
 _VESPO_LOG_MAX = 20.0
@@ -111,33 +110,6 @@ _VESPO_LOG_MAX = 20.0
 
 class NonFiniteError(FloatingPointError):
     """A NaN or infinity where a finite number is needed; the message says which input or output."""
-
-
-def group_advantages(
-    rewards: Sequence[float] | torch.Tensor,
-    group_size: int,
-    *,
-    scale: bool = True,
-    eps: float = ADVANTAGE_EPS,
-) -> torch.Tensor:
-    """Advantages of consecutive groups of ``group_size`` rewards: ``(r - mean) / (std + eps)``.
-
-    ``std`` is the sample standard deviation (``n - 1`` in the denominator); ``scale=False`` skips the
-    division. A group whose rewards are all equal gets advantages of exactly 0. Returns float32, shape (N,).
-    """
-    values = torch.as_tensor(rewards, dtype=torch.float32).detach().reshape(-1)
-    if group_size < 2:
-        raise ValueError(f"group_size={group_size}: a group needs at least 2 samples to have an advantage")
-    if values.numel() == 0 or values.numel() % group_size:
-        raise ValueError(f"{values.numel()} rewards do not split into groups of {group_size}; pass whole groups")
-    if not torch.isfinite(values).all():
-        bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
-        raise NonFiniteError(f"rewards at positions {bad} are not finite; fix the reward function")
-    grouped = values.view(-1, group_size)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    return centered.reshape(-1)
 
 
 def _check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> None:

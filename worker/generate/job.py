@@ -228,7 +228,7 @@ def run_generate_task(
         groups=accepted,
         samples=samples,
         timings=timings,
-        extra=RolloutExtra(rejected_groups=rejected, prompts=fed.of(accepted)),
+        extra=RolloutExtra(rejected_groups=rejected, prompts=fed.of(accepted), sampler=getattr(backend, "name", None)),
     )
     data = encode_rollout(rollout)
     try:

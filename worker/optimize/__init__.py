@@ -4,11 +4,13 @@ Modules:
     job      one optimize task: load state, fetch rollouts, rescore, step, upload, publish; its step record and
              why a step could not be trained, as reported; the step's versions in the bucket (the base, earlier
              uploads, pinned to the proxy's sha) and the bytes held to put a corrupted object back
-    trainer  micro-batched AdamW updates over a batch, LR schedule, rescoring (under another version's LoRA
-             too), version files; trainer state to and from safetensors
+    trainer  micro-batched AdamW updates over a batch (every [loss] option, the generator-trainer correction),
+             LR schedule, rescoring (under another version's LoRA too), version files
+    trainer_state  a version's files: the PEFT adapter, optimizer moments and RNG to and from safetensors + JSON
     batch    train samples from rollouts, split into updates; micro-batch plans (padding-free or padded), their
              tensors, and how micro-batches are dealt out to ranks
     ranks    an optimize worker over N local GPUs: joining the ranks, FSDP2 sharding of the frozen base, the
              leader's calls run by every rank, sums and gathers across ranks
-    rescore  rescoring under the claimed versions, ratios, flagging a worker's wrong weights
+    rescore  rescoring under the claimed versions (every sequence a correction weighs), ratios, flagging a
+             worker's wrong weights
 """

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 import torch
 
-from worker.algo.advantages import ADVANTAGE_EPS, task_advantages
-from worker.algo.grpo import group_advantages
+from worker.algo.advantages import ADVANTAGE_EPS, group_advantages, task_advantages
+from worker.algo.grpo import NonFiniteError
 
 # Two groups of 3 completions, two rewards each: (correctness, length bonus on a larger scale).
 TABLE = [[1.0, 10.0], [0.0, 30.0], [0.0, 20.0], [1.0, 40.0], [1.0, 0.0], [0.0, 20.0]]
@@ -96,3 +97,22 @@ def test_matches_trl_reference_formula() -> None:
     expected = (summed - summed.mean()) / (nanstd(summed) + 1e-4)
     got = task_advantages(TABLE, WEIGHTS, 3, aggregation="normalize_then_sum")
     assert got == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_group_advantages_hand_values() -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    # Group 1: mean 0.5, sample std sqrt(4 * 0.25 / 3) = sqrt(1/3); group 2: all equal -> 0.
+    scaled = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    expected = [scaled, -scaled, -scaled, scaled, 0.0, 0.0, 0.0, 0.0]
+    assert group_advantages(rewards, 4).tolist() == pytest.approx(expected, rel=1e-6)
+    unscaled = group_advantages(rewards, 4, scale=False).tolist()
+    assert unscaled == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_group_advantages_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_advantages([1.0, 2.0, 3.0, 4.0], 3)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        group_advantages([1.0], 1)
+    with pytest.raises(NonFiniteError, match=r"positions \[1\]"):
+        group_advantages([1.0, float("nan")], 2)

@@ -12,7 +12,7 @@ from asyncgrpo.run.config import LoraConfig
 from worker.generate.backend import GenerationBackend, UnknownAdapter
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy, wrap_with_lora
-from worker.optimize.trainer import adapter_files, write_adapter_folder
+from worker.optimize.trainer_state import adapter_files, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

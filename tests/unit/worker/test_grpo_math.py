@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from worker.algo.grpo import LOSS_TYPES, VLLM_IMPORTANCE_SAMPLING_MODES, NonFiniteError, group_advantages, policy_loss
+from worker.algo.grpo import LOSS_TYPES, VLLM_IMPORTANCE_SAMPLING_MODES, NonFiniteError, policy_loss
 
 CLASSIC = ("dapo", "grpo", "dr_grpo", "bnpo")  # the clipped-surrogate types the hand values and naive loop cover
 
@@ -325,25 +325,6 @@ def test_shape_and_name_errors() -> None:
 
 
 # --- group advantages --------------------------------------------------------------------------------------
-
-
-def test_group_advantages_hand_values() -> None:
-    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
-    # Group 1: mean 0.5, sample std sqrt(4 * 0.25 / 3) = sqrt(1/3); group 2: all equal -> 0.
-    scaled = 0.5 / (math.sqrt(1 / 3) + 1e-4)
-    expected = [scaled, -scaled, -scaled, scaled, 0.0, 0.0, 0.0, 0.0]
-    assert group_advantages(rewards, 4).tolist() == pytest.approx(expected, rel=1e-6)
-    unscaled = group_advantages(rewards, 4, scale=False).tolist()
-    assert unscaled == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0])
-
-
-def test_group_advantages_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="do not split into groups of 3"):
-        group_advantages([1.0, 2.0, 3.0, 4.0], 3)
-    with pytest.raises(ValueError, match="at least 2 samples"):
-        group_advantages([1.0], 1)
-    with pytest.raises(NonFiniteError, match=r"positions \[1\]"):
-        group_advantages([1.0, float("nan")], 2)
 
 
 # --- the TRL 1.16 options: properties TRL cannot show -------------------------------------------------------

@@ -11,7 +11,8 @@ from asyncgrpo.bucket.layout import ADAPTER_WEIGHTS_NAME
 from asyncgrpo.run.config import RunConfig
 from tests.support.train_samples import synthetic_samples
 from worker.model.policy import Policy
-from worker.optimize.trainer import Trainer, load_adapter_weights
+from worker.optimize.trainer import Trainer
+from worker.optimize.trainer_state import load_adapter_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

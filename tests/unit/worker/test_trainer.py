@@ -23,14 +23,8 @@ from worker.algo.grpo import NonFiniteError
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import TRAIN_ADAPTER, Policy
 from worker.optimize.batch import TrainSample, pack_micro_batches
-from worker.optimize.trainer import (
-    Trainer,
-    TrainerStateError,
-    adapter_files,
-    learning_rate_at,
-    mean_ratio,
-    write_adapter_folder,
-)
+from worker.optimize.trainer import Trainer, learning_rate_at, mean_ratio
+from worker.optimize.trainer_state import TrainerStateError, adapter_files, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
