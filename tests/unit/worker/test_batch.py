@@ -10,13 +10,17 @@ import pytest
 import torch
 from transformers import masking_utils
 
-from asyncgrpo.run.config import RunConfig
+from asyncgrpo.protocol.records import RolloutExtra
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.config import LossConfig, RunConfig
 from tests.support.train_samples import capture_gradients, synthetic_samples
+from worker.algo.rollout import Rollout, RolloutSample
 from worker.model import attention as attention_module
 from worker.model.attention import SEGMENT_ATTENTION
 from worker.model.policy import Policy
 from worker.optimize.batch import (
     TrainSample,
+    build_train_samples,
     collate,
     deal_to_ranks,
     pack_padding_free,
@@ -144,3 +148,28 @@ def test_a_model_that_attends_across_a_packed_row_trains_padded(
     assert padded.policy.model.config._attn_implementation == attention
     samples = synthetic_samples(padded, 12, seed=2)
     assert leaky.step(samples).loss == pytest.approx(padded.step(samples).loss, abs=TOLERANCE)
+
+
+def test_train_samples_carry_the_correction_and_the_truncation_mask_of_their_rollout() -> None:
+    def rollout(sampler: str | None) -> Rollout:
+        samples = [
+            RolloutSample(0, [1, 2], [3, 4], [-0.5, -0.5], 1.0, 0.5, "length"),
+            RolloutSample(0, [1, 2], [3, 9], [-0.5, -0.5], 0.0, -0.5, "stop"),
+        ]
+        groups = [GroupRef(group_id="t.0", prompt_index=0)]
+        return Rollout("r", f"t-{sampler}", 0, "gen", groups, samples, extra=RolloutExtra(sampler=sampler))
+
+    rollouts = [rollout("vllm"), rollout("transformers"), rollout(None)]
+    default = LossConfig()
+    samples, _ = build_train_samples(rollouts, default)
+    # Unset, the correction applies to vLLM's rollouts only; a rollout written before samplers were recorded
+    # is the transformers backend's.
+    assert [s.corrected for s in samples] == [True, True, False, False, False, False]
+    assert all(s.trained for s in samples)
+    forced, _ = build_train_samples(rollouts, LossConfig(vllm_importance_sampling_correction=True))
+    assert all(s.corrected for s in forced)
+    off, _ = build_train_samples(rollouts, LossConfig(vllm_importance_sampling_correction=False))
+    assert not any(s.corrected for s in off)
+    masked, _ = build_train_samples(rollouts, LossConfig(mask_truncated_completions=True))
+    assert [s.trained for s in masked] == [False, True] * 3
+    assert all(s.old_logprobs is None for s in samples)  # rescoring fills them

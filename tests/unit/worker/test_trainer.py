@@ -110,6 +110,24 @@ def test_micro_batches_give_the_same_update_as_one_batch(tiny_model_dir: Path) -
         torch.testing.assert_close(gradients_split[name], gradient, rtol=1e-4, atol=1e-5 * scale)
 
 
+def test_completions_left_out_of_the_loss_train_like_a_batch_without_them(tiny_model_dir: Path) -> None:
+    # loss.mask_truncated_completions marks truncated rows untrained: with dapo (token sum / tokens), the
+    # update equals one over the other rows alone; micro-batches of 16 tokens mix both kinds of rows.
+    config = make_config(optimizer={"micro_batch_tokens": 16, "max_grad_norm": 1e6})
+    masked, subset = make_trainer(tiny_model_dir, config), make_trainer(tiny_model_dir, config)
+    samples = synthetic_samples(masked, 12, seed=8)
+    for index, sample in enumerate(samples):
+        sample.trained = index % 3 != 0
+    gradients_masked, gradients_subset = capture_gradients(masked), capture_gradients(subset)
+    metrics = masked.step(samples)
+    subset.step([sample for sample in samples if sample.trained])
+    assert metrics.tokens == sum(len(s.completion_token_ids) for s in samples if s.trained)
+    scale = max(float(g.abs().max()) for g in gradients_subset.values())
+    assert scale > 0
+    for name, gradient in gradients_subset.items():
+        torch.testing.assert_close(gradients_masked[name], gradient, rtol=1e-4, atol=1e-5 * scale)
+
+
 def test_non_finite_step_applies_no_update(tiny_model_dir: Path) -> None:
     trainer = make_trainer(tiny_model_dir)
     trainer.version_files(0)
