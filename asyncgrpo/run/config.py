@@ -295,7 +295,7 @@ class LossConfig(_Section):
     epsilon_low: float = Field(
         0.2,
         ge=0.0,
-        le=10.0,
+        le=1.0,
         validation_alias=AliasChoices("epsilon_low", "epsilon"),
         description="Lower PPO clip: ratio >= 1 - epsilon_low (TRL's `epsilon`, accepted as that name too).",
     )
@@ -326,9 +326,9 @@ class LossConfig(_Section):
         1.05, gt=0.0, le=100.0, description="sapo: temperature of the gate on tokens with a negative advantage."
     )
     vespo_k_pos: float = Field(2.0, ge=0.0, le=100.0, description="vespo: shape k of the weight, advantage >= 0.")
-    vespo_lambda_pos: float = Field(3.0, ge=0.0, le=100.0, description="vespo: rate lambda, advantage >= 0.")
+    vespo_lambda_pos: float = Field(3.0, gt=0.0, le=100.0, description="vespo: rate lambda, advantage >= 0.")
     vespo_k_neg: float = Field(3.0, ge=0.0, le=100.0, description="vespo: shape k of the weight, advantage < 0.")
-    vespo_lambda_neg: float = Field(2.0, ge=0.0, le=100.0, description="vespo: rate lambda, advantage < 0.")
+    vespo_lambda_neg: float = Field(2.0, gt=0.0, le=100.0, description="vespo: rate lambda, advantage < 0.")
     off_policy_mask_threshold: float | None = Field(
         None,
         ge=0.0,
@@ -414,12 +414,20 @@ class LossConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
+        # The loss (worker.algo.grpo) checks the same at every call; here a run is refused before it starts.
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low > high:
+        if low is not None and high is not None and low >= high:
             raise ValueError(
-                f"loss.vllm_importance_sampling_clip_min={low} is above loss.vllm_importance_sampling_clip_max="
-                f"{high}; the correction weight would have no allowed value"
+                f"loss.vllm_importance_sampling_clip_min={low} is not below loss.vllm_importance_sampling_clip_max="
+                f"{high}; the correction weight would have no room"
             )
+        if self.vllm_importance_sampling_mode.endswith("_truncate") and low is None and high is None:
+            raise ValueError(
+                f"loss.vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the weight: "
+                "set loss.vllm_importance_sampling_clip_min or loss.vllm_importance_sampling_clip_max"
+            )
+        if self.loss_type == "cispo" and self.epsilon_high == 0:
+            raise ValueError("loss.loss_type='cispo' caps the weight at loss.epsilon_high: set it above 0 (TRL: 5.0)")
         if (
             self.loss_type == "vespo"
             and self.vllm_importance_sampling_correction is not False

@@ -228,7 +228,7 @@ def run_generate_task(
         groups=accepted,
         samples=samples,
         timings=timings,
-        extra=RolloutExtra(rejected_groups=rejected, prompts=fed.of(accepted), sampler=getattr(backend, "name", None)),
+        extra=RolloutExtra(rejected_groups=rejected, prompts=fed.of(accepted), sampler=backend.name),
     )
     data = encode_rollout(rollout)
     try:

@@ -230,23 +230,30 @@ def collate(
     chosen = [samples[index] for index in indices]
     completion_width = max(max(len(s.completion_token_ids) for s in chosen), 1)
     # Padded Python rows, then one tensor each: per-row tensor writes cost more than the model on small batches.
-    completions, mask, behavior, denominator = [], [], [], []
+    completions, mask, behavior = [], [], []
     for sample in chosen:
         right = completion_width - len(sample.completion_token_ids)
         completions.append([*sample.completion_token_ids] + [pad_id] * right)
         mask.append([True] * len(sample.completion_token_ids) + [False] * right)
         behavior.append(list(sample.behavior_logprobs) + [0.0] * right)
-        old = sample.old_logprobs if sample.corrected and sample.old_logprobs is not None else sample.behavior_logprobs
-        denominator.append(list(old) + [0.0] * right)
+    behavior_tensor = torch.tensor(behavior, dtype=torch.float32).to(device)
+    denominator = behavior_tensor  # the generator's, unless a corrected sample was rescored
+    if any(sample.corrected and sample.old_logprobs is not None for sample in chosen):
+        rows = [
+            [*(s.old_logprobs if s.corrected and s.old_logprobs is not None else s.behavior_logprobs)]
+            + [0.0] * (completion_width - len(s.completion_token_ids))
+            for s in chosen
+        ]
+        denominator = torch.tensor(rows, dtype=torch.float32).to(device)
     mask_tensor = torch.tensor(mask, dtype=torch.bool)
     trained = torch.tensor([s.trained for s in chosen], dtype=torch.bool)
     common = {
         "indices": indices,
         "completion_ids": torch.tensor(completions, dtype=torch.long).to(device),
         "mask": mask_tensor.to(device),
-        "behavior_logprobs": torch.tensor(behavior, dtype=torch.float32).to(device),
+        "behavior_logprobs": behavior_tensor,
         "advantages": torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
-        "denominator": torch.tensor(denominator, dtype=torch.float32).to(device),
+        "denominator": denominator,
         "from_forward": torch.tensor([s.corrected and s.old_logprobs is None for s in chosen]).to(device),
         "loss_mask": (mask_tensor & trained.unsqueeze(1)).to(device),
     }

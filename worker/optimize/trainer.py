@@ -113,7 +113,7 @@ _FIGURES = ("ratio", "kl", "clip_low", "clip_high", "clip_region", "entropy")
 """The token-weighted figures of an update (``worker.algo.grpo``'s stats; ``kl_ref`` too when beta > 0)."""
 
 
-def _loss_options(loss: LossConfig) -> dict[str, Any]:
+def loss_options(loss: LossConfig) -> dict[str, Any]:
     """The ``policy_loss`` keywords a run's ``[loss]`` table fixes, under their shared (TRL) names."""
     names = (
         "loss_type",
@@ -191,7 +191,7 @@ class Trainer:
         self.optimizer_cfg = optimizer_cfg
         self.loss_cfg = loss_cfg
         self.max_completion_length = max_completion_length
-        self._loss_options = _loss_options(loss_cfg)
+        self._loss_options = loss_options(loss_cfg)
         self.temperature = temperature
         self.seed = seed
         if optimizer_cfg.padding_free and policy.model.config._attn_implementation == "sdpa":

@@ -19,11 +19,11 @@ from asyncgrpo.bucket.layout import (
 )
 from asyncgrpo.run.config import LoraConfig, LossConfig, OptimizerConfig, RunConfig
 from tests.support.train_samples import capture_gradients, synthetic_samples
-from worker.algo.grpo import NonFiniteError
+from worker.algo.grpo import NonFiniteError, policy_loss
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import TRAIN_ADAPTER, Policy
 from worker.optimize.batch import TrainSample, pack_micro_batches
-from worker.optimize.trainer import Trainer, learning_rate_at, mean_ratio
+from worker.optimize.trainer import Trainer, learning_rate_at, loss_options, mean_ratio
 from worker.optimize.trainer_state import TrainerStateError, adapter_files, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -236,3 +236,48 @@ def test_later_versions_serialise_exactly_what_save_pretrained_writes(tiny_model
     assert second[ADAPTER_WEIGHTS_NAME] == through_peft[ADAPTER_WEIGHTS_NAME]
     assert second[ADAPTER_CONFIG_NAME] == through_peft[ADAPTER_CONFIG_NAME] == first[ADAPTER_CONFIG_NAME]
     assert second[ADAPTER_WEIGHTS_NAME] != first[ADAPTER_WEIGHTS_NAME], "the step changed the weights"
+
+
+# Each edge of a [loss] bound the run config accepts (worker.algo.grpo checks its own at every call): a run
+# that `run create` accepted must never fail its first step on an option.
+LOSS_EDGES = [
+    {"epsilon_low": 1.0, "epsilon_high": 0.0},
+    {"loss_type": "cispo", "epsilon_high": 1e-6},
+    {"loss_type": "vespo", "vespo_lambda_pos": 1e-6, "vespo_lambda_neg": 1e-6, "vespo_k_pos": 0.0,
+     "vllm_importance_sampling_mode": "token_mask"},
+    {"loss_type": "sapo", "sapo_temperature_pos": 1e-6, "sapo_temperature_neg": 100.0},
+    {"delta": 1.0 + 1e-6, "off_policy_mask_threshold": 0.0, "top_entropy_quantile": 1e-6},
+    {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": 0.0,
+     "vllm_importance_sampling_clip_max": 1e-6},
+    {"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_min": 0.0,
+     "vllm_importance_sampling_clip_max": None},
+    {"vllm_importance_sampling_clip_max": None, "beta": 100.0, "use_bias_correction_kl": False},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("edge", LOSS_EDGES, ids=lambda edge: ",".join(edge))
+def test_a_loss_table_the_config_accepts_the_loss_accepts(edge: dict[str, object]) -> None:
+    options = loss_options(LossConfig(**edge))
+    torch.manual_seed(0)
+    logprobs = -torch.rand(3, 4, requires_grad=True)
+    ones = torch.ones(3, 4, dtype=torch.bool)
+    loss, _ = policy_loss(
+        logprobs, -torch.rand(3, 4), torch.randn(3), ones, **options, ref_logprobs=-torch.rand(3, 4),
+        entropy=torch.rand(3, 4), sampling_logprobs=-torch.rand(3, 4), vllm_importance_sampling_correction=True,
+    )  # fmt: skip
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize(
+    ("edge", "names"),
+    [
+        ({"epsilon_low": 1.5}, "epsilon_low"),
+        ({"vespo_lambda_pos": 0.0}, "vespo_lambda_pos"),
+        ({"vllm_importance_sampling_clip_min": 3.0}, "clip_min"),
+        ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None}, "clip_max"),
+        ({"loss_type": "cispo", "epsilon_high": 0.0}, "epsilon_high"),
+    ],
+)
+def test_a_loss_table_the_loss_would_refuse_is_refused_by_the_config(edge: dict[str, object], names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        LossConfig(**edge)
