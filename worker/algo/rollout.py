@@ -6,6 +6,13 @@ aligned with ``completion_ids``: the logprob of each sampled token under the sam
 (temperature applied) of the version named in the header. Per-sample arrays (``rewards``, ``advantages``,
 ``sample_group``, ``reward/<name>``) have one entry per completion, groups in header order, G per group.
 
+An agent rollout's completion is the whole conversation after the prompt: the model's turns and the tools'
+or environment's answers, one token sequence. ``completion_mask`` (uint8, aligned with ``completion_ids``,
+same offsets) is 1 at the model's tokens and 0 at the others, whose behaviour logprob is meaningless (the
+generator writes 0.0). It is written only when some sample has a mask, so a rollout without one is the same
+bytes as before the field existed; absent, every completion token is the model's. A sample's mask decodes to
+None when it is all 1 (one form for "every token is the model's").
+
 The header is ``asyncgrpo.protocol.records.RolloutHeader``. Only numpy, safetensors and pydantic: no torch
 needed to read or write one, and no pickle anywhere.
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +49,16 @@ class RolloutSample:
     advantage: float
     finish_reason: str
     rewards_by_name: dict[str, float] = field(default_factory=dict)
+    # Per completion token, whether the model sampled it (False: a tool's or environment's answer, which
+    # never trains or counts); None: every completion token is the model's.
+    completion_mask: list[bool] | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens the model sampled: what counts as its completion length."""
+        if self.completion_mask is None:
+            return len(self.completion_token_ids)
+        return sum(self.completion_mask)
 
 
 @dataclass
@@ -72,7 +90,7 @@ class Rollout:
         )
 
 
-def _flatten(sequences: list[list[int]] | list[list[float]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(sequences: Sequence[Sequence[float]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
     flat = np.array([value for seq in sequences for value in seq], dtype=dtype)
@@ -91,6 +109,11 @@ def encode_rollout(rollout: Rollout) -> bytes:
                 f"rollout {rollout.task_id}: a completion has {len(sample.completion_token_ids)} tokens but "
                 f"{len(sample.behavior_logprobs)} logprobs"
             )
+        if sample.completion_mask is not None and len(sample.completion_mask) != len(sample.completion_token_ids):
+            raise RolloutFormatError(
+                f"rollout {rollout.task_id}: a completion has {len(sample.completion_token_ids)} tokens but a "
+                f"mask of {len(sample.completion_mask)}"
+            )
     prompt_ids, prompt_offsets = _flatten([s.prompt_token_ids for s in samples], np.int64)
     completion_ids, completion_offsets = _flatten([s.completion_token_ids for s in samples], np.int64)
     logprobs, _ = _flatten([s.behavior_logprobs for s in samples], np.float32)
@@ -104,6 +127,9 @@ def encode_rollout(rollout: Rollout) -> bytes:
         "advantages": np.array([s.advantage for s in samples], dtype=np.float32),
         "sample_group": np.array([s.group_index for s in samples], dtype=np.int64),
     }
+    if any(s.completion_mask is not None for s in samples):  # absent otherwise: the bytes of a maskless rollout
+        masks = [s.completion_mask or [True] * len(s.completion_token_ids) for s in samples]
+        tensors["completion_mask"] = _flatten(masks, np.uint8)[0]
     header = rollout.header()
     for name in header.reward_names:
         tensors[f"reward/{name}"] = np.array([s.rewards_by_name.get(name, 0.0) for s in samples], dtype=np.float32)
@@ -132,6 +158,20 @@ def read_rollout_header(data: bytes) -> RolloutHeader:
     return header
 
 
+def _decode_masks(task_id: str, tensors: dict[str, np.ndarray], count: int) -> list[list[bool] | None]:
+    """Each sample's completion mask: None where the tensor is absent or the sample's mask is all 1."""
+    flat = tensors.get("completion_mask")
+    if flat is None:
+        return [None] * count
+    if flat.shape != tensors["completion_ids"].shape or not np.isin(flat, (0, 1)).all():
+        raise RolloutFormatError(
+            f"rollout {task_id}: completion_mask must hold one 0 or 1 per completion token "
+            f"({flat.shape[0] if flat.ndim else 0} values for {tensors['completion_ids'].shape[0]} tokens)"
+        )
+    masks = _split(flat.astype(bool), tensors["completion_offsets"])
+    return [None if all(mask) else mask for mask in masks]
+
+
 def decode_rollout(data: bytes) -> Rollout:
     header = read_rollout_header(data)
     tensors = load_tensors(data)
@@ -142,6 +182,7 @@ def decode_rollout(data: bytes) -> Rollout:
     advantages = tensors["advantages"].tolist()
     groups_of = tensors["sample_group"].tolist()
     by_name = {name: tensors[f"reward/{name}"].tolist() for name in header.reward_names}
+    masks = _decode_masks(header.task_id, tensors, len(completions))
     samples = [
         RolloutSample(
             group_index=groups_of[i],
@@ -152,6 +193,7 @@ def decode_rollout(data: bytes) -> Rollout:
             advantage=advantages[i],
             finish_reason=header.finish_reasons[i],
             rewards_by_name={name: values[i] for name, values in by_name.items()},
+            completion_mask=masks[i],
         )
         for i in range(len(completions))
     ]

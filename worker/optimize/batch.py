@@ -15,6 +15,11 @@ Two layouts of a micro-batch (``optimizer.padding_free``):
 Both give the same logprobs, loss and gradients (a test keeps them equal); padding-free computes no padding
 position, which on a long-tailed length mix is most of a padded batch.
 
+Agent samples: a completion may hold tool or environment tokens (``completion_mask`` False). They keep their
+positions (later model tokens read them as context), so ``MicroBatch.mask`` is still every real completion
+token, which the layouts and ``completion_view`` follow; ``model_mask`` drops the tool tokens and is what
+ratios count, and ``loss_mask`` is ``model_mask`` of the trained rows, all the loss and its figures see.
+
 Ranks: the micro-batches of an update are planned once, for the whole step, then dealt out to ranks by
 tokens (largest first, to the least loaded rank). Every rank runs the same number of forward/backward
 passes (FSDP's collectives pair up pass by pass), so a rank short of work repeats one of its micro-batches
@@ -47,6 +52,9 @@ class TrainSample:
     corrected: bool = False
     old_logprobs: list[float] | None = None
     trained: bool = True  # False: left out of the loss (a truncated completion, loss.mask_truncated_completions)
+    # Per completion token, whether the model sampled it (False: a tool's answer, in no loss, ratio or count;
+    # its behaviour logprob is meaningless); None: every completion token is the model's.
+    completion_mask: list[bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -61,10 +69,29 @@ class TrainSample:
                 f"a train sample has {len(self.completion_token_ids)} completion tokens but "
                 f"{len(self.old_logprobs)} rescored logprobs; they must align one to one"
             )
+        if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_token_ids):
+            raise ValueError(
+                f"a train sample has {len(self.completion_token_ids)} completion tokens but a mask of "
+                f"{len(self.completion_mask)}; they must align one to one"
+            )
 
     @property
     def length(self) -> int:
+        """Positions a forward computes: prompt and every completion token, tool tokens included."""
         return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens the model sampled: the ones that train and count."""
+        if self.completion_mask is None:
+            return len(self.completion_token_ids)
+        return sum(self.completion_mask)
+
+    def model_flags(self) -> list[bool]:
+        """Per completion token, whether the model sampled it."""
+        if self.completion_mask is None:
+            return [True] * len(self.completion_token_ids)
+        return list(self.completion_mask)
 
 
 def corrects(rollout: Rollout, setting: bool | None) -> bool:
@@ -94,6 +121,7 @@ def build_train_samples(
                     version=rollout.version,
                     corrected=corrected,
                     trained=not (loss is not None and loss.mask_truncated_completions and truncated),
+                    completion_mask=sample.completion_mask,
                 )
             )
             keys.append((owner, sample.group_index))
@@ -197,14 +225,15 @@ class MicroBatch:
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None  # None when padding-free: the position ids separate the sequences
     completion_ids: torch.Tensor  # (B, C)
-    mask: torch.Tensor  # (B, C) bool: real completion tokens
+    mask: torch.Tensor  # (B, C) bool: real completion tokens (tool tokens too: the layouts compute them)
     behavior_logprobs: torch.Tensor  # (B, C) float32: the generator's
     advantages: torch.Tensor  # (B,) float32
     # The PPO denominator (B, C): the generator's logprobs, or a corrected sample's rescored ones; the rows of
     # ``from_forward`` take the training forward's own (detached) logprobs instead.
     denominator: torch.Tensor
     from_forward: torch.Tensor  # (B,) bool
-    loss_mask: torch.Tensor  # (B, C) bool: ``mask`` without the rows left out of the loss
+    model_mask: torch.Tensor  # (B, C) bool: ``mask`` without tool tokens: the tokens ratios count
+    loss_mask: torch.Tensor  # (B, C) bool: ``model_mask`` without the rows left out of the loss
     logit_positions: torch.Tensor | None = None  # padding-free: row positions predicting each completion token
     weight: float = 1.0  # 0 for a rank's filler pass: it runs the collectives and adds nothing
 
@@ -246,6 +275,10 @@ def collate(
         ]
         denominator = torch.tensor(rows, dtype=torch.float32).to(device)
     mask_tensor = torch.tensor(mask, dtype=torch.bool)
+    model_tensor = mask_tensor  # without agent samples the model's tokens are the real ones
+    if any(s.completion_mask is not None for s in chosen):
+        model_rows = [s.model_flags() + [False] * (completion_width - len(s.completion_token_ids)) for s in chosen]
+        model_tensor = torch.tensor(model_rows, dtype=torch.bool)
     trained = torch.tensor([s.trained for s in chosen], dtype=torch.bool)
     common = {
         "indices": indices,
@@ -255,7 +288,8 @@ def collate(
         "advantages": torch.tensor([s.advantage for s in chosen], dtype=torch.float32, device=device),
         "denominator": denominator,
         "from_forward": torch.tensor([s.corrected and s.old_logprobs is None for s in chosen]).to(device),
-        "loss_mask": (mask_tensor & trained.unsqueeze(1)).to(device),
+        "model_mask": model_tensor.to(device),
+        "loss_mask": (model_tensor & trained.unsqueeze(1)).to(device),
     }
     if padding_free:
         ids: list[int] = []

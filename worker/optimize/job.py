@@ -31,7 +31,8 @@ The step record of one optimize step: what it trained on and how the policy move
 
 ``build_step_record`` turns the step's rollouts, their rescoring ratios and the trainer's per-update metrics
 into a ``asyncgrpo.protocol.records.StepRecord``; the optimize job stores it with the new version and copies it
-to ``runs/<run>/metrics/``. Pure: no I/O, no torch.
+to ``runs/<run>/metrics/``. Pure: no I/O, no torch. Its token counts and completion lengths are the model's
+tokens: an agent completion's tool answers count in neither.
 
 Versions in the bucket (below): as the job reads them, pinned to the sha the proxy recorded.
 
@@ -79,6 +80,7 @@ from asyncgrpo.protocol.records import (
     RolloutEntry,
     StepRecord,
     StepTimings,
+    ToolFigures,
     UpdateMetrics,
 )
 from asyncgrpo.protocol.schemas import (
@@ -134,7 +136,8 @@ def build_step_record(
     stalenesses = [staleness(base_version, rollout.version) for rollout in rollouts]
     reward_names = sorted({name for sample in samples for name in sample.rewards_by_name})
     by_name = {name: [sample.rewards_by_name.get(name, 0.0) for sample in samples] for name in reward_names}
-    completion_lengths = [len(sample.completion_token_ids) for sample in samples]
+    # The model's tokens: an agent completion's tool answers are not its length, nor tokens trained on.
+    completion_lengths = [sample.model_tokens for sample in samples]
     truncated = sum(1 for sample in samples if sample.finish_reason == "length")
     return StepRecord(
         run=run,
@@ -179,6 +182,7 @@ def build_step_record(
         ],
         flagged_rollouts=flagged,
         timings=timings,
+        tools=ToolFigures.of([rollout.extra.agent for rollout in rollouts if rollout.extra.agent is not None]),
     )
 
 
@@ -250,6 +254,13 @@ def validate_rollout(rollout: Rollout) -> None:
         if not 0 <= sample.group_index < groups:
             raise RolloutUnusable(
                 rollout.task_id, "rollout_malformed", f"{where} names group {sample.group_index} of {groups}"
+            )
+        if sample.completion_mask is not None and len(sample.completion_mask) != len(sample.completion_token_ids):
+            raise RolloutUnusable(
+                rollout.task_id,
+                "rollout_malformed",
+                f"{where} has {len(sample.completion_token_ids)} completion tokens but a mask of "
+                f"{len(sample.completion_mask)}",
             )
         if not _finite(sample.behavior_logprobs):
             raise RolloutUnusable(rollout.task_id, "rollout_non_finite", f"{where} has non-finite logprobs")

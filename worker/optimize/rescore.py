@@ -14,6 +14,9 @@ Where the generator-trainer correction applies (``loss.vllm_importance_sampling_
 ``corrected``), the trainer's logprobs under the claimed version are the PPO denominator of every such
 sequence, so all of them are rescored (not a fraction), per token: each one's ``old_logprobs`` is set, and
 its ratio sums are those of the correction weight exp(trainer - generator).
+
+Every ratio and token count here is over the model's tokens: an agent sample's tool tokens carry no
+behaviour logprob to check.
 """
 
 from __future__ import annotations
@@ -157,18 +160,21 @@ def rescore_planned(
             logprobs = trainer.rescore([samples[i] for i in corrected], lora_values=weights)
             for index, old in zip(corrected, logprobs, strict=True):
                 samples[index].old_logprobs = old
-                sums[index] = _sequence_ratio_sums(samples[index].behavior_logprobs, old)
+                sums[index] = _sequence_ratio_sums(samples[index], old)
     return sums
 
 
-def _sequence_ratio_sums(behavior: list[float], current: list[float]) -> RatioSums:
-    log_ratios = [c - b for b, c in zip(behavior, current, strict=True)]
+def _sequence_ratio_sums(sample: TrainSample, current: list[float]) -> RatioSums:
+    """The ratio sums of ``sample`` with ``current`` logprobs, over its model tokens (a tool token's
+    behaviour logprob is meaningless)."""
+    pairs = zip(sample.behavior_logprobs, current, sample.model_flags(), strict=True)
+    log_ratios = [c - b for b, c, model in pairs if model]
     return sum(math.exp(value) for value in log_ratios), sum(log_ratios)
 
 
 @dataclass
 class RolloutRatios:
-    """Per rollout, token means over its checked samples (None for a rollout with no checked token):
+    """Per rollout, token means over its checked samples' model tokens (None for a rollout with none):
     ``mean`` of the ratio (the figure reported), ``geometric`` mean exp(mean log ratio)."""
 
     mean: list[float | None]
@@ -178,7 +184,8 @@ class RolloutRatios:
 def ratios_by_rollout(
     samples: list[TrainSample], ratio_sums: dict[int, RatioSums], sample_rollout: list[int], count: int
 ) -> RolloutRatios:
-    """Per rollout, the ratios of its checked samples (``ratio_sums`` by sample index)."""
+    """Per rollout, the ratios of its checked samples (``ratio_sums`` by sample index), token means over the
+    model's tokens (the sums hold only those)."""
     sums = [0.0] * count
     log_sums = [0.0] * count
     tokens = [0] * count
@@ -186,7 +193,7 @@ def ratios_by_rollout(
         owner = sample_rollout[index]
         sums[owner] += ratio
         log_sums[owner] += log_ratio
-        tokens[owner] += len(samples[index].completion_token_ids)
+        tokens[owner] += samples[index].model_tokens
     return RolloutRatios(
         mean=[sums[i] / tokens[i] if tokens[i] else None for i in range(count)],
         geometric=[math.exp(log_sums[i] / tokens[i]) if tokens[i] else None for i in range(count)],

@@ -8,7 +8,8 @@ never-stopped trainer would take (same device, same config).
 
 A batch is planned into micro-batches (``worker.optimize.batch``: padding-free by default); gradients
 accumulate over them with the normalisers of the whole step (see ``worker.algo.grpo``), then are clipped by
-global norm, and AdamW applies them.
+global norm, and AdamW applies them. Only the model's tokens count: an agent sample's tool tokens are
+forwarded as context but stay out of the loss, the ratios, every figure and the token counts.
 A non-finite loss or gradient norm raises :class:`~worker.algo.grpo.NonFiniteError` and applies no update.
 
 A trainer's state <-> bytes (the four files of a version) is ``worker.optimize.trainer_state``.
@@ -88,24 +89,35 @@ def learning_rate_at(update: int, optimizer: OptimizerConfig) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def mean_ratio(behavior_logprobs: list[list[float]], logprobs: list[list[float]]) -> float:
-    """Token mean of exp(logprobs - behaviour): 1 when a rollout was made by the weights rescoring it."""
+def mean_ratio(
+    behavior_logprobs: list[list[float]],
+    logprobs: list[list[float]],
+    masks: list[list[bool] | None] | None = None,
+) -> float:
+    """Token mean of exp(logprobs - behaviour) over the model's tokens (``masks``, per sequence: None or
+    absent for all of them): 1 when a rollout was made by the weights rescoring it."""
     total, count = 0.0, 0
-    for behavior, current in zip(behavior_logprobs, logprobs, strict=True):
-        for b, c in zip(behavior, current, strict=True):
-            total += math.exp(c - b)
-            count += 1
+    for index, (behavior, current) in enumerate(zip(behavior_logprobs, logprobs, strict=True)):
+        mask = masks[index] if masks is not None else None
+        flags = mask if mask is not None else [True] * len(behavior)
+        for b, c, model in zip(behavior, current, flags, strict=True):
+            if model:  # a tool token's behaviour logprob is meaningless
+                total += math.exp(c - b)
+                count += 1
     return total / count if count else 1.0
 
 
 RatioSums = tuple[float, float]
-"""One sequence's sums over its completion tokens of the ratio exp(logprob - behaviour) and of its log."""
+"""One sequence's sums over the model's completion tokens of the ratio exp(logprob - behaviour) and of its
+log (a tool token, whose behaviour logprob is meaningless, adds nothing)."""
 
 
 def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[RatioSums]:
-    """Per row, the sums over its real completion tokens of the ratio and of the log ratio: one device sync."""
-    log_ratio = torch.where(batch.mask, logprobs - batch.behavior_logprobs, 0.0)
-    sums = torch.stack([torch.where(batch.mask, log_ratio.exp(), 0.0).sum(dim=1), log_ratio.sum(dim=1)], dim=1)
+    """Per row, the sums over the model's completion tokens of the ratio and of the log ratio: one device
+    sync."""
+    log_ratio = torch.where(batch.model_mask, logprobs - batch.behavior_logprobs, 0.0)
+    ratio = torch.where(batch.model_mask, log_ratio.exp(), 0.0)
+    sums = torch.stack([ratio.sum(dim=1), log_ratio.sum(dim=1)], dim=1)
     return [(ratio, log_ratio) for ratio, log_ratio in sums.tolist()]
 
 
@@ -301,9 +313,9 @@ class Trainer:
     @collective
     @torch.no_grad()
     def rescore(self, samples: list[TrainSample], lora_values: list[torch.Tensor] | None = None) -> list[list[float]]:
-        """Logprob of every completion token under the current weights (or ``lora_values``, another version's
-        LoRA in ``lora_parameters`` order, the trainer's own put back exactly afterwards) and the sampling
-        temperature."""
+        """Logprob of every completion token (a tool's too: callers mask them) under the current weights (or
+        ``lora_values``, another version's LoRA in ``lora_parameters`` order, the trainer's own put back exactly
+        afterwards) and the sampling temperature."""
         self._set_training(False)
         result: dict[int, list[float]] = {}
         with self._lora_swapped(lora_values):
@@ -321,7 +333,7 @@ class Trainer:
     def rescore_ratio_sums(
         self, samples: list[TrainSample], lora_values: list[torch.Tensor] | None = None
     ) -> list[RatioSums]:
-        """Per sample, the sums over its completion tokens of exp(logprob now - behaviour) and of its log;
+        """Per sample, the sums over its model tokens of exp(logprob now - behaviour) and of its log;
         under ``lora_values`` (another version's LoRA, in ``lora_parameters`` order) when given, the
         trainer's own weights put back exactly afterwards."""
         self._set_training(False)
@@ -434,15 +446,17 @@ class Trainer:
 
     @collective
     def step_with_ratio_sums(self, samples: list[TrainSample]) -> tuple[UpdateMetrics, list[RatioSums]]:
-        """``step``, also returning per sample the sums over its tokens of exp(logprob - behaviour) and of its
-        log under the weights the update started from: its rescoring, free when
+        """``step``, also returning per sample the sums over its model tokens of exp(logprob - behaviour) and of
+        its log under the weights the update started from: its rescoring, free when
         ``training_forward_is_eval_forward``."""
         batches, micro_batches = self._batches(samples)
-        step_tokens = sum(len(s.completion_token_ids) for s in samples if s.trained)
+        # The model's tokens only: a tool's answer is context, never a loss term (the loss normalisers' count).
+        step_tokens = sum(s.model_tokens for s in samples if s.trained)
         if step_tokens == 0:
             raise ValueError(
-                "the batch has no completion tokens to train on (with loss.mask_truncated_completions, every "
-                "completion of it was truncated: raise sampling.max_completion_length)"
+                "the batch has no completion tokens of the model to train on (with "
+                "loss.mask_truncated_completions, every completion of it was truncated: raise "
+                "sampling.max_completion_length; or every completion token is a tool's answer)"
             )
         correcting = any(sample.corrected for sample in samples)
         cuda_devices = [self.policy.device] if self.policy.device.type == "cuda" else []

@@ -101,11 +101,27 @@ def _trainer(model: Path, padding_free: bool, loss_type: str) -> Trainer:
     return Trainer.initial(Policy.load(str(model)), config)
 
 
+def _as_conversations(samples: list[TrainSample]) -> None:
+    """Every other sample of 3 tokens or more becomes an agent sample: its inner tokens a tool's answer, with a
+    meaningless behaviour logprob."""
+    for sample in samples[::2]:
+        length = len(sample.completion_token_ids)
+        if length >= 3:
+            sample.completion_mask = [True] + [False] * (length - 2) + [True]
+            first, last = sample.behavior_logprobs[0], sample.behavior_logprobs[-1]
+            sample.behavior_logprobs = [first, *[-50.0] * (length - 2), last]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "agent"])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss_type: str) -> None:
-    """Loss, gradients, ratios, entropy, reference KL and rescoring, from the same (non-initial) weights."""
+def test_padding_free_training_equals_padded_training(tiny_model_dir: Path, loss_type: str, masked: bool) -> None:
+    """Loss, gradients, ratios, entropy, reference KL and rescoring, from the same (non-initial) weights; with
+    agent samples (tool tokens in their completions) too."""
     source = _trainer(tiny_model_dir, padding_free=False, loss_type=loss_type)
     samples = synthetic_samples(source, 20, seed=7)
+    if masked:
+        _as_conversations(samples)
+        assert any(s.completion_mask is not None for s in samples)
     source.step(samples)  # off the LoRA init, where B = 0 would hide the adapter
     files = source.version_files(1)
     padded, packed = (_trainer(tiny_model_dir, pf, loss_type) for pf in (False, True))

@@ -1,0 +1,87 @@
+"""The rollout object format (worker/algo/rollout.py): agent samples' completion masks round trip, and a
+rollout without them is the same bytes as before the mask existed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load as load_tensors
+from safetensors.numpy import save as save_tensors
+
+from asyncgrpo.protocol.schemas import GroupRef
+from worker.algo.rollout import Rollout, RolloutFormatError, RolloutSample, decode_rollout, encode_rollout
+
+MODEL, TOOL = True, False
+
+
+def _rollout(masks: list[list[bool] | None]) -> Rollout:
+    """One group of samples, completion i of length 5 + i, with ``masks[i]``."""
+    samples = [
+        RolloutSample(
+            group_index=0,
+            prompt_token_ids=[1, 2, 3],
+            completion_token_ids=list(range(10, 15 + i)),
+            behavior_logprobs=[-0.25 * (j + 1) for j in range(5 + i)],
+            reward=float(i),
+            advantage=0.5 - i,
+            finish_reason="stop",
+            rewards_by_name={"exact_match": float(i)},
+            completion_mask=mask,
+        )
+        for i, mask in enumerate(masks)
+    ]
+    return Rollout("run", "task-7", 3, "gen-1", [GroupRef(group_id="task-7.0", prompt_index=4)], samples)
+
+
+def test_a_rollout_without_masks_is_the_bytes_of_the_format_before_masks() -> None:
+    rollout = _rollout([None, None])
+    samples = rollout.samples
+    # The format as it was before completion_mask, written out by hand.
+    header = json.dumps(rollout.header().model_dump(mode="json"), sort_keys=True)
+    before = save_tensors(
+        {
+            "prompt_ids": np.array([1, 2, 3, 1, 2, 3], dtype=np.int64),
+            "prompt_offsets": np.array([0, 3, 6], dtype=np.int64),
+            "completion_ids": np.array([*range(10, 15), *range(10, 16)], dtype=np.int64),
+            "completion_offsets": np.array([0, 5, 11], dtype=np.int64),
+            "behavior_logprobs": np.array([x for s in samples for x in s.behavior_logprobs], dtype=np.float32),
+            "rewards": np.array([0.0, 1.0], dtype=np.float32),
+            "advantages": np.array([0.5, -0.5], dtype=np.float32),
+            "sample_group": np.array([0, 0], dtype=np.int64),
+            "reward/exact_match": np.array([0.0, 1.0], dtype=np.float32),
+        },
+        metadata={"asyncgrpo": header},
+    )
+    data = encode_rollout(rollout)
+    assert data == before
+    assert "completion_mask" not in load_tensors(data)
+    assert all(sample.completion_mask is None for sample in decode_rollout(data).samples)
+
+
+def test_masks_round_trip_and_an_all_model_mask_reads_as_none() -> None:
+    conversation = [MODEL, MODEL, TOOL, TOOL, TOOL, MODEL]
+    rollout = _rollout([None, conversation, [MODEL] * 7])
+    data = encode_rollout(rollout)
+    # Aligned with completion_ids: a maskless sample of an agent rollout is written all 1.
+    assert load_tensors(data)["completion_mask"].tolist() == [1] * 5 + [1, 1, 0, 0, 0, 1] + [1] * 7
+    decoded = decode_rollout(data)
+    assert [s.completion_mask for s in decoded.samples] == [None, conversation, None]
+    assert [s.model_tokens for s in decoded.samples] == [5, 3, 7]
+    for before, after in zip(rollout.samples, decoded.samples, strict=True):
+        assert after.completion_token_ids == before.completion_token_ids
+        assert after.behavior_logprobs == pytest.approx(before.behavior_logprobs)
+    assert encode_rollout(decoded) == encode_rollout(_rollout([None, conversation, None]))
+
+
+def test_a_mask_that_does_not_fit_its_completion_is_refused_naming_the_task() -> None:
+    with pytest.raises(RolloutFormatError, match=r"task-7: .* 5 tokens but a mask of 4"):
+        encode_rollout(_rollout([[MODEL, TOOL, MODEL, MODEL]]))
+    # A stored mask tensor of the wrong length (or not 0/1) does not decode either.
+    data = encode_rollout(_rollout([[MODEL, TOOL, MODEL, MODEL, MODEL]]))
+    tensors = load_tensors(data)
+    metadata = {"asyncgrpo": json.dumps(_rollout([None]).header().model_dump(mode="json"), sort_keys=True)}
+    for bad in (np.array([1, 0, 1, 1], dtype=np.uint8), np.array([1, 0, 2, 1, 1], dtype=np.uint8)):
+        with pytest.raises(RolloutFormatError, match=r"task-7: completion_mask"):
+            decode_rollout(save_tensors({**tensors, "completion_mask": bad}, metadata=metadata))
