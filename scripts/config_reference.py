@@ -44,6 +44,16 @@ def _item_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _optional_table(annotation: Any) -> Any:
+    """``Table | None`` (a table that may be left out, ``[agent]``) as the table, to list its fields."""
+    arguments = [argument for argument in get_args(annotation) if argument is not type(None)]
+    if type(None) in get_args(annotation) and len(arguments) == 1:
+        (only,) = arguments
+        if isinstance(only, type) and issubclass(only, BaseModel):
+            return only
+    return annotation
+
+
 def rows(model: type[BaseModel], prefix: str = "", expanded: set[type[BaseModel]] | None = None) -> list[str]:
     """One row per field; a table's fields under its name, and a list of tables' entry fields once (the first
     list of that entry model: ``rewards.name``, not again under ``eval.rewards``)."""
@@ -51,7 +61,7 @@ def rows(model: type[BaseModel], prefix: str = "", expanded: set[type[BaseModel]
     lines = []
     for name, info in model.model_fields.items():
         key = prefix + (info.alias or name)
-        annotation = info.annotation
+        annotation = _optional_table(info.annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             lines.extend(rows(annotation, key + ".", expanded))
             continue

@@ -44,8 +44,49 @@ class GenerateTimings(_Timings):
     """Sampling the completions (absent when every prompt was rejected)."""
     score_s: float | None = None
     """Computing the rewards and group advantages."""
+    tools_s: float | None = None
+    """Agent runs: waiting on tool and environment calls (inside ``generate_s``)."""
     task_s: float | None = None
     """The whole task, submit included (task result only)."""
+
+
+class AgentStats(_Stored):
+    """Per sample (in sample order) of an agent rollout: its model turns, the tool calls it made, and how many of
+    them failed (raised, returned no text, timed out, crashed the tool process, or could not be parsed)."""
+
+    turns: list[int]
+    tool_calls: list[int]
+    tool_failures: list[int]
+
+
+class ToolFigures(_Stored):
+    """An [agent] step's conversations (TRL's ``tools/*``): over its completions, the mean tool calls
+    (``call_frequency``), the share of calls that failed (``failure_frequency``), the mean model turns, and the
+    share of completions that called a tool at all."""
+
+    call_frequency: float
+    failure_frequency: float
+    turns_mean: float
+    call_rate: float
+    calls: int
+    failures: int
+
+    @staticmethod
+    def of(stats: list[AgentStats]) -> ToolFigures | None:
+        """Over the rollouts' per-sample stats; None when no rollout is an agent's."""
+        turns = [n for part in stats for n in part.turns]
+        calls = [n for part in stats for n in part.tool_calls]
+        failures = sum(n for part in stats for n in part.tool_failures)
+        if not turns:
+            return None
+        return ToolFigures(
+            call_frequency=sum(calls) / len(calls),
+            failure_frequency=failures / sum(calls) if sum(calls) else 0.0,
+            turns_mean=sum(turns) / len(turns),
+            call_rate=sum(1 for n in calls if n) / len(calls),
+            calls=sum(calls),
+            failures=failures,
+        )
 
 
 class RolloutExtra(_Stored):
@@ -62,11 +103,14 @@ class RolloutExtra(_Stored):
     """The generation backend whose logprobs the rollout carries ('transformers', 'vllm'): whether the
     generator-trainer correction applies by default (``loss.vllm_importance_sampling_correction`` unset). None
     (and not written) in rollouts made before it existed."""
+    agent: AgentStats | None = None
+    """Per sample, what its conversation did, for an ``[agent]`` run (``worker.generate.agent``); None (and not
+    written) otherwise."""
 
     @model_serializer(mode="wrap")
     def _drop_unset_prompts(self, handler: SerializerFunctionWrapHandler, _: SerializationInfo) -> dict[str, Any]:
         data = handler(self)
-        for name in ("prompts", "sampler"):
+        for name in ("prompts", "sampler", "agent"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
@@ -258,6 +302,8 @@ class StepRecord(_Stored):
     importance_sampling_ratio: CorrectionFigures | None = Field(None, exclude_if=lambda value: value is None)
     """Over the step's updates, the generator-trainer correction's weights (``UpdateMetrics``); only when the
     step corrected a sample."""
+    tools: ToolFigures | None = Field(None, exclude_if=lambda value: value is None)
+    """[agent] runs: what the step's conversations did with their tools; absent otherwise."""
     kl: float | None
     entropy: float | None
     clip_low: float | None

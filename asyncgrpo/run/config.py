@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from asyncgrpo.run.agent_config import AgentConfig
 from asyncgrpo.run.reward_config import BUILTIN_REWARD_NAMES as BUILTIN_REWARD_NAMES
 from asyncgrpo.run.reward_config import REWARD_CHOICES as REWARD_CHOICES
 from asyncgrpo.run.reward_config import REWARDS_NEEDING_ANSWER as REWARDS_NEEDING_ANSWER
@@ -132,6 +133,11 @@ class DatasetConfig(BaseModel):
         description="System message put before each chat when templating (not when the chat has its own). "
         "Needs `chat_template` or `messages_column`.",
     )
+    environment_column: str | None = Field(
+        None,
+        description="Column naming each prompt's environment, when agent.environment is a table of named "
+        "environments (TRL's `environment` field).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -197,7 +203,8 @@ class ModelConfig(_Section):
     base: str = Field(
         "tiny",
         description="Base model: a Hugging Face hub id, a local directory in Hugging Face format, or "
-        "'tiny' for the small random-init model that `asyncgrpo model tiny` builds (no download).",
+        "'tiny' for the small random-init model that `asyncgrpo model tiny` builds (no download); 'tiny-agent' for "
+        "its sibling with a tool-calling chat template (the toy agent task).",
         min_length=1,
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -601,8 +608,7 @@ class RunConfig(_Section):
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     rewards: list[RewardConfig] = Field(
         default_factory=lambda: [RewardConfig(name="repeat_digit")],
-        min_length=1,
-        description="Rewards summed with their weights.",
+        description="Rewards summed with their weights (at least one, unless agent.environment owns the reward).",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -610,6 +616,9 @@ class RunConfig(_Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    agent: AgentConfig | None = Field(
+        None, description="Multi-turn rollouts with tools or environments (asyncgrpo.run.agent_config)."
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -617,6 +626,36 @@ class RunConfig(_Section):
     @classmethod
     def _each_reward_once(cls, value: list[RewardConfig]) -> list[RewardConfig]:
         return _each_reward_once(value, "rewards")
+
+    @model_validator(mode="after")
+    def _agent_fits(self) -> RunConfig:
+        agent = self.agent
+        if not self.rewards and (agent is None or agent.environment is None):
+            raise ValueError("rewards: add at least one [[rewards]] entry (or an agent.environment with get_reward)")
+        if agent is None:
+            if self.dataset.environment_column is not None:
+                raise ValueError("dataset.environment_column names environments, but [agent] has no environment table")
+            return self
+        if not agent.tools and agent.environment is None:
+            raise ValueError("[agent] has neither tools nor environment; set agent.tools or agent.environment")
+        if not self.dataset.chat_templated:
+            raise ValueError(
+                "[agent] conversations go through the tokenizer's chat template: set dataset.chat_template = true "
+                "or dataset.messages_column"
+            )
+        if agent.named_environments != (self.dataset.environment_column is not None):
+            raise ValueError(
+                "agent.environment is a table of named environments: set dataset.environment_column to the column "
+                "naming each prompt's environment"
+                if agent.named_environments
+                else "dataset.environment_column is set, but agent.environment is not a table of named environments"
+            )
+        if self.eval.every_versions:
+            if not self.eval.dataset.chat_templated:
+                raise ValueError("[agent] evaluates conversations too: set eval.dataset.chat_template = true")
+            if agent.named_environments and self.eval.dataset.environment_column is None:
+                raise ValueError("agent.environment is a table: set eval.dataset.environment_column as well")
+        return self
 
     @property
     def final_version(self) -> int:
@@ -627,6 +666,13 @@ class RunConfig(_Section):
         data = self.model_dump(mode="json", by_alias=True)
         data["rewards"] = [reward.stored() for reward in self.rewards]
         data["eval"]["rewards"] = [reward.stored() for reward in self.eval.rewards]
+        # Runs without [agent] store the bytes they stored before it existed.
+        if data["agent"] is None:
+            del data["agent"]
+        if data["dataset"]["environment_column"] is None:
+            del data["dataset"]["environment_column"]
+        if data["eval"]["dataset"]["environment_column"] is None:
+            del data["eval"]["dataset"]["environment_column"]
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod

@@ -53,7 +53,7 @@ class RunNotFound(ObjectNotFound):
 
 def check_model_base(base: str) -> None:
     """Refuse a ``model.base`` that is neither 'tiny', an existing local folder, nor a hub id."""
-    if base == "tiny" or Path(base).expanduser().exists():
+    if base in ("tiny", "tiny-agent") or Path(base).expanduser().exists():
         return
     if _HUB_ID.match(base):
         return
@@ -167,6 +167,7 @@ def create_run(config_path: Path, run_name: str, bucket: Bucket) -> str:
     check_model_base(config.model.base)
     prompts = build_dataset(config.dataset, config.seed, base_dir=config_path.parent)
     check_rewards(config, prompts)
+    check_environment_names(config, prompts)
     eval_bytes = _eval_prompts_bytes(config, config_path.parent)
 
     config_bytes = config.to_json().encode()
@@ -205,7 +206,23 @@ def _eval_prompts_bytes(config: RunConfig, base_dir: Path) -> bytes | None:
         return None
     prompts = build_dataset(config.eval.dataset, config.seed + EVAL_SEED_OFFSET, base_dir=base_dir)
     check_rewards(config, prompts, list(config.eval.rewards) or list(config.rewards), where="eval.")
+    check_environment_names(config, prompts, where="eval.")
     return dump_prompts_jsonl(prompts)
+
+
+def check_environment_names(config: RunConfig, prompts: list[PromptRecord], where: str = "") -> None:
+    """Refuse prompts that name an environment [agent] does not have (named environments only)."""
+    if config.agent is None or not config.agent.named_environments:
+        return
+    known = set(config.agent.environments)
+    for index, record in enumerate(prompts):
+        name = record.get("environment")
+        if name not in known:
+            raise ConfigError(
+                f"{where}dataset.environment_column: prompt {index} names environment {name!r}, which "
+                f"agent.environment does not have ({', '.join(sorted(str(k) for k in known))}); add it to the "
+                "table or fix the prompt"
+            )
 
 
 def _summary(run: str, bucket: Bucket, config: RunConfig, manifest: RunManifest) -> str:

@@ -36,8 +36,16 @@ def repeat_digit_prompts(num_prompts: int, seed: int) -> list[PromptRecord]:
     return records
 
 
+def hidden_digit_prompts(num_prompts: int, seed: int) -> list[PromptRecord]:
+    """The toy agent task (``worker.generate.toy_agent``): every prompt is ``"?="``; the answer is a digit the
+    environment hides behind a tool, so only a model that calls it can repeat it."""
+    rng = random.Random(seed)
+    return [{"prompt": "?=", "answer": str(rng.randrange(10))} for _ in range(num_prompts)]
+
+
 PROMPT_GENERATORS: dict[str, Callable[[int, int], list[PromptRecord]]] = {
     "repeat_digit": repeat_digit_prompts,
+    "hidden_digit": hidden_digit_prompts,
 }
 
 
@@ -119,6 +127,7 @@ def load_prompt_file(
     *,
     messages_column: str | None = None,
     answer_pattern: str | None = None,
+    environment_column: str | None = None,
 ) -> list[PromptRecord]:
     """Read a prompt file into records ``{"prompt": str, "answer": str | None}`` (plus ``messages`` with
     ``messages_column``).
@@ -134,7 +143,7 @@ def load_prompt_file(
         )
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist; check dataset.path")
-    spec = RecordSpec(prompt_column, answer_column or None, messages_column, answer_pattern)
+    spec = RecordSpec(prompt_column, answer_column or None, messages_column, answer_pattern, environment_column)
     try:
         records = [_object_row(path, where, row, spec) for where, row in reader(path)]
     except UnicodeDecodeError as error:
@@ -167,6 +176,7 @@ def build_dataset(config: DatasetConfig, seed: int, base_dir: Path | None = None
             config.answer_column,
             messages_column=config.messages_column,
             answer_pattern=config.answer_pattern,
+            environment_column=config.environment_column,
         )
         return records[: config.max_rows]
     assert config.generator is not None  # DatasetConfig guarantees one source

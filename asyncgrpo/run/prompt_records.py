@@ -29,6 +29,7 @@ class PromptRecord(TypedDict):
     prompt: str
     answer: str | None
     messages: NotRequired[list[ChatMessage]]
+    environment: NotRequired[str]  # [agent] with named environments: which one the prompt's conversations use
 
 
 class PromptFileError(ValueError):
@@ -44,10 +45,17 @@ class RecordSpec:
     answer_column: str | None  # None: the dataset has no answers
     messages_column: str | None = None
     answer_pattern: str | None = None
+    environment_column: str | None = None  # [agent] with named environments: the one each prompt uses
 
     @classmethod
     def of(cls, config: DatasetConfig) -> RecordSpec:
-        return cls(config.prompt_column, config.answer_column or None, config.messages_column, config.answer_pattern)
+        return cls(
+            config.prompt_column,
+            config.answer_column or None,
+            config.messages_column,
+            config.answer_pattern,
+            config.environment_column,
+        )
 
     def required_columns(self) -> list[tuple[str, str]]:
         """(column, config field) pairs every row must have."""
@@ -55,6 +63,8 @@ class RecordSpec:
         columns = [first or (self.prompt_column, "dataset.prompt_column")]
         if self.answer_column is not None:
             columns.append((self.answer_column, "dataset.answer_column"))
+        if self.environment_column is not None:
+            columns.append((self.environment_column, "dataset.environment_column"))
         return columns
 
     def check_columns(self, source: str, present: list[str]) -> None:
@@ -94,6 +104,14 @@ class RecordSpec:
         record = PromptRecord(prompt=prompt, answer=answer)
         if messages:
             record["messages"] = messages
+        if self.environment_column is not None:
+            environment = row[self.environment_column]
+            if not isinstance(environment, str) or not environment:
+                raise PromptFileError(
+                    f"{source} {where} has no environment name in column {self.environment_column!r} "
+                    f"({environment!r}); name one of agent.environment's environments in that row"
+                )
+            record["environment"] = environment
         return record
 
     def _extract(self, source: str, where: str, answer: str) -> str:
