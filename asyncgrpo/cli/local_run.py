@@ -37,6 +37,7 @@ from asyncgrpo.protocol.settings import CommonSettings
 from asyncgrpo.run.config import load_run_config
 from asyncgrpo.run.creation import RunExistsError, create_run
 from proxy.coordinator.redis_store import RunKeys
+from worker.generate.agent import check_agent_of
 from worker.model.reward_models import check_reward_models_of
 from worker.process.settings import WorkerSettings
 
@@ -167,6 +168,7 @@ def _create_or_resume(config_path: Path, run_name: str, bucket: Bucket, redis_ur
     if not existed and redis_url:
         _refuse_foreign_redis_state(redis_url, run_name, bucket)
     check_reward_models_of(config_path)
+    check_agent_of(config_path)
     create_run(config_path, run_name, bucket)
     return existed
 

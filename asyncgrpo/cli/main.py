@@ -76,10 +76,12 @@ def run_create(config_path: Path, run_name: str, bucket: str) -> None:
     from asyncgrpo.bucket.layout import IntegrityError
     from asyncgrpo.run.config import ConfigError
     from asyncgrpo.run.creation import RunExistsError, create_run
+    from worker.generate.agent import check_agent_of
     from worker.model.reward_models import check_reward_models_of
 
     try:
         check_reward_models_of(config_path)
+        check_agent_of(config_path)
         summary = create_run(config_path, run_name, _open_bucket(bucket))
     except (ConfigError, RunExistsError, BucketError, IntegrityError, ValueError) as error:
         raise click.ClickException(str(error)) from error

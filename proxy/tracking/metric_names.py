@@ -48,6 +48,9 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
         named["sampling/importance_sampling_ratio/max"] = figures.max
         named["sampling/sampling_logp_difference/mean"] = figures.logp_difference_mean
         named["sampling/sampling_logp_difference/max"] = figures.logp_difference_max
+    if record.tools is not None:
+        named["tools/call_frequency"] = record.tools.call_frequency
+        named["tools/failure_frequency"] = record.tools.failure_frequency
     for name, mean in record.rewards_by_name.items():
         named[f"rewards/{name}/mean"] = mean
         named[f"rewards/{name}/std"] = record.rewards_std_by_name.get(name)

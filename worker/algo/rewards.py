@@ -23,6 +23,7 @@ import importlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from worker.algo.math_scoring import default_verifier
@@ -43,6 +44,17 @@ class RewardFailed(RewardError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class ScoredReward:
+    """A reward whose values come scored already, by name in ``score_completions``'s ``scored``: an [agent]
+    environment's ``get_reward`` (TRL: named after the environment, weight 1)."""
+
+    name: str
+    weight: float = 1.0
+    model: str | None = None
+    prescored: bool = True
 
 
 class RewardSpec(Protocol):
@@ -168,13 +180,13 @@ def _function_of(
     config: RewardSpec, scored: Mapping[str, Sequence[float]] | None, count: int
 ) -> Callable[[int, str, str, str | None], object]:
     """The reward as a function of (index, prompt, completion, answer): a reward model's value is looked up."""
-    if getattr(config, "model", None) is None:
+    if getattr(config, "model", None) is None and not getattr(config, "prescored", False):
         function = resolve_reward(config.name)
         return lambda _index, prompt, completion, answer: function(prompt, completion, answer)
     values = (scored or {}).get(config.name)
     if values is None or len(values) != count:
         raise RewardError(
-            f"reward model {config.name!r} has {'no' if values is None else len(values)} scores for {count} "
-            "completions; the worker scores reward models before the groups"
+            f"reward {config.name!r} has {'no' if values is None else len(values)} scores for {count} "
+            "completions; the worker scores reward models and environments before the groups"
         )
     return lambda index, _prompt, _completion, _answer: values[index]

@@ -11,4 +11,10 @@ Modules:
     transformers_backend  the transformers + PEFT backend (CPU, or CUDA)
     vllm_backend          the vLLM backend (in its own environment)
     settings              the generate side's settings (backend override, vLLM engine args, prefetch)
+    agent                 agent rollouts: conversations advanced turn by turn from token ids, tool calls parsed
+                          and answered, the mask of the model's tokens, budgets; the template checks
+    toy_agent             the toy agent task's environment (a digit hidden behind a reveal() tool)
+    calculator            a built-in agent tool: calculate(expression), safe arithmetic parsed with ast
+    tool_process          agent tools and environments (TRL's contract) in a child process: schemas, pooled
+                          environment instances, timeouts and crashes as failed tool answers
 """

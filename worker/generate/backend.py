@@ -31,7 +31,7 @@ generation backend's (``GenerationBackend.tokenizer``), so the worker templates 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -55,8 +55,11 @@ def chat_messages(record: Mapping[str, Any], dataset: DatasetConfig) -> list[Mes
     return messages
 
 
-def fed_prompt_text(record: Mapping[str, Any], dataset: DatasetConfig, tokenizer: Any) -> str:
-    """The text fed to the model for one stored prompt record (see the module docstring)."""
+def fed_prompt_text(
+    record: Mapping[str, Any], dataset: DatasetConfig, tokenizer: Any, tools: list[dict] | None = None
+) -> str:
+    """The text fed to the model for one stored prompt record (see the module docstring); ``tools``: the JSON
+    schemas an [agent] run shows the model through the template (``worker.generate.agent``)."""
     if not dataset.chat_templated:
         return record["prompt"]
     if not getattr(tokenizer, "chat_template", None):
@@ -66,7 +69,9 @@ def fed_prompt_text(record: Mapping[str, Any], dataset: DatasetConfig, tokenizer
             "has no chat template; use an instruct model (model.base), or set dataset.chat_template = false "
             "and leave dataset.messages_column unset"
         )
-    text = tokenizer.apply_chat_template(chat_messages(record, dataset), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        chat_messages(record, dataset), tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template returned a {type(text).__name__}, not the text")
     return text
@@ -85,12 +90,20 @@ class FedPrompts:
 
 
 def fed_prompts(
-    prompts: Sequence[Mapping[str, Any]], indices: Iterable[int], dataset: DatasetConfig, tokenizer: Any
+    prompts: Sequence[Mapping[str, Any]],
+    indices: Iterable[int],
+    dataset: DatasetConfig,
+    tokenizer: Any,
+    tools_of: Callable[[Mapping[str, Any]], list[dict]] | None = None,
 ) -> FedPrompts:
     """The fed text of each prompt index in ``indices`` that exists in ``prompts`` (others are left out: the
-    job rejects them as out of range). Raises ChatTemplateMissing naming the config field."""
+    job rejects them as out of range); ``tools_of``: an [agent] run's tool schemas for a record. Raises
+    ChatTemplateMissing naming the config field."""
     in_range = [index for index in indices if 0 <= index < len(prompts)]
-    texts = {index: fed_prompt_text(prompts[index], dataset, tokenizer) for index in in_range}
+    texts = {
+        index: fed_prompt_text(prompts[index], dataset, tokenizer, tools_of(prompts[index]) if tools_of else None)
+        for index in in_range
+    }
     return FedPrompts(texts=texts, add_special_tokens=not dataset.chat_templated)
 
 
@@ -211,4 +224,19 @@ class GenerationBackend(Protocol):
 
         The same seed, prompts, adapter and settings give the same completions on the same hardware.
         """
+        ...
+
+    def generate_from_ids(
+        self,
+        sequences: list[list[int]],
+        *,
+        adapter: str | None,
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> list[Completion]:
+        """One completion of each token sequence, continued exactly from its ids (no re-tokenizing): the next
+        turn of a conversation (``worker.generate.agent``). ``max_new_tokens[i]`` (>= 1) bounds sequence i's;
+        one cut short is ``"length"``. Logprobs and determinism as ``generate``."""
         ...

@@ -27,7 +27,8 @@ from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Cancelled, NotHolder
 from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
 from asyncgrpo.run.config import RunConfig
-from worker.algo.rewards import RewardFailed, score_completions
+from worker.algo.rewards import RewardFailed, ScoredReward, score_completions
+from worker.generate.agent import AgentCompletion, AgentRun, as_generation_result, converse, environment_rewards
 from worker.generate.backend import GenerationBackend, GenerationResult, chat_messages, fed_prompts
 from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly, report_corrupt_object
 from worker.model.reward_models import RewardModels
@@ -72,9 +73,11 @@ def run_evaluate_task(
     worker_id: str,
     backend_lock: AbstractContextManager[object] | None = None,
     reward_models: RewardModels | None = None,
+    agent: AgentRun | None = None,
 ) -> EvaluateResult:
     """Evaluate the version the proxy leases for ``task_id`` on its slice of ``eval_prompts`` (``reward_models``: the
-    worker's, when the eval rewards include one)."""
+    worker's, when the eval rewards include one; ``agent``: its tool process, for an [agent] run, whose eval
+    prompts are conversations too)."""
     started = time.perf_counter()
     try:
         grant = client.eval_lease(task_id, worker_id)
@@ -92,13 +95,35 @@ def run_evaluate_task(
         adapter = bucket_keys.adapter_name(grant.version)
         backend.load_adapter(adapter, grant.version, adapter_dir)
         # The text fed is the chat-templated one when [eval.dataset] asks for it, as for training prompts.
-        fed = fed_prompts(prompts, range(len(prompts)), cfg.dataset, backend.tokenizer)
+        tools_of = (lambda record: agent.schemas_for(record.get("environment"))) if agent else None
+        fed = fed_prompts(prompts, range(len(prompts)), cfg.dataset, backend.tokenizer, tools_of)
         fed_records = [{**record, "prompt": fed.texts[index]} for index, record in enumerate(prompts)]
+        originals = {id(fed): record for record, fed in zip(prompts, fed_records, strict=True)}
         usable = _usable(fed_records, backend, config.model.max_prompt_length, fed.add_special_tokens)
         # The chat of each prompt (for a reward model's own chat template), before its prompt became the fed text.
         chats = {id(fed): chat_messages(record, cfg.dataset) for record, fed in zip(prompts, fed_records, strict=True)}
         result = None
-        if usable:
+        environment_scores: dict[str, list[list[float]]] = {}
+        if usable and agent is not None:
+            groups, environment_scores, _ = converse(
+                backend,
+                agent,
+                [originals[id(record)] for record in usable],
+                [chats[id(record)] for record in usable],
+                adapter=adapter,
+                samples_per_prompt=cfg.samples_per_prompt,
+                max_completion_length=cfg.max_completion_length or config.sampling.max_completion_length,
+                temperature=cfg.temperature,
+                top_p=1.0,
+                seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),
+                task_id=task_id,
+            )
+            # A prompt whose environment failed is a failed prompt, as one whose reward raised.
+            served = [index for index, group in enumerate(groups) if group.failure is None]
+            usable = [usable[index] for index in served]
+            environment_scores = {name: [values[i] for i in served] for name, values in environment_scores.items()}
+            result = as_generation_result(groups, served, adapter)
+        elif usable:
             result = backend.generate(
                 [record["prompt"] for record in usable],
                 adapter=adapter,
@@ -116,7 +141,17 @@ def run_evaluate_task(
         [chats[id(record)] for record in usable],
         [[completion.text for completion in r.completions] for r in result.results] if result else [[] for _ in usable],
     )
-    summary = summarize(result, usable, config, failed=len(prompts) - len(usable), model_scores=model_scores)
+    for name, per_prompt in environment_scores.items():
+        for prompt_scores, values in zip(model_scores, per_prompt, strict=True):
+            prompt_scores[name] = values
+    summary = summarize(
+        result,
+        usable,
+        config,
+        failed=len(prompts) - len(usable),
+        model_scores=model_scores,
+        environment_rewards=environment_rewards(agent) if agent is not None else [],
+    )
     request = EvalResultRequest(worker_id=worker_id, lease_id=grant.lease_id, summary=summary)
     try:
         answer = client.eval_result(task_id, request)
@@ -157,12 +192,14 @@ def summarize(
     *,
     failed: int = 0,
     model_scores: list[dict[str, list[float]]] | None = None,
+    environment_rewards: list[ScoredReward] | None = None,
 ) -> EvalChunkSummary:
     """Score each prompt's completions on its own (a reward that fails counts the prompt as failed) and sum
     the rewards, per-prompt pass@k and completion lengths; keep the first ``eval.examples`` examples.
-    ``model_scores``: per prompt, the reward models' scores of its completions, by name."""
+    ``model_scores``: per prompt, the reward models' (and ``environment_rewards``') scores of its completions, by
+    name; a completion's tokens are the model's own (an [agent] conversation's tool tokens are left out)."""
     cfg = config.eval
-    rewards = list(cfg.rewards) or list(config.rewards)
+    rewards = [*(cfg.rewards or config.rewards), *(environment_rewards or [])]
     ks = reported_ks(cfg.samples_per_prompt)
     totals: list[float] = []
     reward_sums: dict[str, float] = {}
@@ -186,7 +223,10 @@ def summarize(
             continue
         scored += 1
         totals.extend(values)
-        tokens += sum(len(completion.token_ids) for completion in completions)
+        tokens += sum(
+            sum(completion.mask) if isinstance(completion, AgentCompletion) else len(completion.token_ids)
+            for completion in completions
+        )
         for name, scores in per_reward.items():
             reward_sums[name] = reward_sums.get(name, 0.0) + sum(scores)
         correct = sum(value >= cfg.pass_threshold for value in values)

@@ -31,13 +31,28 @@ from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.layout import IntegrityError, fetch_version, sha256_hex
 from asyncgrpo.protocol.client import ProxyClient, process_incarnation
 from asyncgrpo.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
-from asyncgrpo.protocol.records import GenerateTimings, RolloutExtra
+from asyncgrpo.protocol.records import AgentStats, GenerateTimings, RolloutExtra
 from asyncgrpo.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
 from worker.algo.advantages import task_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
-from worker.generate.backend import FedPrompts, GenerationBackend, chat_messages, fed_prompts
+from worker.generate.agent import (
+    AgentCompletion,
+    AgentRun,
+    agent_stats,
+    as_generation_result,
+    converse,
+    environment_rewards,
+)
+from worker.generate.backend import (
+    FedPrompts,
+    GenerationBackend,
+    GenerationResult,
+    Message,
+    chat_messages,
+    fed_prompts,
+)
 from worker.model.reward_models import RewardModels
 
 log = structlog.get_logger()
@@ -140,10 +155,14 @@ def run_generate_task(
     worker_id: str,
     backend_lock: AbstractContextManager[object] | None = None,
     reward_models: RewardModels | None = None,
+    agent: AgentRun | None = None,
 ) -> GenerateResult:
     """``backend_lock``: held while the task loads its adapter and samples, the same lock the worker's adapter
     prefetcher (``worker.generate.job``) holds to load a version, so neither sees the other half-done.
-    ``reward_models``: the worker's loaded reward models (needed when the run's rewards include one)."""
+    ``reward_models``: the worker's loaded reward models (needed when the run's rewards include one).
+    ``agent``: the worker's tool process and schemas (needed when the run has [agent])."""
+    if config.agent is not None and agent is None:
+        raise ValueError("the run has [agent]; pass the worker's AgentRun (worker.generate.agent) to sample it")
     started = time.perf_counter()
     key = bucket_keys.rollout_key(run, task_id)
 
@@ -190,32 +209,51 @@ def run_generate_task(
         backend.load_adapter(adapter, lease.version, adapter_dir)
         timings.adapter_fetch_s = time.perf_counter() - fetch_started
 
-        fed = fed_prompts(prompts, (group.prompt_index for group in groups), config.dataset, backend.tokenizer)
+        tools_of = (lambda record: agent.schemas_for(record.get("environment"))) if agent else None
+        indices = (group.prompt_index for group in groups)
+        fed = fed_prompts(prompts, indices, config.dataset, backend.tokenizer, tools_of)
         accepted, rejected = _split_bad_prompts(groups, fed, backend, config)
         samples: list[RolloutSample] = []
         tokens = 0
+        stats: AgentStats | None = None
         if accepted:
             gen_started = time.perf_counter()
-            texts = fed.of(accepted)
-            answers = [prompts[group.prompt_index].get("answer") for group in accepted]
-            result = backend.generate(
-                texts,
-                adapter=adapter,
-                samples_per_prompt=config.sampling.samples_per_prompt,
-                max_new_tokens=config.sampling.max_completion_length,
-                temperature=config.sampling.temperature,
-                top_p=config.sampling.top_p,
-                seed=_task_seed(config.seed, task_id),
-                add_special_tokens=fed.add_special_tokens,
-            )
+            chats = [chat_messages(prompts[group.prompt_index], config.dataset) for group in accepted]
+            rewards: list[Any] = list(config.rewards)
+            environment_scores: dict[str, list[list[float]]] = {}
+            if agent is not None:
+                result, environment_scores, timings.tools_s = _converse(
+                    backend, agent, prompts, accepted, chats, config, adapter, task_id, rejected
+                )
+                rewards += environment_rewards(agent)
+                accepted = [group for group in accepted if group.group_id not in {r.group_id for r in rejected}]
+            else:
+                result = backend.generate(
+                    fed.of(accepted),
+                    adapter=adapter,
+                    samples_per_prompt=config.sampling.samples_per_prompt,
+                    max_new_tokens=config.sampling.max_completion_length,
+                    temperature=config.sampling.temperature,
+                    top_p=config.sampling.top_p,
+                    seed=_task_seed(config.seed, task_id),
+                    add_special_tokens=fed.add_special_tokens,
+                )
             timings.generate_s = time.perf_counter() - gen_started
             score_started = time.perf_counter()
-            # Reward models score the whole task at once, in batches; each group is then scored on its own.
+            texts = fed.of(accepted)
             chats = [chat_messages(prompts[group.prompt_index], config.dataset) for group in accepted]
+            answers = [prompts[group.prompt_index].get("answer") for group in accepted]
+            # Reward models score the whole task at once, in batches; each group is then scored on its own.
             completions = [[completion.text for completion in r.completions] for r in result.results]
             scored = (reward_models or RewardModels({})).score_groups(config.rewards, texts, chats, completions)
-            accepted, samples, tokens, unscored = _score(result, accepted, texts, answers, config, scored)
+            for name, per_group in environment_scores.items():
+                for group_scores, values in zip(scored, per_group, strict=True):
+                    group_scores[name] = values
+            conversed = dict(zip((group.group_id for group in accepted), result.results, strict=True))
+            accepted, samples, tokens, unscored = _score(result, accepted, texts, answers, config, scored, rewards)
             rejected.extend(unscored)
+            if agent is not None:
+                stats = agent_stats([conversed[group.group_id] for group in accepted])
             timings.score_s = time.perf_counter() - score_started
         if keeper.lost:
             log.warning("generate.submit_after_lease_lost", task_id=task_id)
@@ -228,7 +266,12 @@ def run_generate_task(
         groups=accepted,
         samples=samples,
         timings=timings,
-        extra=RolloutExtra(rejected_groups=rejected, prompts=fed.of(accepted), sampler=backend.name),
+        extra=RolloutExtra(
+            rejected_groups=rejected,
+            prompts=fed.of(accepted),
+            sampler=backend.name,
+            agent=stats if agent is not None and samples else None,
+        ),
     )
     data = encode_rollout(rollout)
     try:
@@ -255,6 +298,42 @@ def run_generate_task(
         reward_mean=reward_mean,
         lease_id=lease.lease_id,
     )
+
+
+def _converse(
+    backend: GenerationBackend,
+    agent: AgentRun,
+    prompts: list[dict[str, Any]],
+    accepted: list[GroupRef],
+    chats: list[list[Message]],
+    config: RunConfig,
+    adapter: str,
+    task_id: str,
+    rejected: list[RejectedGroup],
+) -> tuple[GenerationResult, dict[str, list[list[float]]], float]:
+    """[agent]: the groups' conversations as a generation result of the groups whose environments served them
+    (the others go to ``rejected`` with the reason), each kept group's environment rewards by name, and the
+    seconds spent on tools."""
+    groups, scores, tools_s = converse(
+        backend,
+        agent,
+        [prompts[group.prompt_index] for group in accepted],
+        chats,
+        adapter=adapter,
+        samples_per_prompt=config.sampling.samples_per_prompt,
+        max_completion_length=config.sampling.max_completion_length,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
+        seed=_task_seed(config.seed, task_id),
+        task_id=task_id,
+    )
+    kept = [index for index, group in enumerate(groups) if group.failure is None]
+    for index, group in enumerate(groups):
+        if group.failure is not None:
+            log.warning("generate.group_unscored", group_id=accepted[index].group_id, error=group.failure)
+            rejected.append(RejectedGroup(group_id=accepted[index].group_id, reason=group.failure))
+    kept_scores = {name: [per_group[index] for index in kept] for name, per_group in scores.items()}
+    return as_generation_result(groups, kept, adapter), kept_scores, tools_s
 
 
 def _task_seed(run_seed: int, task_id: str) -> int:
@@ -296,18 +375,20 @@ def _score(
     answers: list[str | None],
     config: RunConfig,
     scored: list[dict[str, list[float]]] | None = None,
+    rewards: list[Any] | None = None,
 ) -> tuple[list[GroupRef], list[RolloutSample], int, list[RejectedGroup]]:
     """Score each group on its own: a group whose reward raises or is not finite is rejected with its reason
     and the others are kept; then the advantages of the kept groups, together (``loss.scale_rewards = "batch"``
-    and ``normalize_then_sum`` normalise over the task). Returns (groups kept, their samples, their tokens,
-    groups rejected)."""
+    and ``normalize_then_sum`` normalise over the task). ``rewards``: the run's rewards and its environments'
+    (default: ``config.rewards``). Returns (groups kept, their samples, their model tokens, groups rejected)."""
+    rewards = list(config.rewards) if rewards is None else rewards
     kept: list[tuple[int, list[float], dict[str, list[float]]]] = []
     rejected: list[RejectedGroup] = []
     for group_index, prompt_result in enumerate(result.results):
         completions = prompt_result.completions
         try:
             totals, per_reward = score_completions(
-                list(config.rewards),
+                rewards,
                 [texts[group_index]] * len(completions),
                 [completion.text for completion in completions],
                 [answers[group_index]] * len(completions),
@@ -320,11 +401,11 @@ def _score(
         kept.append((group_index, totals, per_reward))
     if not kept:
         return [], [], 0, rejected
-    names = [reward.name for reward in config.rewards]
+    names = [reward.name for reward in rewards]
     table = [[per_reward[name][i] for name in names] for _, totals, per_reward in kept for i in range(len(totals))]
     advantages = task_advantages(
         table,
-        [reward.weight for reward in config.rewards],
+        [reward.weight for reward in rewards],
         config.sampling.samples_per_prompt,
         scale_rewards=config.loss.scale_rewards,
         aggregation=config.loss.multi_objective_aggregation,
@@ -334,12 +415,16 @@ def _score(
     for position, (group_index, totals, per_reward) in enumerate(kept):
         prompt_result = result.results[group_index]
         for i, completion in enumerate(prompt_result.completions):
-            tokens += len(completion.token_ids)
+            # A conversation has its own prompt (its environment's reset text) and tool tokens masked out.
+            conversation = completion if isinstance(completion, AgentCompletion) else None
+            prompt_ids = conversation.prompt_token_ids if conversation else prompt_result.prompt_token_ids
+            tokens += sum(conversation.mask) if conversation else len(completion.token_ids)
             samples.append(
                 RolloutSample(
                     group_index=position,  # the index among the groups the rollout keeps
-                    prompt_token_ids=list(prompt_result.prompt_token_ids),
+                    prompt_token_ids=list(prompt_ids),
                     completion_token_ids=list(completion.token_ids),
+                    completion_mask=list(conversation.mask) if conversation else None,
                     behavior_logprobs=list(completion.logprobs),
                     reward=float(totals[i]),
                     advantage=float(advantages[len(samples)]),

@@ -250,6 +250,44 @@ class TransformersBackend:
         )
         return GenerationResult(results=results, adapter=adapter, timings=timings)
 
+    @torch.no_grad()
+    def generate_from_ids(
+        self,
+        sequences: list[list[int]],
+        *,
+        adapter: str | None,
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[Completion]:
+        if len(max_new_tokens) != len(sequences) or not sequences:
+            raise ValueError(f"{len(sequences)} sequences need as many max_new_tokens, got {len(max_new_tokens)}")
+        check_sampling_arguments(1, min(max_new_tokens), temperature, top_p)
+        if any(not ids for ids in sequences):
+            raise ValueError("a sequence to continue has no tokens")
+        model = self._select(adapter)
+        # One batch to the longest budget; a row's tokens past its own budget are dropped (its earlier tokens and
+        # their logprobs do not depend on them).
+        tokens, logprobs = sample_completions(
+            model,
+            sequences,
+            max_new_tokens=max(max_new_tokens),
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=self.policy.eos_token_id,
+            pad_token_id=self.policy.pad_token_id,
+            device=self.policy.device,
+        )
+        completions = []
+        for ids, row_logprobs, budget in zip(tokens, logprobs, max_new_tokens, strict=True):
+            ids, row_logprobs = ids[:budget], row_logprobs[:budget]
+            finish: FinishReason = "stop" if ids and ids[-1] == self.policy.eos_token_id else "length"
+            text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
+            completions.append(Completion(token_ids=ids, logprobs=row_logprobs, finish_reason=finish, text=text))
+        return completions
+
     def _select(self, adapter: str | None) -> torch.nn.Module:
         if adapter is None:
             return _BaseOnly(self._peft) if self._peft is not None else self.policy.model

@@ -23,6 +23,7 @@ How it maps the :class:`~worker.generate.backend.GenerationBackend` contract ont
   exactly like the transformers backend.
 - **Seeds.** vLLM seeds the n children of a request ``seed, seed + 1, ...``; prompt ``p`` of a call uses
   ``seed + p * G`` so that every sample of a call has its own seed, and the same seed gives the same samples.
+  ``generate_from_ids`` (an agent conversation's next turns) sends one request per sequence, seeded ``seed + i``.
 - **Adapters.** The folder is the plain PEFT folder the trainer published. Adapters vLLM cannot serve
   (DoRA, modules_to_save, LoRA bias, a rank above the engine's ``max_lora_rank``, ...) are refused with
   :class:`UnservableAdapter` before vLLM sees them.
@@ -361,6 +362,57 @@ class VLLMBackend:
             completion_tokens=sum(len(c.token_ids) for r in results for c in r.completions),
         )
         return GenerationResult(results=results, adapter=adapter, timings=timings)
+
+    def generate_from_ids(
+        self,
+        sequences: list[list[int]],
+        *,
+        adapter: str | None,
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[Completion]:
+        if len(max_new_tokens) != len(sequences) or not sequences:
+            raise ValueError(f"{len(sequences)} sequences need as many max_new_tokens, got {len(max_new_tokens)}")
+        check_sampling_arguments(1, min(max_new_tokens), temperature, top_p)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        lora_request = None
+        if adapter is not None:
+            loaded = self._adapter(adapter)
+            lora_request = LoRARequest(adapter, loaded.lora_id, loaded.path)
+        for index, ids in enumerate(sequences):
+            if not ids:
+                raise ValueError(f"sequence {index} to continue has no tokens")
+            if len(ids) + max_new_tokens[index] > self.max_model_len:
+                raise ValueError(
+                    f"a conversation of {len(ids)} tokens with {max_new_tokens[index]} more exceeds the engine's "
+                    f"max_model_len={self.max_model_len}; lower sampling.max_completion_length (the conversation's "
+                    "budget) or model.max_prompt_length"
+                )
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=budget,
+                logprobs=0,
+                seed=(seed + index) % (2**63 - 1),
+                skip_special_tokens=True,
+            )
+            for index, budget in enumerate(max_new_tokens)
+        ]
+        # Token ids in, token ids out: the conversation so far is never re-tokenized.
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in sequences],
+            params,
+            lora_request=lora_request,
+            use_tqdm=False,
+        )
+        return [_completion(output.outputs[0]) for output in outputs]
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _adapter(self, name: str) -> _LoadedAdapter:

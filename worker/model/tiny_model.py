@@ -12,6 +12,13 @@ of the template-less model.
 
 ``model.base = "tiny"`` in a run config means: build this model once into the local cache
 (``$ASYNCGRPO_CACHE/tiny-model-r2-seed0``, default ``~/.cache/asyncgrpo``) and load it from there.
+
+``model.base = "tiny-agent"`` is its sibling for agent rollouts (``[agent]``): the same shape, with a vocabulary
+that also holds the markers of a small tool-calling chat template (``TINY_AGENT_CHAT_TEMPLATE``: ``<user>``,
+``<assistant>``, ``<tool>``, and Hermes-style ``<tool_call>{...}</tool_call>`` calls) and '?'. The toy agent
+task (``worker.generate.toy_agent``) hides a digit behind a ``reveal()`` tool; its whole call,
+``<tool_call>{"name": "reveal", "arguments": {}}</tool_call>``, is one token of the vocabulary (the parser reads
+it as text, as it reads any model's), so that the tiny model can find it by chance and learn it in CI time.
 """
 
 from __future__ import annotations
@@ -47,6 +54,21 @@ TINY_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+TINY_AGENT_BASE_NAME = "tiny-agent"
+TINY_AGENT_BUILD_REVISION = 2
+# A minimal tool-calling template: the tools' schemas are not rendered (the tiny model cannot read them), a
+# call is rendered in the Hermes format the worker parses, and a turn ends with the EOS token, as Qwen's do.
+TINY_AGENT_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<user>{{ m.content }}"
+    "{%- elif m.role == 'assistant' -%}<assistant>{{ m.content }}"
+    "{%- for c in m.tool_calls or [] -%}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{%- endfor -%}<eos>"
+    "{%- elif m.role == 'tool' -%}<tool>{{ m.content }}"
+    "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}<assistant>{%- endif -%}"
+)
+REVEAL_CALL = '<tool_call>{"name": "reveal", "arguments": {}}</tool_call>'
+
 # Shape of the tiny model. Small enough for CPU RL in seconds, big enough to learn the toy task.
 TINY_HIDDEN_SIZE = 128
 TINY_LAYERS = 2
@@ -75,14 +97,33 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return wrapped
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Write a tiny random-init Qwen2 causal LM and its tokenizer to ``out_dir`` (Hugging Face format).
+def train_tiny_agent_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer plus '?' and the tool-calling template's markers (see the module docstring)."""
+    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(special_tokens=[EOS_TOKEN, PAD_TOKEN, UNK_TOKEN], min_frequency=1)
+    tokenizer.train_from_iterator(["0123456789=?"], trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN
+    )
+    # Role markers are special (left out of decoded text); a call's tokens are text the worker parses.
+    wrapped.add_special_tokens({"additional_special_tokens": ["<user>", "<assistant>", "<tool>"]})
+    wrapped.add_tokens([REVEAL_CALL])
+    wrapped.padding_side = "left"
+    wrapped.chat_template = TINY_AGENT_CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0, agent: bool = False) -> Path:
+    """Write a tiny random-init Qwen2 causal LM and its tokenizer to ``out_dir`` (Hugging Face format);
+    ``agent``: the tiny agent model's vocabulary and template.
 
     The same seed gives the same weights. Returns ``out_dir``.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tiny_tokenizer()
+    tokenizer = train_tiny_agent_tokenizer() if agent else train_tiny_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=TINY_HIDDEN_SIZE,
@@ -112,20 +153,21 @@ DEFAULT_CACHE_DIR = Path(str(CacheSettings.model_fields["cache"].default)).expan
 """The default of ``ASYNCGRPO_CACHE``; a process passes its own settings' ``cache`` instead."""
 
 
-def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
-    """The tiny model's folder in the cache, built on first use.
+def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None, agent: bool = False) -> Path:
+    """The tiny model's folder in the cache (``agent``: the tiny agent model's), built on first use.
 
     Safe when several processes race: each builds into its own temporary folder and renames it into place;
     the loser discards its copy.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    target = cache_dir / f"tiny-model-r{TINY_BUILD_REVISION}-seed{seed}"
+    name = f"tiny-agent-r{TINY_AGENT_BUILD_REVISION}" if agent else f"tiny-model-r{TINY_BUILD_REVISION}"
+    target = cache_dir / f"{name}-seed{seed}"
     if (target / _COMPLETE_MARKER).exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tiny-model-r{TINY_BUILD_REVISION}-seed{seed}-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-seed{seed}-", dir=cache_dir))
     try:
-        build_tiny_model(staging, seed=seed)
+        build_tiny_model(staging, seed=seed, agent=agent)
         if target.exists() and not (target / _COMPLETE_MARKER).exists():
             # Left over from an interrupted build (only ever renamed into place complete, so this is rare).
             shutil.rmtree(target, ignore_errors=True)
@@ -140,7 +182,10 @@ def ensure_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:
 
 
 def resolve_base_model(base: str, cache_dir: Path | None = None) -> str:
-    """A run config's ``model.base`` as something ``from_pretrained`` accepts: 'tiny' -> the cached folder."""
+    """A run config's ``model.base`` as something ``from_pretrained`` accepts: 'tiny' (and 'tiny-agent') -> the
+    cached folder."""
     if base == TINY_BASE_NAME:
         return str(ensure_tiny_model(cache_dir=cache_dir))
+    if base == TINY_AGENT_BASE_NAME:
+        return str(ensure_tiny_model(cache_dir=cache_dir, agent=True))
     return base

@@ -185,6 +185,15 @@ POLICY_SAMPLING_LOGP_DIFFERENCE = _gauge(
     "|trainer - generator| logprob per token of corrected samples, last step (mean, max).",
     ("stat",),
 )
+POLICY_TOOL_CALLS = _gauge(
+    "asyncgrpo_policy_tool_calls_per_completion", "[agent] runs: mean tool calls per completion, last step."
+)
+POLICY_TOOL_FAILURE_RATIO = _gauge(
+    "asyncgrpo_policy_tool_failure_ratio", "[agent] runs: share of the last step's tool calls that failed."
+)
+POLICY_TURNS = _gauge(
+    "asyncgrpo_policy_turns_per_completion", "[agent] runs: mean model turns per completion, last step."
+)
 POLICY_LOSS = _gauge("asyncgrpo_policy_loss", "GRPO loss of the last step.")
 POLICY_GRAD_NORM = _gauge("asyncgrpo_policy_grad_norm", "Global gradient norm before clipping, last step.")
 POLICY_LEARNING_RATE = _gauge("asyncgrpo_policy_learning_rate", "Learning rate of the last step.")
@@ -409,6 +418,10 @@ def _observe_policy(record: StepRecord) -> None:
             _set(POLICY_IMPORTANCE_SAMPLING_RATIO.labels(stat=stat), getattr(figures, stat))
         _set(POLICY_SAMPLING_LOGP_DIFFERENCE.labels(stat="mean"), figures.logp_difference_mean)
         _set(POLICY_SAMPLING_LOGP_DIFFERENCE.labels(stat="max"), figures.logp_difference_max)
+    if record.tools is not None:
+        _set(POLICY_TOOL_CALLS, record.tools.call_frequency)
+        _set(POLICY_TOOL_FAILURE_RATIO, record.tools.failure_frequency)
+        _set(POLICY_TURNS, record.tools.turns_mean)
     _set(POLICY_LOSS, record.loss)
     _set(POLICY_GRAD_NORM, record.grad_norm)
     _set(POLICY_LEARNING_RATE, record.lr)

@@ -56,6 +56,7 @@ from worker.process.heartbeat import Heartbeat
 from worker.process.settings import RankSettings, WorkerSettings, process_settings
 
 if TYPE_CHECKING:  # the trainer is built lazily, on optimize workers only; reward models on generate workers
+    from worker.generate.agent import AgentRun
     from worker.model.reward_models import RewardModels
     from worker.optimize.ranks import Ranks
     from worker.optimize.trainer import Trainer
@@ -86,6 +87,8 @@ class WorkerRuntime:
     backend_run: str | None = None
     reward_models: RewardModels | None = None  # on generate workers: the run's reward models, loaded once
     reward_models_run: str | None = None
+    agent: AgentRun | None = None  # on generate workers of an [agent] run: its tool process and tool schemas
+    agent_run: str | None = None
     adapter_caches: dict[str, AdapterCache] = field(default_factory=dict)
     trainer: Trainer | None = None  # on optimize workers
     trainer_run: str | None = None
@@ -146,6 +149,22 @@ class WorkerRuntime:
             self.reward_models = RewardModels.load(rewards, self.settings.device, config.model.dtype)
             self.reward_models_run = context.run
         return self.reward_models
+
+    def run_agent(self, context: RunContext) -> AgentRun | None:
+        """The [agent] run's tool process (started once, its tools imported and described there) after a check of
+        the chat template; None for a run without [agent]. Raises ToolSetupError or AgentSetupError, which stop
+        the worker (``worker.process.tasks``)."""
+        config = context.config.agent
+        if config is None:
+            return None
+        if self.agent is None or self.agent_run != context.run:
+            from worker.generate.agent import AgentRun
+
+            if self.agent is not None:
+                self.agent.close()
+            self.agent = AgentRun.start(config, self.generation_backend(context).tokenizer)
+            self.agent_run = context.run
+        return self.agent
 
     def adapter_cache(self, context: RunContext) -> AdapterCache:
         cache = self.adapter_caches.get(context.run)
@@ -239,8 +258,9 @@ def start_heartbeat(role: str) -> None:
 
 
 def load_reward_models_at_start(role: str) -> None:
-    """On a generate worker whose run has reward models, load them now, before the first task (a run not created
-    yet: at its first task). Raises ``RewardModelError`` naming the reward and the model."""
+    """On a generate worker whose run has reward models or [agent], load them (and start the tool process) now,
+    before the first task (a run not created yet: at its first task). Raises ``RewardModelError``,
+    ``ToolSetupError`` or ``AgentSetupError`` naming the reward, tool or template."""
     runtime = get_runtime(role)
     run = runtime.settings.run
     if role != "generate" or run is None:
@@ -252,6 +272,7 @@ def load_reward_models_at_start(role: str) -> None:
         return
     with runtime.adapter_lock:  # the prefetcher may be building this run's backend meanwhile
         runtime.run_reward_models(context)
+        runtime.run_agent(context)
 
 
 def start_prefetcher(role: str) -> None:

@@ -52,9 +52,11 @@ from asyncgrpo.protocol.schemas import (
     StaleRolloutError,
     TaskFailureReport,
 )
+from worker.generate.agent import AgentRun, AgentSetupError
 from worker.generate.backend import GenerationBackend
 from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import AdapterCache, run_generate_task
+from worker.generate.tool_process import ToolSetupError
 from worker.model.reward_models import RewardModelError, RewardModels
 from worker.optimize.job import OptimizeResult, repair_object, run_initialize, run_optimize_step, step_failure_of
 from worker.optimize.ranks import RankLost, leave
@@ -197,20 +199,22 @@ def _on_worker_ready(**_: Any) -> None:
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     try:
         load_reward_models_at_start(role)
-    except RewardModelError as error:
-        _stop_for_reward_model(error)
+    except SETUP_ERRORS as error:
+        _stop_for_setup(error)
         return
     start_heartbeat(role)
     start_prefetcher(role)
     _idle_since = time.monotonic()
 
 
-EXIT_REWARD_MODEL = 78  # EX_CONFIG: the run's config names a reward model this machine cannot load
+EXIT_REWARD_MODEL = 78  # EX_CONFIG: the run's config names a reward model, tool or template this machine cannot use
+SETUP_ERRORS = (RewardModelError, ToolSetupError, AgentSetupError)
+"""What a generate worker loads for its run and may fail to: reward models, [agent]'s tools and chat template."""
 
 
-def _stop_for_reward_model(error: RewardModelError) -> None:
-    """A reward model this worker cannot load: exit (non-zero) rather than fail every task of the run."""
-    log.error("worker.reward_model_failed", error=str(error), exit_code=EXIT_REWARD_MODEL)
+def _stop_for_setup(error: Exception) -> None:
+    """A reward model, tool or template this worker cannot use: exit (non-zero) rather than fail every task."""
+    log.error("worker.setup_failed", error=str(error), exit_code=EXIT_REWARD_MODEL)
     worker_state.should_stop = EXIT_REWARD_MODEL
 
 
@@ -233,6 +237,8 @@ def _on_worker_shutdown(**_: Any) -> None:
     if runtime.prefetcher is not None:
         closed = runtime.prefetcher.close()
         (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
+    if runtime.agent is not None:
+        runtime.agent.close()  # its tool process too (it would also die with this process)
 
 
 def _refuse_other_run(role: str, task: str, run: str) -> None:
@@ -260,11 +266,11 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
         log.warning("worker.task_handed_back", task=task_name, reason=str(error))
         raise Reject(str(error), requeue=True) from error
-    except RewardModelError as error:
+    except SETUP_ERRORS as error:
         # Only a run created after this worker started gets here (its first task loads them): hand the task back
         # for a worker that can, and stop.
         worker_metrics.observe_error("other")
-        _stop_for_reward_model(error)
+        _stop_for_setup(error)
         raise Reject(str(error), requeue=True) from error
     except RankLost as error:
         # Another rank of this multi-GPU worker died or hung: this worker cannot train any more. Hand the step
@@ -299,7 +305,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context, backend, adapter_cache, reward_models = _generation_parts(runtime, message.run)
+        context, backend, adapter_cache, reward_models, agent = _generation_parts(runtime, message.run)
         settings = runtime.settings
         worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
         result = run_generate_task(
@@ -315,6 +321,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             worker_id=runtime.settings.worker_id,
             backend_lock=runtime.adapter_lock,
             reward_models=reward_models,
+            agent=agent,
         )
         worker_metrics.observe_generate_task(result)
         return result.summary()
@@ -330,7 +337,7 @@ def evaluate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context, backend, adapter_cache, reward_models = _generation_parts(runtime, message.run)
+        context, backend, adapter_cache, reward_models, agent = _generation_parts(runtime, message.run)
         result = run_evaluate_task(
             task_id=message.task_id,
             config=context.config,
@@ -341,6 +348,7 @@ def evaluate(**payload: Any) -> dict[str, Any]:
             worker_id=runtime.settings.worker_id,
             backend_lock=runtime.adapter_lock,
             reward_models=reward_models,
+            agent=agent,
         )
         return result.summary()
 
@@ -349,12 +357,12 @@ def evaluate(**payload: Any) -> dict[str, Any]:
 
 def _generation_parts(
     runtime: WorkerRuntime, run: str
-) -> tuple[RunContext, GenerationBackend, AdapterCache, RewardModels]:
-    """The run's context, backend, adapter cache and reward models, built on first use."""
+) -> tuple[RunContext, GenerationBackend, AdapterCache, RewardModels, AgentRun | None]:
+    """The run's context, backend, adapter cache, reward models and [agent] tools, built on first use."""
     with runtime.adapter_lock:  # the prefetcher may be building them right now
         context = runtime.run_context(run)
         backend, cache = runtime.generation_backend(context), runtime.adapter_cache(context)
-        return context, backend, cache, runtime.run_reward_models(context)
+        return context, backend, cache, runtime.run_reward_models(context), runtime.run_agent(context)
 
 
 def _run_generate_role(body: Callable[[WorkerRuntime], dict[str, Any]], *, task_id: str, **context: Any) -> dict:
