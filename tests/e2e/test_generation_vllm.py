@@ -271,9 +271,7 @@ def rescore_under(setup: VLLMSetup, version: int, result: Any) -> tuple[list[lis
 def logprob_gap(behaviour: list[list[float]], rescored: list[list[float]]) -> float:
     """Mean absolute difference of two logprob lists, token by token."""
     diffs = [
-        abs(b - r)
-        for row_b, row_r in zip(behaviour, rescored, strict=True)
-        for b, r in zip(row_b, row_r, strict=True)
+        abs(b - r) for row_b, row_r in zip(behaviour, rescored, strict=True) for b, r in zip(row_b, row_r, strict=True)
     ]
     return sum(diffs) / len(diffs)
 
@@ -284,9 +282,7 @@ def token_ids(result: Any) -> list[list[int]]:
 
 @needs_vllm
 @pytest.mark.vllm
-def test_versions_sample_differently_and_match_the_trainers_rescoring(
-    vllm_setup: VLLMSetup, tmp_path: Path
-) -> None:
+def test_versions_sample_differently_and_match_the_trainers_rescoring(vllm_setup: VLLMSetup, tmp_path: Path) -> None:
     from worker.optimize.trainer import mean_ratio
 
     backend = vllm_setup.backend
@@ -334,9 +330,7 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
     shas = [write_version(bucket, run, v, files, {"step": v})[1] for v, files in enumerate(vllm_setup.versions)]
     capacity = vllm_setup.config.async_.max_staleness + 2
     assert backend.max_loras == capacity
-    cache = AdapterCache(
-        bucket, run, tmp_path / "cache", capacity=capacity, backend=backend
-    )
+    cache = AdapterCache(bucket, run, tmp_path / "cache", capacity=capacity, backend=backend)
 
     def lease(version: int) -> None:  # what generate_job does on a lease of `version`
         backend.load_adapter(f"v{version}", version, cache.get(version, shas[version]))
@@ -421,6 +415,202 @@ def test_generate_path_imports_in_this_environment_without_vllm() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ)
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# --- token-id continuation and agent conversations, on the tiny agent model ----------------------------------
+
+TOY_ENVIRONMENT = "worker.generate.toy_agent:HiddenDigit"
+AGENT_PROMPTS = 8
+AGENT_SAMPLES = 8
+AGENT_BUDGET = 16  # sampling.max_completion_length: a conversation's tokens, model and tool tokens alike
+
+
+def agent_test_config(agent_dir: Path) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "seed": 0,
+            "model": {"base": str(agent_dir), "max_prompt_length": 16},
+            "dataset": {"generator": "hidden_digit", "chat_template": True},
+            "rewards": [{"name": "repeat_digit", "weight": 0.75}],
+            "agent": {"environment": TOY_ENVIRONMENT, "max_tool_calling_iterations": 2, "tool_timeout_s": 10},
+            "sampling": {
+                "samples_per_prompt": AGENT_SAMPLES,
+                "max_completion_length": AGENT_BUDGET,
+                "temperature": TEMPERATURE,
+                "backend": "vllm",
+            },
+        }
+    )
+
+
+@dataclass
+class AgentSetup:
+    config: RunConfig
+    backend: Any  # VLLMBackend on the tiny agent model
+    trainer: Any  # its trainer (LoRA at zero: the base model's logprobs)
+
+
+@pytest.fixture(scope="module")
+def agent_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentSetup]:
+    """A second vLLM engine, on the tiny agent model, and a trainer on the same weights."""
+    from worker.generate.factory import build_generation_backend
+    from worker.model.policy import Policy
+    from worker.model.tiny_model import ensure_tiny_model
+    from worker.optimize.trainer import Trainer
+
+    agent_dir = ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("asyncgrpo-agent-cache"), agent=True)
+    config = agent_test_config(agent_dir)
+    trainer = Trainer.initial(Policy.load(str(agent_dir), dtype="float32", device="cpu"), config)
+    backend = build_generation_backend(config, WorkerSettings(generation_backend="vllm", device="cpu"))
+    yield AgentSetup(config=config, backend=backend, trainer=trainer)
+
+
+def model_token_gaps(trainer: Any, samples: list[Any]) -> list[float]:
+    """|generator - trainer| logprob of every model token (completion_mask True, or all when None)."""
+    gaps = []
+    for sample, rescored in zip(samples, trainer.rescore(samples), strict=True):
+        mask = sample.completion_mask or [True] * len(rescored)
+        gaps += [abs(b - r) for b, r, model in zip(sample.behavior_logprobs, rescored, mask, strict=True) if model]
+    return gaps
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_generate_from_ids_continues_each_sequence_as_the_trainer_scores_it(agent_setup: AgentSetup) -> None:
+    from worker.generate.agent import prompt_text, tool_answer_ids
+    from worker.model.tiny_model import REVEAL_CALL
+    from worker.optimize.batch import TrainSample
+    from worker.optimize.trainer import mean_ratio
+
+    backend = agent_setup.backend
+    tokenizer = backend.tokenizer
+    eos = backend.eos_token_id
+    chat = prompt_text(tokenizer, [{"role": "user", "content": "?="}], [], None)  # "<user>?=<assistant>"
+    prompt = backend.tokenize([chat], add_special_tokens=False)[0]
+    reveal = tokenizer.convert_tokens_to_ids(REVEAL_CALL)
+    answer = tool_answer_ids(tokenizer, [{"role": "tool", "name": "reveal", "content": "7"}], eos)
+    digits = backend.tokenize(["35"], add_special_tokens=False)[0]
+    # Conversations at several points (after the prompt, a tool answer, a model's partial turn), some of them
+    # prefixes of others; the short budgets must cut their sequences.
+    after_tool = [*prompt, reveal, eos, *answer]
+    sequences = [prompt, after_tool, prompt + digits, prompt, after_tool]
+    budgets = [AGENT_BUDGET, 10, 2, 1, 1]
+
+    def continue_all(seed: int) -> list[Any]:
+        return backend.generate_from_ids(
+            sequences, adapter=None, max_new_tokens=budgets, temperature=TEMPERATURE, top_p=1.0, seed=seed
+        )
+
+    completions = continue_all(seed=3)
+    assert len(completions) == len(sequences)
+    for completion, budget in zip(completions, budgets, strict=True):
+        assert 1 <= len(completion.token_ids) <= budget
+        assert eos not in completion.token_ids[:-1], "a completion went on past its EOS"
+        stopped = completion.token_ids[-1] == eos
+        assert completion.finish_reason == ("stop" if stopped else "length"), completion
+        assert stopped or len(completion.token_ids) == budget
+    cut = [c for c, budget in zip(completions, budgets, strict=True) if budget < AGENT_BUDGET]
+    assert any(c.finish_reason == "length" for c in cut), "no short budget cut its sequence"
+
+    again = continue_all(seed=3)
+    assert [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in completions]
+    assert [c.token_ids for c in continue_all(seed=4)] != [c.token_ids for c in completions]
+
+    samples = [TrainSample(ids, c.token_ids, c.logprobs, 0.0) for ids, c in zip(sequences, completions, strict=True)]
+    behaviour = [s.behavior_logprobs for s in samples]
+    rescored = agent_setup.trainer.rescore(samples)
+    gaps = model_token_gaps(agent_setup.trainer, samples)
+    print(f"\ngenerate_from_ids vs trainer rescoring: largest logprob gap {max(gaps):.2e} over {len(gaps)} tokens")
+    assert logprob_gap(behaviour, rescored) < 1e-4
+    assert abs(mean_ratio(behaviour, rescored) - 1.0) < RATIO_TOLERANCE
+
+
+def _segments(tokens: list[str], mask: list[bool]) -> list[list[str]]:
+    """The conversation as alternating runs: model tokens, tool-answer tokens, model tokens, ..."""
+    runs: list[list[str]] = []
+    for index, (token, model) in enumerate(zip(tokens, mask, strict=True)):
+        if index == 0 or model != mask[index - 1]:
+            runs.append([])
+        runs[-1].append(token)
+    assert mask[0], "a conversation starts with the model's turn"
+    return runs
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_agent_conversations_through_vllm_mask_the_tool_answers_and_rescore_to_the_trainers(
+    agent_setup: AgentSetup,
+) -> None:
+    """tests/unit/worker/test_agent.py's check of whole conversations, with vLLM sampling the model's turns."""
+    from asyncgrpo.run.datasets import hidden_digit_prompts
+    from worker.generate.agent import AgentRun, converse
+    from worker.generate.backend import chat_messages
+    from worker.model.tiny_model import REVEAL_CALL
+    from worker.optimize.batch import TrainSample
+
+    config, backend = agent_setup.config, agent_setup.backend
+    assert config.agent is not None
+    tokenizer = backend.tokenizer
+    records = hidden_digit_prompts(AGENT_PROMPTS, seed=1)
+    agent = AgentRun.start(config.agent, tokenizer)
+    try:
+        groups, scores, _ = converse(
+            backend,
+            agent,
+            records,
+            [chat_messages(record, config.dataset) for record in records],
+            adapter=None,
+            samples_per_prompt=AGENT_SAMPLES,
+            max_completion_length=AGENT_BUDGET,
+            temperature=TEMPERATURE,
+            top_p=1.0,
+            seed=5,
+            task_id="vllm-agent",
+        )
+    finally:
+        agent.close()
+    assert all(group.failure is None for group in groups)
+    called = 0
+    samples = []
+    for record, group, rewards in zip(records, groups, scores["HiddenDigit"], strict=True):
+        assert len(group.completions) == AGENT_SAMPLES
+        for completion, reward in zip(group.completions, rewards, strict=True):
+            assert len(completion.token_ids) <= AGENT_BUDGET
+            segments = _segments(tokenizer.convert_ids_to_tokens(completion.token_ids), completion.mask)
+            model_turns, answers = segments[0::2], segments[1::2]
+            # Each answered turn called reveal() and got exactly "<tool>" and the digit per call, then
+            # "<assistant>", masked out; nothing else is masked out.
+            for turn, answer in zip(model_turns, answers, strict=False):
+                assert answer == ["<tool>", record["answer"]] * turn.count(REVEAL_CALL) + ["<assistant>"]
+            assert completion.turns == len(model_turns) == len(answers) + 1
+            assert completion.tool_failures == 0
+            answered = sum(turn.count(REVEAL_CALL) for turn in model_turns[:-1])
+            if completion.tool_calls > answered:  # the last turn's calls ran, but their answers would not fit
+                assert completion.finish_reason == "length"
+                assert completion.tool_calls == answered + model_turns[-1].count(REVEAL_CALL)
+            else:
+                assert completion.tool_calls == answered
+            assert all(lp == 0.0 for lp, model in zip(completion.logprobs, completion.mask, strict=True) if not model)
+            assert reward == (0.25 if completion.tool_calls else 0.0)
+            called += completion.tool_calls > 0
+            samples.append(
+                TrainSample(
+                    completion.prompt_token_ids,
+                    completion.token_ids,
+                    completion.logprobs,
+                    0.0,
+                    completion_mask=completion.mask,
+                )
+            )
+    total = AGENT_PROMPTS * AGENT_SAMPLES
+    assert called >= 4, f"only {called} of {total} random conversations called reveal(); the check needs some"
+    gaps = model_token_gaps(agent_setup.trainer, samples)
+    print(
+        f"\nvLLM agent conversations: {called} of {total} called reveal(); largest |vLLM - trainer| logprob gap "
+        f"{max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e} over {len(gaps)} model tokens"
+    )
+    assert sum(gaps) / len(gaps) < 1e-4
+    assert max(gaps) < 1e-3
 
 
 # --- a whole run with a vLLM generate worker -----------------------------------------------------------------

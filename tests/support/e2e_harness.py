@@ -97,9 +97,12 @@ def make_cluster(
         extra_toml: str = "",
         total_steps: int = 10000,
         num_prompts: int = 64,
+        head: str = CONFIG_HEAD,
+        samples_per_prompt: int = SAMPLES_PER_PROMPT,
     ) -> LocalCluster:
         """``defaults``: every timeout as shipped (the other knobs then must not be given). ``extra_toml`` is
-        appended after the ``[async]`` keys (async keys, or further tables such as another ``[[rewards]]``)."""
+        appended after the ``[async]`` keys (async keys, or further tables such as another ``[[rewards]]``).
+        ``head``: another config head with CONFIG_HEAD's placeholders, ending in its ``[async]`` table."""
         run = f"e2e-{uuid.uuid4().hex[:8]}"
         if defaults:
             env = {**s3_endpoint.env(), **THREADS_ENV}
@@ -113,8 +116,8 @@ def make_cluster(
         )
         clusters.append(cluster)
         config = tmp_path / f"{run}.toml"
-        toml = CONFIG_HEAD.format(
-            samples=SAMPLES_PER_PROMPT,
+        toml = head.format(
+            samples=samples_per_prompt,
             max_len=max_len,
             max_staleness=MAX_STALENESS,
             total_steps=total_steps,

@@ -18,6 +18,7 @@ from asyncgrpo.run.datasets import (
     build_dataset,
     dump_prompts_jsonl,
     generate_prompts,
+    hidden_digit_prompts,
     load_prompt_file,
     parse_prompts_jsonl,
 )
@@ -146,6 +147,54 @@ def test_build_dataset_from_generator_is_seeded() -> None:
     assert all(r["prompt"] == f"{r['answer']}=" for r in first)
     with pytest.raises(ValueError, match=re.escape("dataset.generator='nope' is unknown")):
         generate_prompts("nope", 3, 0)
+
+
+def test_hidden_digit_prompts_hide_a_digit_and_are_seeded() -> None:
+    first = hidden_digit_prompts(200, seed=5)
+    assert len(first) == 200 and first == hidden_digit_prompts(200, seed=5)
+    assert first != hidden_digit_prompts(200, seed=6)
+    assert all(record == {"prompt": "?=", "answer": record["answer"]} for record in first)
+    assert all(len(r["answer"]) == 1 and r["answer"].isdigit() for r in first)
+    assert len({r["answer"] for r in first}) == 10  # every digit appears in 200 draws
+    config = DatasetConfig(generator="hidden_digit", num_prompts=7)
+    assert build_dataset(config, seed=5) == hidden_digit_prompts(7, seed=5) == generate_prompts("hidden_digit", 7, 5)
+
+
+ENVIRONMENT_ROWS = [
+    {"question": "Find the digit", "solution": "3", "env": "digit"},
+    {"question": "Count to two", "solution": "2", "env": "counter"},
+]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_environment_column_names_each_prompts_environment(tmp_path: Path, suffix: str) -> None:
+    path = _write(tmp_path / f"p{suffix}", ENVIRONMENT_ROWS)
+    records = load_prompt_file(path, "question", "solution", environment_column="env")
+    assert records == [
+        {"prompt": "Find the digit", "answer": "3", "environment": "digit"},
+        {"prompt": "Count to two", "answer": "2", "environment": "counter"},
+    ]
+    # Without the setting, the column is ignored as any other.
+    assert all("environment" not in record for record in load_prompt_file(path, "question", "solution"))
+    config = DatasetConfig(path=path.name, prompt_column="question", answer_column="solution", environment_column="env")
+    built = build_dataset(config, seed=0, base_dir=tmp_path)
+    assert built == records and parse_prompts_jsonl(dump_prompts_jsonl(built)) == records
+
+
+@pytest.mark.parametrize("bad", [None, "", 3, ["digit"]])
+def test_a_row_without_an_environment_name_is_refused_naming_the_column(tmp_path: Path, bad: object) -> None:
+    path = _write(tmp_path / "p.jsonl", [ENVIRONMENT_ROWS[0], {**ENVIRONMENT_ROWS[1], "env": bad}])
+    with pytest.raises(PromptFileError) as caught:
+        load_prompt_file(path, "question", "solution", environment_column="env")
+    message = str(caught.value)
+    assert "line 2" in message and "no environment name in column 'env'" in message, message
+    assert "agent.environment" in message
+
+
+def test_a_missing_environment_column_names_the_setting(tmp_path: Path) -> None:
+    path = _write(tmp_path / "p.jsonl", ROWS)
+    with pytest.raises(PromptFileError, match=r"'env'.*dataset\.environment_column|dataset\.environment_column.*'env'"):
+        load_prompt_file(path, "question", "solution", environment_column="env")
 
 
 def test_prompts_jsonl_roundtrip() -> None:

@@ -1,0 +1,154 @@
+"""The generate job of an [agent] run with real parts (the tiny agent model, a real tool process, FileBucket, the
+adapter cache) and a recording stand-in for the proxy: the rollout holds each conversation with its mask and
+its own prompt, the header holds turns and tool calls, each environment's reward is a reward named after it,
+and a group whose environment fails to start is rejected with the reason while the task goes on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.bucket.backends import Bucket, open_bucket
+from asyncgrpo.bucket.layout import write_version
+from asyncgrpo.protocol.schemas import GroupRef
+from asyncgrpo.run.config import ConfigError, RunConfig
+from asyncgrpo.run.creation import create_run
+from tests.integration.test_generate_job import RecordingProxy
+from worker.algo.rollout import decode_rollout
+from worker.generate.agent import AgentRun
+from worker.generate.job import AdapterCache, run_generate_task
+from worker.generate.transformers_backend import TransformersBackend
+from worker.model.policy import Policy
+from worker.model.tiny_model import ensure_tiny_model
+from worker.optimize.batch import build_train_samples
+from worker.optimize.trainer import Trainer
+
+RUN = "gen-job"  # RecordingProxy's run
+TASK = "gen-agent-0-00000001"
+PROMPTS = [
+    {"prompt": "?=", "answer": "4", "environment": "digit"},
+    {"prompt": "explode", "answer": "2", "environment": "count"},  # Counter.reset raises on this prompt
+    {"prompt": "?=", "answer": "9", "environment": "digit"},
+    {"prompt": "?=", "answer": "3", "environment": "count"},
+]
+
+
+def agent_config() -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "model": {"base": "tiny-agent"},
+            "dataset": {"path": "unused.jsonl", "chat_template": True, "environment_column": "environment"},
+            "rewards": [{"name": "repeat_digit", "weight": 0.75}],
+            "agent": {
+                "environment": {
+                    "digit": "worker.generate.toy_agent:HiddenDigit",
+                    "count": "tests.support.agent_tools:Counter",
+                },
+                "tool_timeout_s": 10,
+            },
+            "sampling": {"samples_per_prompt": 4, "max_completion_length": 24},
+        }
+    )
+
+
+@pytest.fixture
+def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(cache_dir=tmp_path_factory.getbasetemp() / "asyncgrpo-cache", agent=True)
+
+
+@pytest.fixture
+def bucket_with_v0(agent_dir: Path, tmp_path: Path, one_torch_thread: None) -> tuple[Bucket, str]:
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    trainer = Trainer.initial(Policy.load(str(agent_dir)), agent_config())
+    _, manifest_sha = write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
+    return bucket, manifest_sha
+
+
+@pytest.fixture
+def backend(agent_dir: Path) -> TransformersBackend:
+    return TransformersBackend(str(agent_dir))
+
+
+@pytest.fixture
+def agent(backend: TransformersBackend) -> Iterator[AgentRun]:
+    config = agent_config().agent
+    assert config is not None
+    run = AgentRun.start(config, backend.tokenizer)
+    yield run
+    run.close()
+
+
+def test_an_agent_task_writes_conversations_with_masks_stats_and_environment_rewards(
+    bucket_with_v0: tuple[Bucket, str], backend: TransformersBackend, agent: AgentRun, tmp_path: Path
+) -> None:
+    bucket, manifest_sha = bucket_with_v0
+    proxy = RecordingProxy(manifest_sha256=manifest_sha)
+    groups = [GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in range(len(PROMPTS))]
+    result = run_generate_task(
+        run=RUN,
+        task_id=TASK,
+        groups=groups,
+        config=agent_config(),
+        prompts=PROMPTS,
+        bucket=bucket,
+        client=proxy,
+        backend=backend,
+        adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
+        worker_id="gen-1",
+        agent=agent,
+    )
+    assert result.status == "admitted"
+    submitted = proxy.submissions[0]
+    assert [rejected.group_id for rejected in submitted.rejected_groups] == [f"{TASK}.1"]
+    assert submitted.rejected_groups[0].reason == "environment_error"  # Counter.reset raised
+
+    rollout = decode_rollout(bucket.get(submitted.key))
+    assert [group.prompt_index for group in rollout.groups] == [0, 2, 3]
+    stats = rollout.extra.agent
+    assert stats is not None and len(stats.turns) == len(rollout.samples) == 12
+    tokenizer = backend.tokenizer
+    for index, sample in enumerate(rollout.samples):
+        # A conversation without a tool answer is all the model's: its mask reads back unset.
+        mask = sample.completion_mask or [True] * len(sample.completion_token_ids)
+        assert len(mask) == len(sample.completion_token_ids) and mask[0]
+        tool_tokens = [t for t, model in zip(sample.completion_token_ids, mask, strict=True) if not model]
+        # Answers were appended only after calls, and each turn but the last is followed by one.
+        assert bool(tool_tokens) == (stats.turns[index] > 1)
+        assert stats.tool_calls[index] >= stats.turns[index] - 1
+        assert all(lp == 0.0 for lp, model in zip(sample.behavior_logprobs, mask, strict=True) if not model)
+        prompt = tokenizer.decode(sample.prompt_token_ids, skip_special_tokens=False)
+        environment = PROMPTS[rollout.groups[sample.group_index].prompt_index]["environment"]
+        # The Counter's reset text goes into its conversation's prompt; HiddenDigit adds nothing.
+        assert prompt.startswith("<user>") and prompt.endswith("<assistant>")
+        assert (len(sample.prompt_token_ids) > 4) == (environment == "count")
+        assert set(sample.rewards_by_name) == {"repeat_digit", "HiddenDigit", "Counter"}
+        owned = "HiddenDigit" if environment == "digit" else "Counter"
+        other = "Counter" if owned == "HiddenDigit" else "HiddenDigit"
+        assert sample.rewards_by_name[other] == 0.0
+        if owned == "HiddenDigit":
+            assert sample.rewards_by_name[owned] == (0.25 if stats.tool_calls[index] else 0.0)
+        assert sample.reward == pytest.approx(
+            0.75 * sample.rewards_by_name["repeat_digit"] + sample.rewards_by_name[owned], abs=1e-6
+        )
+    # The task's tokens are the model's, as the trainer counts them.
+    train_samples, _ = build_train_samples([rollout], agent_config().loss)
+    assert result.tokens == sum(s.model_tokens for s in train_samples) > 0
+
+
+def test_run_create_refuses_a_prompt_naming_an_unknown_environment_and_stores_nothing(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"prompt": "?=", "answer": "1", "env": "digit"}\n{"prompt": "?=", "answer": "2", "env": "dice"}\n'
+    )
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        '[model]\nbase = "tiny-agent"\n\n[dataset]\npath = "prompts.jsonl"\nchat_template = true\n'
+        'environment_column = "env"\n\n[[rewards]]\nname = "repeat_digit"\n\n'
+        '[agent.environment]\ndigit = "worker.generate.toy_agent:HiddenDigit"\n'
+    )
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    with pytest.raises(ConfigError, match=r"prompt 1 names environment 'dice'.*\(digit\)"):
+        create_run(config, "agent-env", bucket)
+    assert list(bucket.list("")) == []
