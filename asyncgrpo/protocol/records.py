@@ -45,7 +45,8 @@ class GenerateTimings(_Timings):
     score_s: float | None = None
     """Computing the rewards and group advantages."""
     tools_s: float | None = None
-    """Agent runs: waiting on tool and environment calls (inside ``generate_s``)."""
+    """Agent runs: the part of ``generate_s`` spent outside sampling: tool and environment calls, templating the
+    conversations' prompts and tool answers, parsing calls."""
     task_s: float | None = None
     """The whole task, submit included (task result only)."""
 

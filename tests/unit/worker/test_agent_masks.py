@@ -115,6 +115,7 @@ def test_tool_tokens_change_nothing_in_the_loss_gradients_or_figures(tiny_model_
     batch = collate(samples, list(range(len(samples))), trainer.policy.pad_token_id, trainer.policy.device)
     with torch.no_grad():
         logprobs, entropy = token_logprobs_and_entropy(trainer._completion_logits(batch), batch.completion_ids)
+    logprobs, entropy = logprobs.cpu(), entropy.cpu()  # the trainer's device; the expected figures are on CPU
     model = torch.tensor([s.model_flags() for s in samples])
     behavior = torch.tensor([s.behavior_logprobs for s in samples])
     advantages = torch.tensor([s.advantage for s in samples]).unsqueeze(1).expand_as(model)
