@@ -1,24 +1,30 @@
-"""The generate job of an [agent] run with real parts (the tiny agent model, a real tool process, FileBucket, the
-adapter cache) and a recording stand-in for the proxy: the rollout holds each conversation with its mask and
-its own prompt, the header holds turns and tool calls, each environment's reward is a reward named after it,
-and a group whose environment fails to start is rejected with the reason while the task goes on."""
+"""The generate and evaluate jobs of an [agent] run with real parts (the tiny agent model, a real tool process,
+FileBucket, the adapter cache) and recording stand-ins for the proxy: the rollout holds each conversation with its
+mask and its own prompt, the header holds turns and tool calls, each environment's reward is a reward named after
+it, a group whose environment fails to start is rejected with the reason while the task goes on, and an
+evaluation runs the same conversations. ``run create``'s checks of tools, templates and environment names."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.layout import write_version
+from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.config import ConfigError, RunConfig
 from asyncgrpo.run.creation import create_run
 from tests.integration.test_generate_job import RecordingProxy
 from worker.algo.rollout import decode_rollout
-from worker.generate.agent import AgentRun
+from worker.generate.agent import AgentRun, AgentSetupError, check_agent_of
+from worker.generate.evaluate import run_evaluate_task
 from worker.generate.job import AdapterCache, run_generate_task
+from worker.generate.tool_process import ToolSetupError
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
@@ -152,3 +158,84 @@ def test_run_create_refuses_a_prompt_naming_an_unknown_environment_and_stores_no
     with pytest.raises(ConfigError, match=r"prompt 1 names environment 'dice'.*\(digit\)"):
         create_run(config, "agent-env", bucket)
     assert list(bucket.list("")) == []
+
+
+@dataclass
+class RecordingEvalProxy:
+    """Stands in for ProxyClient on an evaluate task: leases version 0 over all the eval prompts."""
+
+    manifest_sha256: str
+    prompts: int
+    results: list[EvalResultRequest] = field(default_factory=list)
+
+    def eval_lease(self, task_id: str, worker_id: str) -> EvalLeaseGrant:
+        return EvalLeaseGrant(
+            lease_id="lease-eval",
+            version=0,
+            adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
+            manifest_key=bucket_keys.manifest_key(RUN, 0),
+            manifest_sha256=self.manifest_sha256,
+            ttl_s=60.0,
+            expires_at=0.0,
+            prompt_start=0,
+            prompt_count=self.prompts,
+        )
+
+    def renew(self, lease_id: str) -> None:
+        raise AssertionError("a 60 s lease needs no renewal here")
+
+    def release(self, lease_id: str) -> None:
+        return None
+
+    def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
+        self.results.append(request)
+        return EvalResultAnswer(version=0, chunks_left=0)
+
+
+def test_evaluation_runs_the_same_conversations_and_scores_the_environment_reward(
+    bucket_with_v0: tuple[Bucket, str], backend: TransformersBackend, agent: AgentRun, tmp_path: Path
+) -> None:
+    bucket, manifest_sha = bucket_with_v0
+    config = agent_config().model_copy(
+        update={
+            "eval": agent_config().eval.model_copy(
+                update={"every_versions": 1, "samples_per_prompt": 4, "temperature": 1.0, "max_completion_length": 24}
+            )
+        }
+    )
+    proxy = RecordingEvalProxy(manifest_sha256=manifest_sha, prompts=len(PROMPTS))
+    result = run_evaluate_task(
+        task_id="eval-0",
+        config=config,
+        eval_prompts=PROMPTS,
+        client=proxy,
+        backend=backend,
+        adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
+        worker_id="gen-1",
+        agent=agent,
+    )
+    assert result.status == "recorded"
+    summary = proxy.results[0].summary
+    # Counter.reset raises on "explode": that prompt fails, the other three are conversations, 4 each.
+    assert (summary.prompts, summary.prompts_failed, summary.completions) == (3, 1, 12)
+    assert set(summary.reward_sums) == {"repeat_digit", "HiddenDigit", "Counter"}
+    assert summary.reward_sums["HiddenDigit"] in {0.25 * n for n in range(9)}  # 0.25 per digit conversation that called
+    assert summary.reward_sum == pytest.approx(
+        0.75 * summary.reward_sums["repeat_digit"] + summary.reward_sums["HiddenDigit"] + summary.reward_sums["Counter"]
+    )
+
+
+def test_run_create_checks_the_tools_and_the_chat_template_naming_the_field(tmp_path: Path) -> None:
+    def config(base: str, tools: str) -> Path:
+        path = tmp_path / f"{base}.toml"
+        path.write_text(
+            f'[model]\nbase = "{base}"\n\n[dataset]\ngenerator = "hidden_digit"\nchat_template = true\n\n'
+            f'[[rewards]]\nname = "repeat_digit"\n\n[agent]\ntools = [{tools}]\n'
+        )
+        return path
+
+    with pytest.raises(ToolSetupError, match=r"agent\.tools\.1: .*type hint"):
+        check_agent_of(config("tiny-agent", '"tests.support.agent_tools:add", "tests.support.agent_tools:untyped"'))
+    with pytest.raises(AgentSetupError, match="drops the tool call"):  # the plain tiny model's ChatML template
+        check_agent_of(config("tiny", '"tests.support.agent_tools:add"'))
+    check_agent_of(config("tiny-agent", '"tests.support.agent_tools:add"'))
