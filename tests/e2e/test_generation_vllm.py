@@ -525,17 +525,6 @@ def test_generate_from_ids_continues_each_sequence_as_the_trainer_scores_it(agen
     assert abs(mean_ratio(behaviour, rescored) - 1.0) < RATIO_TOLERANCE
 
 
-def _segments(tokens: list[str], mask: list[bool]) -> list[list[str]]:
-    """The conversation as alternating runs: model tokens, tool-answer tokens, model tokens, ..."""
-    runs: list[list[str]] = []
-    for index, (token, model) in enumerate(zip(tokens, mask, strict=True)):
-        if index == 0 or model != mask[index - 1]:
-            runs.append([])
-        runs[-1].append(token)
-    assert mask[0], "a conversation starts with the model's turn"
-    return runs
-
-
 @needs_vllm
 @pytest.mark.vllm
 def test_agent_conversations_through_vllm_mask_the_tool_answers_and_rescore_to_the_trainers(
@@ -543,10 +532,9 @@ def test_agent_conversations_through_vllm_mask_the_tool_answers_and_rescore_to_t
 ) -> None:
     """tests/unit/worker/test_agent.py's check of whole conversations, with vLLM sampling the model's turns."""
     from asyncgrpo.run.datasets import hidden_digit_prompts
+    from tests.support.toy_conversations import check_toy_conversation
     from worker.generate.agent import AgentRun, converse
     from worker.generate.backend import chat_messages
-    from worker.model.tiny_model import REVEAL_CALL
-    from worker.optimize.batch import TrainSample
 
     config, backend = agent_setup.config, agent_setup.backend
     assert config.agent is not None
@@ -576,32 +564,8 @@ def test_agent_conversations_through_vllm_mask_the_tool_answers_and_rescore_to_t
         assert len(group.completions) == AGENT_SAMPLES
         for completion, reward in zip(group.completions, rewards, strict=True):
             assert len(completion.token_ids) <= AGENT_BUDGET
-            segments = _segments(tokenizer.convert_ids_to_tokens(completion.token_ids), completion.mask)
-            model_turns, answers = segments[0::2], segments[1::2]
-            # Each answered turn called reveal() and got exactly "<tool>" and the digit per call, then
-            # "<assistant>", masked out; nothing else is masked out.
-            for turn, answer in zip(model_turns, answers, strict=False):
-                assert answer == ["<tool>", record["answer"]] * turn.count(REVEAL_CALL) + ["<assistant>"]
-            assert completion.turns == len(model_turns) == len(answers) + 1
-            assert completion.tool_failures == 0
-            answered = sum(turn.count(REVEAL_CALL) for turn in model_turns[:-1])
-            if completion.tool_calls > answered:  # the last turn's calls ran, but their answers would not fit
-                assert completion.finish_reason == "length"
-                assert completion.tool_calls == answered + model_turns[-1].count(REVEAL_CALL)
-            else:
-                assert completion.tool_calls == answered
-            assert all(lp == 0.0 for lp, model in zip(completion.logprobs, completion.mask, strict=True) if not model)
-            assert reward == (0.25 if completion.tool_calls else 0.0)
+            samples.append(check_toy_conversation(tokenizer, record["answer"], completion, reward, 2))
             called += completion.tool_calls > 0
-            samples.append(
-                TrainSample(
-                    completion.prompt_token_ids,
-                    completion.token_ids,
-                    completion.logprobs,
-                    0.0,
-                    completion_mask=completion.mask,
-                )
-            )
     total = AGENT_PROMPTS * AGENT_SAMPLES
     assert called >= 4, f"only {called} of {total} random conversations called reveal(); the check needs some"
     gaps = model_token_gaps(agent_setup.trainer, samples)

@@ -167,6 +167,17 @@ def check_sampling_arguments(samples_per_prompt: int, max_new_tokens: int, tempe
         raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy) and top_p={top_p} in (0, 1]")
 
 
+def check_continuations(
+    sequences: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float
+) -> None:
+    """The argument checks every backend's ``generate_from_ids`` makes: one budget (>= 1) per non-empty sequence."""
+    if len(max_new_tokens) != len(sequences) or not sequences:
+        raise ValueError(f"{len(sequences)} sequences need as many max_new_tokens, got {len(max_new_tokens)}")
+    check_sampling_arguments(1, min(max_new_tokens), temperature, top_p)
+    if any(not ids for ids in sequences):
+        raise ValueError("a sequence to continue has no tokens")
+
+
 class UnknownAdapter(KeyError):
     """``generate`` named an adapter that was never loaded (or was dropped)."""
 

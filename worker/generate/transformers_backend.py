@@ -30,6 +30,7 @@ from worker.generate.backend import (
     GenerationTimings,
     PromptResult,
     UnknownAdapter,
+    check_continuations,
     check_sampling_arguments,
 )
 from worker.model.policy import Policy
@@ -238,10 +239,7 @@ class TransformersBackend:
         for p_index, prompt in enumerate(prompts):
             completions = []
             for row in range(p_index * samples_per_prompt, (p_index + 1) * samples_per_prompt):
-                ids = tokens[row]
-                finish: FinishReason = "stop" if ids and ids[-1] == self.policy.eos_token_id else "length"
-                text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
-                completions.append(Completion(token_ids=ids, logprobs=logprobs[row], finish_reason=finish, text=text))
+                completions.append(self._completion(tokens[row], logprobs[row]))
             results.append(PromptResult(prompt=prompt, prompt_token_ids=prompt_ids[p_index], completions=completions))
         timings = GenerationTimings(
             generate_s=elapsed,
@@ -261,11 +259,7 @@ class TransformersBackend:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[Completion]:
-        if len(max_new_tokens) != len(sequences) or not sequences:
-            raise ValueError(f"{len(sequences)} sequences need as many max_new_tokens, got {len(max_new_tokens)}")
-        check_sampling_arguments(1, min(max_new_tokens), temperature, top_p)
-        if any(not ids for ids in sequences):
-            raise ValueError("a sequence to continue has no tokens")
+        check_continuations(sequences, max_new_tokens, temperature, top_p)
         model = self._select(adapter)
         # One batch to the longest budget; a row's tokens past its own budget are dropped (its earlier tokens and
         # their logprobs do not depend on them).
@@ -280,13 +274,16 @@ class TransformersBackend:
             pad_token_id=self.policy.pad_token_id,
             device=self.policy.device,
         )
-        completions = []
-        for ids, row_logprobs, budget in zip(tokens, logprobs, max_new_tokens, strict=True):
-            ids, row_logprobs = ids[:budget], row_logprobs[:budget]
-            finish: FinishReason = "stop" if ids and ids[-1] == self.policy.eos_token_id else "length"
-            text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
-            completions.append(Completion(token_ids=ids, logprobs=row_logprobs, finish_reason=finish, text=text))
-        return completions
+        return [
+            self._completion(ids[:budget], row_logprobs[:budget])
+            for ids, row_logprobs, budget in zip(tokens, logprobs, max_new_tokens, strict=True)
+        ]
+
+    def _completion(self, ids: list[int], logprobs: list[float]) -> Completion:
+        """Sampled ids as a completion: "stop" when it ends with EOS, its text without special tokens."""
+        finish: FinishReason = "stop" if ids and ids[-1] == self.policy.eos_token_id else "length"
+        text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
+        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish, text=text)
 
     def _select(self, adapter: str | None) -> torch.nn.Module:
         if adapter is None:

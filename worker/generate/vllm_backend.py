@@ -54,6 +54,7 @@ from worker.generate.backend import (
     GenerationTimings,
     PromptResult,
     UnknownAdapter,
+    check_continuations,
     check_sampling_arguments,
 )
 
@@ -373,9 +374,7 @@ class VLLMBackend:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[Completion]:
-        if len(max_new_tokens) != len(sequences) or not sequences:
-            raise ValueError(f"{len(sequences)} sequences need as many max_new_tokens, got {len(max_new_tokens)}")
-        check_sampling_arguments(1, min(max_new_tokens), temperature, top_p)
+        check_continuations(sequences, max_new_tokens, temperature, top_p)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
@@ -385,8 +384,6 @@ class VLLMBackend:
             loaded = self._adapter(adapter)
             lora_request = LoRARequest(adapter, loaded.lora_id, loaded.path)
         for index, ids in enumerate(sequences):
-            if not ids:
-                raise ValueError(f"sequence {index} to continue has no tokens")
             if len(ids) + max_new_tokens[index] > self.max_model_len:
                 raise ValueError(
                     f"a conversation of {len(ids)} tokens with {max_new_tokens[index]} more exceeds the engine's "

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from asyncgrpo.run.agent_config import AgentConfig
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.datasets import hidden_digit_prompts
+from tests.support.toy_conversations import check_toy_conversation
 from worker.generate.agent import (
     AgentRun,
     AgentSetupError,
@@ -31,8 +32,7 @@ from worker.generate.agent import (
 from worker.generate.backend import Completion, chat_messages
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
-from worker.model.tiny_model import REVEAL_CALL, ensure_tiny_model
-from worker.optimize.batch import TrainSample
+from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -140,36 +140,8 @@ def test_conversations_mask_exactly_the_tool_answers_and_rescore_to_ratio_one(
     samples = []
     for record, group, rewards in conversations:
         for completion, reward in zip(group.completions, rewards, strict=True):
-            tokens = tokenizer.convert_ids_to_tokens(completion.token_ids)
-            segments = _segments(tokens, completion.mask)
-            model_turns = segments[0::2]
-            answers = segments[1::2]
-            # Each model turn but the last called reveal() and was answered with exactly "<tool>" and the digit
-            # per call, then "<assistant>", masked out; nothing else is masked out.
-            for turn, answer in zip(model_turns, answers, strict=False):
-                assert answer == ["<tool>", record["answer"]] * turn.count(REVEAL_CALL) + ["<assistant>"]
-            assert completion.turns == len(model_turns) == len(answers) + 1
-            assert completion.tool_failures == 0
-            answered = sum(turn.count(REVEAL_CALL) for turn in model_turns[:-1])
-            if completion.tool_calls > answered:  # the last turn's calls ran, but their answers would not fit
-                assert completion.finish_reason == "length"
-                assert completion.tool_calls == answered + model_turns[-1].count(REVEAL_CALL)
-            else:
-                assert completion.tool_calls == answered
-            if REVEAL_CALL in model_turns[-1] and completion.finish_reason == "stop":
-                assert len(answers) == 2  # max_tool_calling_iterations left its call unanswered
-            assert all(lp == 0.0 for lp, model in zip(completion.logprobs, completion.mask, strict=True) if not model)
-            assert reward == (0.25 if completion.tool_calls else 0.0)
+            samples.append(check_toy_conversation(tokenizer, record["answer"], completion, reward, 2))
             called += completion.tool_calls > 0
-            samples.append(
-                TrainSample(
-                    completion.prompt_token_ids,
-                    completion.token_ids,
-                    completion.logprobs,
-                    0.0,
-                    completion_mask=completion.mask,
-                )
-            )
     assert called >= 4, f"only {called} of 64 random conversations called reveal(); the check needs some"
     # The trainer scores every token of the conversation; the model's tokens score what the generator sampled.
     trainer = Trainer.initial(policy, toy_run)
@@ -177,17 +149,6 @@ def test_conversations_mask_exactly_the_tool_answers_and_rescore_to_ratio_one(
         for model, generated, scored in zip(sample.completion_mask, sample.behavior_logprobs, rescored, strict=True):
             if model:
                 assert scored == pytest.approx(generated, abs=2e-5)
-
-
-def _segments(tokens: list[str], mask: list[bool]) -> list[list[str]]:
-    """The conversation as alternating runs: model tokens, tool-answer tokens, model tokens, ..."""
-    runs: list[list[str]] = []
-    for index, (token, model) in enumerate(zip(tokens, mask, strict=True)):
-        if index == 0 or model != mask[index - 1]:
-            runs.append([])
-        runs[-1].append(token)
-    assert mask[0], "a conversation starts with the model's turn"
-    return runs
 
 
 # ---- the loop's branches, with a scripted model over the real tokenizer ----
