@@ -17,7 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.protocol.records import CorrectionFigures
+from asyncgrpo.protocol.records import AgentStats, CorrectionFigures, ToolFigures
 from asyncgrpo.run.config import ConfigError, RunConfig, TrackingConfig, parse_run_config
 from proxy.coordinator.redis_store import RunKeys
 from proxy.tracking import forwarder as forwarder_module
@@ -69,6 +69,23 @@ def test_the_correction_weights_are_sent_under_trls_sampling_names() -> None:
     # A record written before the correction existed reads back without it, and sends none of these names.
     assert CorrectionFigures.combine([]) is None
     assert not any(name.startswith("sampling/") for name in step_metrics(step_record(2)))
+
+
+def test_an_agent_step_s_tool_figures_are_sent_under_trls_tools_names() -> None:
+    record = step_record(2)
+    stats = [AgentStats(turns=[1, 3, 2, 1], tool_calls=[0, 2, 1, 0], tool_failures=[0, 1, 0, 0])]
+    record.tools = ToolFigures.of(stats)
+    assert record.tools is not None
+    assert (record.tools.calls, record.tools.failures, record.tools.call_rate) == (3, 1, 0.5)
+    assert record.tools.turns_mean == pytest.approx(7 / 4)
+    metrics = step_metrics(record)
+    assert {name: value for name, value in metrics.items() if name.startswith("tools/")} == {
+        "tools/call_frequency": pytest.approx(3 / 4),
+        "tools/failure_frequency": pytest.approx(1 / 3),
+    }
+    # A single-turn step has no tools figures and sends none of these names.
+    assert ToolFigures.of([]) is None
+    assert not any(name.startswith("tools/") for name in step_metrics(step_record(2)))
 
 
 def test_an_eval_record_is_sent_as_eval_names_numbers_only() -> None:

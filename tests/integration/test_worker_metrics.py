@@ -10,11 +10,13 @@ import httpx
 import pytest
 
 from asyncgrpo.protocol.records import (
+    AgentStats,
     CorrectionFigures,
     FlaggedRollout,
     GenerateTimings,
     StepRecord,
     StepTimings,
+    ToolFigures,
     UpdateMetrics,
 )
 from asyncgrpo.protocol.schemas import GroupRef
@@ -257,3 +259,12 @@ def test_the_correction_weights_move_their_gauges_only_when_a_step_corrected() -
     uncorrected = step_record()  # no correction: the gauges keep the last corrected step's figures
     result_metrics.observe_optimize_step(uncorrected, "published")
     assert value("asyncgrpo_policy_importance_sampling_ratio", stat="mean") == pytest.approx(1.05)
+
+
+def test_an_agent_step_moves_the_tool_gauges() -> None:
+    record = step_record()
+    record.tools = ToolFigures.of([AgentStats(turns=[2, 1], tool_calls=[1, 0], tool_failures=[1, 0])])
+    result_metrics.observe_optimize_step(record, "published")
+    assert value("asyncgrpo_policy_tool_calls_per_completion") == pytest.approx(0.5)
+    assert value("asyncgrpo_policy_tool_failure_ratio") == pytest.approx(1.0)
+    assert value("asyncgrpo_policy_turns_per_completion") == pytest.approx(1.5)
