@@ -475,16 +475,22 @@ def check_agent_of(config_path: str | Path) -> None:
     renders tool calls, and its tools and environments import and describe themselves in a tool process as a
     worker's would (a ToolSetupError or AgentSetupError names the field). A config that does not validate is
     left to ``create_run``, which names the field."""
-    from transformers import AutoTokenizer
-
     from asyncgrpo.run.config import ConfigError, load_run_config
-    from worker.model.tiny_model import resolve_base_model
 
     try:
         config = load_run_config(config_path)
     except ConfigError:
         return
     if config.agent is None:
-        return
+        return  # the base install (no transformers) creates runs without [agent]
+    try:
+        from transformers import AutoTokenizer
+
+        from worker.model.tiny_model import resolve_base_model
+    except ImportError as error:
+        raise ConfigError(
+            f"[agent] is checked against the model's chat template, which needs transformers ({error}); "
+            "pip install 'asyncgrpo[train]' where you run `run create`"
+        ) from error
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(config.model.base))
     AgentRun.start(config.agent, tokenizer).close()
