@@ -28,6 +28,7 @@ tokenizer's own response template (transformers' ``parse_response``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -248,47 +249,55 @@ def run_conversations(
     task_id: str,
 ) -> tuple[list[AgentGroup], float]:
     """``samples_per_prompt`` conversations of each prompt, all advanced together turn by turn; returns the
-    groups (in prompt order) and the seconds spent waiting on tools and environments."""
+    groups (in prompt order) and the seconds spent outside sampling (tools, environments, templating)."""
     tokenizer = backend.tokenizer
     tools_s = 0.0
     failures: dict[int, str] = {}
     conversations: list[tuple[int, Conversation]] = []
-    started = time.perf_counter()
-    for group, prompt in enumerate(prompts):
-        for sample in range(samples_per_prompt):
-            key = f"{task_id}/{group}/{sample}"
-            try:
-                reset = agent.tools.start(key, prompt.environment, prompt.prompt, prompt.answer)
-            except EnvironmentFailed as error:
-                failures.setdefault(group, _failure_reason(key, error))
-                agent.tools.end(key)
-                continue
-            text = prompt_text(tokenizer, prompt.messages, agent.schemas_for(prompt.environment), reset)
-            ids = backend.tokenize([text], add_special_tokens=False)[0]
-            conversations.append((group, Conversation(key=key, prompt_ids=ids)))
-    tools_s += time.perf_counter() - started
-    live = [c for g, c in conversations if g not in failures]
-    turn = 0
-    while live:
-        budgets = [max_completion_length - len(c.tokens) for c in live]
-        caps = [min(b, agent.config.max_turn_tokens or b) for b in budgets]
-        turns = backend.generate_from_ids(
-            [c.prompt_ids + c.tokens for c in live],
-            adapter=adapter,
-            max_new_tokens=caps,
-            temperature=temperature,
-            top_p=top_p,
-            seed=(seed + 7919 * turn) % (2**31 - 1),
-        )
-        turn += 1
+    try:
         started = time.perf_counter()
-        for conversation, completion in zip(live, turns, strict=True):
-            _take_turn(conversation, completion, agent, tokenizer, backend.eos_token_id, max_completion_length)
+        for group, prompt in enumerate(prompts):
+            for sample in range(samples_per_prompt):
+                key = f"{task_id}/{group}/{sample}"
+                try:
+                    reset = agent.tools.start(key, prompt.environment, prompt.prompt, prompt.answer)
+                except EnvironmentFailed as error:
+                    failures.setdefault(group, _failure_reason(key, error))
+                    agent.tools.end(key)
+                    continue
+                text = prompt_text(tokenizer, prompt.messages, agent.schemas_for(prompt.environment), reset)
+                ids = backend.tokenize([text], add_special_tokens=False)[0]
+                conversations.append((group, Conversation(key=key, prompt_ids=ids)))
         tools_s += time.perf_counter() - started
-        live = [c for c in live if not c.done]
-    started = time.perf_counter()
-    groups = _finish(conversations, len(prompts), samples_per_prompt, failures, agent, tokenizer)
-    tools_s += time.perf_counter() - started
+        live = [c for g, c in conversations if g not in failures]
+        turn = 0
+        while live:
+            budgets = [max_completion_length - len(c.tokens) for c in live]
+            caps = [min(b, agent.config.max_turn_tokens or b) for b in budgets]
+            turns = backend.generate_from_ids(
+                [c.prompt_ids + c.tokens for c in live],
+                adapter=adapter,
+                max_new_tokens=caps,
+                temperature=temperature,
+                top_p=top_p,
+                seed=(seed + 7919 * turn) % (2**31 - 1),
+            )
+            turn += 1
+            started = time.perf_counter()
+            for conversation, completion in zip(live, turns, strict=True):
+                _take_turn(conversation, completion, agent, tokenizer, backend.eos_token_id, max_completion_length)
+            tools_s += time.perf_counter() - started
+            live = [c for c in live if not c.done]
+        started = time.perf_counter()
+        groups = _finish(conversations, len(prompts), samples_per_prompt, failures, agent, tokenizer)
+        tools_s += time.perf_counter() - started
+    except BaseException:
+        # A task that fails here (preemption, a backend error) may run again on this worker under the same
+        # conversation names: end every conversation it started (the tool process tolerates unknown ones).
+        for _, conversation in conversations:
+            with contextlib.suppress(Exception):
+                agent.tools.end(conversation.key)
+        raise
     return groups, tools_s
 
 

@@ -319,3 +319,29 @@ def test_a_crash_that_loses_the_environment_fails_its_group_not_the_task(scripte
     assert [group.failure for group in groups] == ["environment_lost", "environment_lost"]
     assert scores == {"Counter": [[0.0, 0.0], [0.0, 0.0]]}
     assert groups[0].completions[0].tool_failures == 1
+
+
+class FailingSecondTurn(ScriptedBackend):
+    def generate_from_ids(self, sequences: list[list[int]], **options: Any) -> list[Completion]:
+        if self.calls == 1:
+            raise RuntimeError("the engine died")
+        return super().generate_from_ids(sequences, **options)
+
+
+def test_a_task_that_fails_mid_conversation_can_run_again_on_the_same_worker(scripted_tokenizer: Any) -> None:
+    config = AgentConfig.model_validate({"environment": f"{TOOLS}:Counter", "tools": [f"{TOOLS}:add"]})
+    run = AgentRun.start(config, scripted_tokenizer)
+    add = _call("add", '{"a": 2, "b": 3}')
+    options = {
+        "adapter": None, "samples_per_prompt": 2, "max_completion_length": 4000, "temperature": 1.0, "top_p": 1.0,
+        "seed": 0, "task_id": "again",
+    }  # fmt: skip
+    prompts = ([{"prompt": "?=", "answer": "1"}], [[{"role": "user", "content": "?="}]])
+    try:
+        with pytest.raises(RuntimeError, match="the engine died"):
+            converse(FailingSecondTurn(scripted_tokenizer, [add, "7"]), run, *prompts, **options)
+        # The redelivered task starts the same conversation names: the failed attempt ended them.
+        groups, _, _ = converse(ScriptedBackend(scripted_tokenizer, [add, "7"]), run, *prompts, **options)
+    finally:
+        run.close()
+    assert groups[0].failure is None and groups[0].completions[0].tool_calls == 1
