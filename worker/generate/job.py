@@ -226,7 +226,9 @@ def run_generate_task(
                     backend, agent, prompts, accepted, chats, config, adapter, task_id, rejected
                 )
                 rewards += environment_rewards(agent)
-                accepted = [group for group in accepted if group.group_id not in {r.group_id for r in rejected}]
+                failed = {r.group_id for r in rejected}
+                kept = [i for i, group in enumerate(accepted) if group.group_id not in failed]
+                accepted, chats = [accepted[i] for i in kept], [chats[i] for i in kept]
             else:
                 result = backend.generate(
                     fed.of(accepted),
@@ -241,7 +243,6 @@ def run_generate_task(
             timings.generate_s = time.perf_counter() - gen_started
             score_started = time.perf_counter()
             texts = fed.of(accepted)
-            chats = [chat_messages(prompts[group.prompt_index], config.dataset) for group in accepted]
             answers = [prompts[group.prompt_index].get("answer") for group in accepted]
             # Reward models score the whole task at once, in batches; each group is then scored on its own.
             completions = [[completion.text for completion in r.completions] for r in result.results]
