@@ -13,6 +13,7 @@ import redis
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.layout import latest_complete_version, read_manifest
 from asyncgrpo.cli.local_cluster import LocalCluster, free_port
+from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (
     MAX_STALENESS,
     SAMPLES_PER_PROMPT,
@@ -83,14 +84,38 @@ def test_kill_generate_worker_mid_task_redelivers_it(make_cluster: Callable[...,
 
     cluster.start_worker("generate", name="gen-b")
 
-    def killed_task_trained() -> bool:
-        return any(task_id == ro.task_id for r in records_of(cluster) for ro in r.rollouts)
+    keys = RunKeys(cluster.run)
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
 
-    wait_for(killed_task_trained, 180, f"the killed task {task_id} to be redelivered and trained", cluster)
+    def killed_task_settled() -> str | None:
+        # gen-b takes the redelivered task. If gen-a died after writing its rollout, gen-b submits that object
+        # under gen-a's lease version, which the trainer may have left more than max_staleness behind by then
+        # (a redelivery waits out the visibility timeout): it is refused or dropped as stale and its prompts go
+        # back in line (seen in a clean-clone CI run). Otherwise the task samples afresh and trains.
+        if any(task_id == ro.task_id for r in records_of(cluster) for ro in r.rollouts):
+            return "trained"
+        refused = client.hget(keys.task(task_id), "state") == "stale"  # at its submission
+        dropped = client.hget(keys.rollout(task_id), "state") == "stale"  # admitted, then too old for a step
+        return "stale" if refused or dropped else None
+
+    settled = wait_for(killed_task_settled, 180, f"the killed task {task_id} to be redelivered and settled", cluster)
     wait_for(version_reached(cluster, killed_at + 2), 180, "the run to go on", cluster)
-    assert_run_invariants(records_of(cluster))
+    records = records_of(cluster)
+    assert_run_invariants(records)
     counters = cluster.status()["counters"]
     assert counters.get("tasks_cancelled", 0) == 0, "the proxy gave up on a task Celery should have redelivered"
+    if settled == "stale":
+        trained = [ro.version for r in records for ro in r.rollouts if ro.task_id == task_id]
+        assert not trained, f"the killed task's stale rollout was trained: {trained}"
+        wait_for(
+            lambda: (
+                cluster.status()["counters"].get("groups_requeue_served", 0)
+                >= cluster.status()["counters"].get("groups_stale", 0)
+            ),
+            60,
+            "the stale groups to be dispatched again",
+            cluster,
+        )
 
 
 def test_sigterm_hands_the_running_task_back_at_once(make_cluster: Callable[..., LocalCluster]) -> None:
