@@ -6,6 +6,7 @@ Modules:
     demo           `asyncgrpo demo`: `asyncgrpo local` on the embedded tiny-model config
     local_cluster  runs Redis, the proxy and workers as local processes (local runs and tests)
     status         `asyncgrpo status`
+    scaler         `asyncgrpo scale-generate`: one host's generate worker units follow the proxy's wanted count
     history        reads a run's step and eval records back from the bucket (for status and plot)
     plot           `asyncgrpo plot`
     export         `asyncgrpo export`

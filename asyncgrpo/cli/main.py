@@ -231,6 +231,70 @@ def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, i
             raise click.ClickException(f"cannot read the proxy at {proxy_url}: {error}") from error
 
 
+@main.command("scale-generate")
+@click.option(
+    "--proxy",
+    "proxy_url",
+    default=from_settings("proxy_url", WorkerSettings),
+    help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].",
+)
+@click.option("--token", default=from_settings("token"), help="Bearer token [default: ASYNCGRPO_TOKEN].")
+@click.option("--max-workers", required=True, type=click.IntRange(min=1), help="The host's GPUs: instances 0..N-1.")
+@click.option("--min-workers", default=1, show_default=True, type=click.IntRange(min=0), help="Never fewer.")
+@click.option("--hosts", default=1, show_default=True, type=click.IntRange(min=1), help="Hosts sharing the fleet.")
+@click.option(
+    "--down-after", default=300.0, show_default=True, type=click.FloatRange(min=0), help="Seconds before scaling down."
+)
+@click.option("--interval", default=30.0, show_default=True, type=click.FloatRange(min=1), help="Seconds per round.")
+@click.option("--unit", "template", default="asyncgrpo-generate@", show_default=True, help="The template unit.")
+@click.option("--systemctl", default="systemctl", show_default=True, help="The systemctl to call.")
+@click.option("--once", is_flag=True, help="One round, then exit.")
+def scale_generate(
+    proxy_url: str,
+    token: str | None,
+    max_workers: int,
+    min_workers: int,
+    hosts: int,
+    down_after: float,
+    interval: float,
+    template: str,
+    systemctl: str,
+    once: bool,
+) -> None:
+    """Start and stop this host's asyncgrpo-generate@N instances to follow the proxy's generate workers wanted."""
+    import structlog
+
+    from asyncgrpo.cli.scaler import ScalePolicy, Scaler, SystemdUnits, run_scaler
+    from asyncgrpo.protocol.client import ProxyClient, ProxyError
+    from asyncgrpo.protocol.log_setup import configure_logging
+
+    configure_logging(role="scaler")
+    try:
+        policy = ScalePolicy(max_workers, min_workers, hosts, down_after)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    log = structlog.get_logger()
+    with ProxyClient(proxy_url, token, retries=1) as client:
+
+        def read_wanted() -> int | None:
+            try:
+                fleet = client.status().fleet
+            except ProxyError as error:
+                log.warning("scaler.proxy_unreadable", proxy=proxy_url, error=str(error))
+                return None
+            return None if fleet is None else fleet.wanted
+
+        failed = run_scaler(
+            Scaler(policy),
+            SystemdUnits(template, systemctl),
+            read_wanted,
+            interval_s=interval,
+            rounds=1 if once else None,
+        )
+    if failed:
+        raise click.ClickException("the round failed: the unit manager refused a command (logged above)")
+
+
 @main.command()
 @click.option(
     "--run", "run_name", default=from_settings("run", required_as="--run"), help="Run to plot [default: ASYNCGRPO_RUN]."

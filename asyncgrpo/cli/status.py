@@ -112,6 +112,13 @@ def _run_table(snapshot: StatusSnapshot) -> Table:
     )
     alive = ", ".join(f"{role}: {count}" for role, count in sorted(status.workers_alive_by_role.items()))
     table.add_row("workers alive", alive or "none")
+    if status.fleet is not None:
+        fleet = status.fleet
+        table.add_row(
+            "generators wanted",
+            f"{fleet.wanted} ({fleet.submitting} submitting; {fleet.tasks_per_version} tasks per version, "
+            f"task {fleet.task_s:.2f} s, step {fleet.step_s:.2f} s)",
+        )
     leased = sorted({lease.version for lease in status.leases})
     table.add_row("leases", f"{len(status.leases)} active" + (f" on versions {leased}" if leased else ""))
     counters = status.counters

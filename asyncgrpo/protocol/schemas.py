@@ -378,6 +378,19 @@ class EvalSummary(_Response):
     metrics: dict[str, float]
 
 
+class FleetView(_Response):
+    """The autoscaling signal in ``/v1/status``: the generate workers that keep the trainer busy, and the
+    measurements it comes from (``proxy.coordinator.generate_tasks``)."""
+
+    wanted: int
+    """0 once the run reached its final version."""
+    submitting: int
+    """Generate workers that submitted recently."""
+    step_s: float
+    task_s: float
+    tasks_per_version: int
+
+
 class StatusResponse(_Response):
     run: str
     current_version: int
@@ -400,6 +413,8 @@ class StatusResponse(_Response):
     evals_pending: int = 0
     """Versions due for evaluation whose record is not written yet (0 without ``[eval]``)."""
     eval_latest: EvalSummary | None = None
+    fleet: FleetView | None = None
+    """None until this proxy process has measured the trainer's steps and the generate tasks."""
 
 
 # ---- a step's holder and its failures (dead trainers re-sent at once, poison steps end) ----

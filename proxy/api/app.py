@@ -487,6 +487,7 @@ def create_app(
     app.state.coordinator = coordinator
     metrics = coordinator.metrics
     metrics.watch_state(coordinator.gauges, coordinator.run_limits())  # counts only: cheap per scrape
+    metrics.watch_fleet(coordinator.fleet)
     expected = token.encode() if token else None
 
     def unavailable(detail: str) -> Response:

@@ -37,6 +37,13 @@ proxy) the limit is two versions' worth; with ``async.adaptive_inflight = false`
 
 ``WaitingAccount`` credits the time a full buffer held dispatch back and the time the trainer starved: the
 two sides of the same balance, shown as the bottleneck pair of metrics.
+
+Fleet size, the autoscaling signal (``InflightPacer.fleet``): from the same measurements, the generate workers
+that keep the trainer busy. The trainer takes one version's tasks per step (``tasks_per_version``); a worker
+serves one task per ``task_s`` plus its delivery, so the fleet keeps up when it serves that many tasks per
+step: ``wanted = ceil(tasks_per_version * (task_s + delivery) / step_s)``. At ``max_staleness = 0`` each batch
+is sampled only after the previous publish, so more than one round of tasks (``tasks_per_version`` workers)
+cannot help. Workers beyond the tasks ``queue_maxsize`` admits in flight would only wait: that is the cap.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -119,12 +127,38 @@ MAX_TRACKED_LEASES = 10_000
 """Leases whose start is remembered; older ones are forgotten (a lost task never submits)."""
 
 
+@dataclass(frozen=True)
+class FleetSize:
+    """The generate workers that keep the trainer busy, with the measurements it is computed from."""
+
+    step_s: float
+    """The trainer's time per version (median of the recent ones): optimize task sent to publish."""
+    task_s: float
+    """A generate task's service time (median): lease to submission."""
+    tasks_per_version: int
+    submitting: int
+    """Generate workers that submitted within the fleet window: the live count the pacing uses."""
+    wanted: int
+
+
+def workers_wanted(
+    *, tasks_per_version: int, task_s: float, step_s: float, max_staleness: int, max_tasks_inflight: int
+) -> int:
+    """Generate workers that keep a trainer taking ``step_s`` per version busy (module docstring)."""
+    if max_staleness == 0:
+        wanted = tasks_per_version
+    else:
+        wanted = math.ceil(tasks_per_version * (task_s + DELIVERY_ALLOWANCE_S) / max(step_s, 1e-3))
+    return max(1, min(wanted, max_tasks_inflight))
+
+
 class InflightPacer:
     """Thread-safe: HTTP handlers report leases, submissions and publishes; dispatch asks for the limit."""
 
     def __init__(self, config: AsyncConfig, clock_ms: Callable[[], int]) -> None:
         self.enabled = config.adaptive_inflight
         self.queue_maxsize = config.queue_maxsize
+        self.max_staleness = config.max_staleness
         self.groups_per_task = config.groups_per_task
         per_version = config.groups_per_step * config.publish_every
         # The buffer fills in whole tasks: a version's worth, rounded up to whole tasks.
@@ -188,6 +222,34 @@ class InflightPacer:
         """Trainer steps the fleet needs to make one version's groups; None while unmeasured or when off."""
         if not self.enabled:
             return None
+        measured = self._measured()
+        if measured is None:
+            return None
+        task_s, step_s, workers = measured
+        tasks = self.groups_per_version // self.groups_per_task
+        rounds = math.ceil(tasks / max(1, workers))
+        refill_s = rounds * (task_s + DELIVERY_ALLOWANCE_S) * REFILL_MARGIN
+        return max(1, math.ceil(refill_s / max(step_s, 1e-3) - WAIT_TOLERANCE))
+
+    def fleet(self) -> FleetSize | None:
+        """The generate workers wanted now and what it is computed from; None until measured (whether or not
+        pacing is on: the measurements are the same)."""
+        measured = self._measured()
+        if measured is None:
+            return None
+        task_s, step_s, workers = measured
+        tasks = self.groups_per_version // self.groups_per_task
+        wanted = workers_wanted(
+            tasks_per_version=tasks,
+            task_s=task_s,
+            step_s=step_s,
+            max_staleness=self.max_staleness,
+            max_tasks_inflight=max(1, self.queue_maxsize // self.groups_per_task),
+        )
+        return FleetSize(step_s=step_s, task_s=task_s, tasks_per_version=tasks, submitting=workers, wanted=wanted)
+
+    def _measured(self) -> tuple[float, float, int] | None:
+        """(median task seconds, median step seconds, workers submitting) once enough of each is measured."""
         now = self.clock_ms()
         with self._lock:
             if len(self._task_s) < MIN_SAMPLES or len(self._step_s) < MIN_SAMPLES:
@@ -197,11 +259,7 @@ class InflightPacer:
             window_ms = max(WORKER_WINDOW_S, 10 * task_s) * 1000
             for worker in [w for w, seen in self._worker_seen_ms.items() if now - seen > window_ms]:
                 del self._worker_seen_ms[worker]
-            workers = max(1, len(self._worker_seen_ms))
-        tasks = self.groups_per_version // self.groups_per_task
-        rounds = math.ceil(tasks / workers)
-        refill_s = rounds * (task_s + DELIVERY_ALLOWANCE_S) * REFILL_MARGIN
-        return max(1, math.ceil(refill_s / max(step_s, 1e-3) - WAIT_TOLERANCE))
+            return task_s, step_s, len(self._worker_seen_ms)
 
 
 log = structlog.get_logger()

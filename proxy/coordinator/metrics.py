@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -274,6 +275,65 @@ class _EvalCollector(Collector):
         yield pass_at_k
 
 
+class FleetReading(Protocol):
+    """What ``proxy.coordinator.generate_tasks.FleetSize`` holds: the autoscaling signal and its inputs."""
+
+    step_s: float
+    task_s: float
+    tasks_per_version: int
+    submitting: int
+    wanted: int
+
+
+class _FleetCollector(Collector):
+    """The autoscaling signal: no series until the pacer has measured the trainer and the generate tasks (a
+    fresh or restarted proxy), so an autoscaler reading it holds its fleet instead of acting on a guess."""
+
+    def __init__(self, read: Callable[[], FleetReading | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            fleet = self.read()
+        except RedisError as error:
+            log.warning("proxy.metrics_unavailable", error=str(error))
+            return
+        if fleet is None:
+            return
+        for name, help_text, value in (
+            (
+                "asyncgrpo_generate_workers_wanted",
+                "Generate workers that keep the trainer busy: ceil(tasks per version * (task seconds + delivery) / "
+                "step seconds), capped by the tasks queue_maxsize admits; 0 once the run reached its final version.",
+                fleet.wanted,
+            ),
+            (
+                "asyncgrpo_generate_workers_submitting",
+                "Generate workers that submitted a rollout within the pacing window: the fleet the wanted count "
+                "compares with.",
+                fleet.submitting,
+            ),
+            (
+                "asyncgrpo_pacing_step_seconds",
+                "Median trainer time per version, optimize task sent to publish.",
+                fleet.step_s,
+            ),
+            (
+                "asyncgrpo_pacing_generate_task_seconds",
+                "Median generate task service time, lease to submission.",
+                fleet.task_s,
+            ),
+            (
+                "asyncgrpo_pacing_tasks_per_version",
+                "Generate tasks one version's batch takes.",
+                fleet.tasks_per_version,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], value)
+            yield gauge
+
+
 class ProxyMetrics:
     """Registry plus the histograms the proxy observes itself."""
 
@@ -333,6 +393,7 @@ class ProxyMetrics:
             self.http_errors.labels(code)
         self._collector: _StateCollector | None = None
         self._eval_collector: _EvalCollector | None = None
+        self._fleet_collector: _FleetCollector | None = None
 
     def count_http_error(self, code: str) -> None:
         """Count one error answer; a code outside ``HTTP_ERROR_CODES`` is counted as 'other'."""
@@ -356,3 +417,10 @@ class ProxyMetrics:
             self.registry.unregister(self._eval_collector)
         self._eval_collector = _EvalCollector(read)
         self.registry.register(self._eval_collector)
+
+    def watch_fleet(self, read: Callable[[], FleetReading | None]) -> None:
+        """Expose the autoscaling signal (``asyncgrpo_generate_workers_wanted``) and its inputs."""
+        if self._fleet_collector is not None:
+            self.registry.unregister(self._fleet_collector)
+        self._fleet_collector = _FleetCollector(read)
+        self.registry.register(self._fleet_collector)

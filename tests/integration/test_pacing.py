@@ -1,4 +1,5 @@
-"""In-flight pacing: the limit follows the measured trainer and generate times, within queue_maxsize."""
+"""In-flight pacing: the limit follows the measured trainer and generate times, within queue_maxsize; the
+autoscaling signal (generate workers wanted) comes from the same measurements."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from prometheus_client import generate_latest
 from redis import Redis
 
 from asyncgrpo.run.config import AsyncConfig
-from proxy.coordinator.generate_tasks import MIN_SAMPLES, InflightPacer
+from proxy.coordinator.generate_tasks import MIN_SAMPLES, FleetSize, InflightPacer, workers_wanted
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (
     ManualClock,
@@ -115,3 +116,34 @@ def test_the_coordinator_dispatches_up_to_the_paced_limit(redis_client: Redis, t
     assert "asyncgrpo_inflight_limit_groups 5.0" in generate_latest(coord.metrics.registry).decode()
     assert in_flight_and_buffered[0] > 5, "before anything was measured the buffer was deep"
     assert in_flight_and_buffered[-1] <= 5, f"the buffer shrank to about one step of groups: {in_flight_and_buffered}"
+
+
+# ---- the autoscaling signal ----
+
+
+def test_workers_wanted_is_the_trainer_bound_arithmetic() -> None:
+    # A version takes 8 tasks; a task takes 0.99 s (+0.01 s delivery) and a step 2 s: 4 workers keep up.
+    assert workers_wanted(tasks_per_version=8, task_s=0.99, step_s=2.0, max_staleness=1, max_tasks_inflight=64) == 4
+    # A slower trainer needs fewer; rounding is up (3.2 workers leave the trainer waiting).
+    assert workers_wanted(tasks_per_version=8, task_s=0.99, step_s=2.5, max_staleness=1, max_tasks_inflight=64) == 4
+    assert workers_wanted(tasks_per_version=8, task_s=0.99, step_s=8.0, max_staleness=1, max_tasks_inflight=64) == 1
+    # Tasks slower than steps: more workers than tasks per version, several versions in flight.
+    assert workers_wanted(tasks_per_version=8, task_s=2.99, step_s=1.0, max_staleness=4, max_tasks_inflight=64) == 24
+    # The buffer bounds the tasks in flight: workers beyond it would only wait.
+    assert workers_wanted(tasks_per_version=8, task_s=2.99, step_s=1.0, max_staleness=4, max_tasks_inflight=16) == 16
+    # On-policy (max_staleness 0): a batch is sampled after the last publish; one round of tasks is the most.
+    assert workers_wanted(tasks_per_version=8, task_s=0.99, step_s=0.1, max_staleness=0, max_tasks_inflight=64) == 8
+    assert workers_wanted(tasks_per_version=8, task_s=0.01, step_s=60, max_staleness=1, max_tasks_inflight=64) == 1
+
+
+def test_the_pacer_reports_the_fleet_it_measured() -> None:
+    clock = ManualClock()
+    pacer = InflightPacer(_config(), clock)  # 8 groups per version, 4 per task: 2 tasks per version
+    assert pacer.fleet() is None, "nothing measured: no signal, so an autoscaler holds its fleet"
+    _measure(pacer, clock, task_s=1.99, step_s=0.5, workers=2)
+    fleet = pacer.fleet()
+    assert fleet == FleetSize(step_s=0.5, task_s=1.99, tasks_per_version=2, submitting=2, wanted=8)
+    # Measured the same whether the pacing uses it or not.
+    off = InflightPacer(_config(adaptive_inflight=False), clock)
+    _measure(off, clock, task_s=1.99, step_s=0.5, workers=2)
+    assert off.fleet() == fleet

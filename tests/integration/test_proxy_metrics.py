@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
-from asyncgrpo.protocol.schemas import HeartbeatRequest
+from asyncgrpo.protocol.schemas import FleetView, HeartbeatRequest
 from proxy.api.app import create_app
 from proxy.coordinator.metrics import HTTP_ERROR_CODES, StateGauges
 from proxy.coordinator.service import Coordinator
@@ -23,11 +23,13 @@ from tests.support.fixtures_coordinator import API_TOKEN
 from tests.support.paths import REPO_ROOT
 from tests.support.proxy_harness import (
     ManualClock,
+    advance_version,
     file_bucket,
     make_coordinator,
     publish_next,
     publish_request,
     small_config,
+    step_at_pace,
     submission,
     write_fake_version,
 )
@@ -202,6 +204,42 @@ def test_waiting_totals_survive_a_proxy_restart_and_show_in_metrics(
     clock.advance(2)
     restarted.tick()
     assert waited_ms(restarted) == (total[0] + 2000, total[1] + 2000)
+
+
+# ---- the autoscaling signal ----
+
+
+def test_generate_workers_wanted_follows_the_measured_rates_and_drops_to_zero_when_finished(
+    redis_client: Redis, tmp_path: Path, clock: ManualClock
+) -> None:
+    base = small_config(groups_per_task=2, groups_per_step=8, queue_maxsize=8, max_staleness=2)
+    config = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"total_steps": 5})})
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, clock=clock)
+    fleet_names = (
+        "asyncgrpo_generate_workers_wanted",
+        "asyncgrpo_generate_workers_submitting",
+        "asyncgrpo_pacing_step_seconds",
+        "asyncgrpo_pacing_generate_task_seconds",
+        "asyncgrpo_pacing_tasks_per_version",
+    )
+    with TestClient(create_app(coord, API_TOKEN, run_loop=False)) as http:
+        assert not set(fleet_names) & set(scraped(http)), "unmeasured: no series, not a guess"
+        assert coord.status().fleet is None
+        submitted: set[str] = set()
+        advance_version(coord, submitted)  # version 0
+        for step in range(1, 6):
+            # Two workers; each task takes 0.99 s from lease to submission, each step 1.6 s to publish.
+            assert step_at_pace(coord, clock, submitted, task_s=0.99, step_s=1.6, workers=2) == step
+            if step == 4:
+                # 4 tasks per version at 0.99 s + 0.01 s delivery against 1.6 s steps: 2.5, so 3 workers.
+                metrics = scraped(http)
+                assert [metrics[name] for name in fleet_names] == [3.0, 2.0, 1.6, 0.99, 4.0]
+                assert coord.status().fleet == FleetView(
+                    wanted=3, submitting=2, step_s=1.6, task_s=0.99, tasks_per_version=4
+                )
+        assert coord.status().finished
+        assert scraped(http)["asyncgrpo_generate_workers_wanted"] == 0.0, "a finished run wants no generators"
+        assert coord.status().fleet is not None and coord.status().fleet.wanted == 0
 
 
 # ---- HTTP errors ----

@@ -19,7 +19,7 @@ from asyncgrpo.cli.main import main
 from asyncgrpo.cli.status import collect_status, render_status, show_status, sparkline
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.records import StepRecord, StepTimings
-from asyncgrpo.protocol.schemas import HeartbeatRequest
+from asyncgrpo.protocol.schemas import FleetView, HeartbeatRequest
 from asyncgrpo.run.creation import create_run
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
@@ -118,6 +118,11 @@ def test_status_shows_version_buffer_trend_and_workers(proxy_url: str, run_bucke
     assert dead_age is not None and 60 <= int(dead_age.group(1)) < 90, lines["gen-old"]
     assert "(dead)" not in lines["gen-a"] and "v1,v2" in lines["gen-a"] and "task-7" in lines["gen-a"]
     assert "generate: 1" in text and "optimize: 1" in text
+    assert "generators wanted" not in text, "two steps are too few to measure: no figure rather than a guess"
+
+    snapshot.status.fleet = FleetView(wanted=5, submitting=3, step_s=2.0, task_s=3.75, tasks_per_version=2)
+    text = _text(render_status(snapshot))
+    assert "generators wanted" in text and "5 (3 submitting; 2 tasks per version, task 3.75 s, step 2.00 s)" in text
 
 
 def test_status_without_bucket_and_in_watch_mode(proxy_url: str) -> None:

@@ -175,3 +175,22 @@ def advance_version(coord: Coordinator, submitted: set[str]) -> int:
             return publish_next(coord)
         submit_pending(coord, submitted)
     raise AssertionError("no step could be claimed; is the buffer configuration able to fill a step?")
+
+
+def step_at_pace(
+    coord: Coordinator, clock: ManualClock, submitted: set[str], *, task_s: float, step_s: float, workers: int
+) -> int:
+    """One version as a steady fleet makes it: each dispatched task leased, then submitted ``task_s`` later by
+    one of ``workers`` workers in turn; the step sent and published ``step_s`` later. Returns the version.
+    Needs ``queue_maxsize == groups_per_step``, so that a step is claimed only once its tasks are submitted."""
+    coord.tick()  # dispatch (with queue_maxsize = groups_per_step, never a claim: the buffer holds one step)
+    tasks = [t for t in list(coord.dispatcher.generate) if t["task_id"] not in submitted]
+    for n, task in enumerate(tasks):
+        submitted.add(task["task_id"])
+        worker = f"gen-{n % workers}"
+        coord.lease(worker, task["task_id"])
+        clock.advance(task_s)
+        coord.submit(submission(coord, task, coord.current_version(), worker_id=worker))
+    assert coord.tick().step_sent is not None, "the submitted tasks did not fill a step"
+    clock.advance(step_s)
+    return publish_next(coord)

@@ -13,11 +13,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from prometheus_client import generate_latest
 
 from asyncgrpo.cli.main import main as cli_main
 from asyncgrpo.protocol import log_setup
-from asyncgrpo.protocol.schemas import LeaseRecord, StatusResponse
+from asyncgrpo.protocol.schemas import FleetView, LeaseRecord, StatusResponse
 from asyncgrpo.protocol.settings import env_name
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits
@@ -31,6 +32,8 @@ UNITS = DEPLOY / "systemd"
 ENV_EXAMPLE = DEPLOY / "asyncgrpo.env.example"
 RULES = DEPLOY / "prometheus" / "asyncgrpo-alerts.yml"
 SCRAPE_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+AUTOSCALE = DEPLOY / "autoscale"
+KEDA = AUTOSCALE / "keda-scaledobject.yaml"
 DASHBOARD = DEPLOY / "grafana" / "asyncgrpo-dashboard.json"
 ENV_NAME = re.compile(r"\bASYNCGRPO_[A-Z0-9_]+\b")
 METRIC_NAME = re.compile(r"\basyncgrpo_[a-z0-9_]+\b")
@@ -109,7 +112,7 @@ def test_systemd_analyze_accepts_the_units(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed")
     # systemd-analyze checks that ExecStart binaries exist: point them at a real executable here.
     stand_in = shutil.which("true") or "/bin/true"
-    for unit in UNITS.glob("*.service"):
+    for unit in [*UNITS.glob("*.service"), *AUTOSCALE.glob("*.service")]:
         text = unit.read_text().replace("/opt/asyncgrpo/venv/bin/asyncgrpo", stand_in)
         target = tmp_path / unit.name.replace("@.service", "@0.service")
         target.write_text(text)
@@ -119,6 +122,37 @@ def test_systemd_analyze_accepts_the_units(tmp_path: Path) -> None:
     if check.returncode != 0 and not complaints:
         pytest.skip(f"systemd-analyze cannot run here: {check.stderr.strip()[:200]}")
     assert check.returncode == 0 and not complaints, check.stderr
+
+
+def test_the_scaler_unit_runs_the_scaler_with_options_it_accepts() -> None:
+    unit = parse_unit(AUTOSCALE / "asyncgrpo-scale-generate.service")
+    assert values(unit, "Service", "EnvironmentFile") == ["/etc/asyncgrpo/asyncgrpo.env"]
+    assert values(unit, "Service", "Restart") == ["always"]
+    assert values(unit, "Service", "KillMode") == ["process"], "stopping the scaler must not stop the workers"
+    (exec_start,) = values(unit, "Service", "ExecStart")
+    binary, *args = exec_start.split()
+    assert binary == "/opt/asyncgrpo/venv/bin/asyncgrpo" and args[0] == "scale-generate"
+    # The flags exist (an unknown one fails at parsing, before --help stops the command from running).
+    answer = CliRunner().invoke(cli_main, [*args, "--help"])
+    assert answer.exit_code == 0, answer.output
+
+
+def test_the_keda_object_scales_on_the_wanted_gauge_one_pod_per_worker() -> None:
+    yaml = pytest.importorskip("yaml")
+    scaled = yaml.safe_load(KEDA.read_text())
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["kind"] == "ScaledObject"
+    spec = scaled["spec"]
+    assert spec["minReplicaCount"] >= 1, "a fleet scaled to zero is never measured again"
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    meta = trigger["metadata"]
+    assert meta["threshold"] == "1", "AverageValue with threshold 1: replicas = the wanted count"
+    assert meta["ignoreNullValues"] == "false", "no series must hold the pods, not scale them to the minimum"
+    assert METRIC_NAME.findall(meta["query"]) == ["asyncgrpo_generate_workers_wanted"]
+    assert "asyncgrpo_generate_workers_wanted" in exported_names()
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
 
 
 def documented_env_vars() -> dict[str, str]:
@@ -202,6 +236,8 @@ def _proxy_metrics() -> ProxyMetrics:
         workers_alive_by_role={"generate": 2, "optimize": 1},
     )
     metrics.watch_state(lambda: status, RunLimits(max_staleness_versions=2, queue_maxsize_groups=16, groups_per_step=8))
+    fleet = FleetView(wanted=5, submitting=3, step_s=2.0, task_s=4.0, tasks_per_version=2)
+    metrics.watch_fleet(lambda: fleet)
     metrics.sample_staleness.observe(1)
     metrics.http_seconds.labels("/v1/status", "GET").observe(0.01)
     return metrics
@@ -262,7 +298,7 @@ def test_dashboard_covers_both_sides_and_the_bottleneck_pair() -> None:
         "asyncgrpo_trainer_rollout_wait_seconds_sum", "asyncgrpo_generate_backpressure_seconds_sum",  # bottleneck
         "asyncgrpo_groups_buffered", "asyncgrpo_sample_staleness_versions_bucket", "asyncgrpo_current_version",
         "asyncgrpo_trainer_publish_seconds_bucket", "asyncgrpo_policy_reward_mean", "asyncgrpo_policy_ratio",
-        "asyncgrpo_workers_alive",
+        "asyncgrpo_workers_alive", "asyncgrpo_generate_workers_wanted",  # the autoscaling signal beside the fleet
     ):
         assert needed in text, f"the dashboard has no panel for {needed}"
 
@@ -273,7 +309,7 @@ def test_alert_rules_cover_the_issue_list() -> None:
               if "alert" in rule}
     for name in ("AsyncgrpoNoNewVersion", "AsyncgrpoTrainerStarved", "AsyncgrpoStalenessNearMax",
                  "AsyncgrpoStaleDropsRising", "AsyncgrpoNoGenerateWorker", "AsyncgrpoLeaseExpiriesSpiking",
-                 "AsyncgrpoRatioDrift", "AsyncgrpoRunHalted"):
+                 "AsyncgrpoRatioDrift", "AsyncgrpoRunHalted", "AsyncgrpoGenerateFleetShort"):
         assert name in alerts, f"missing alert {name}"
         assert alerts[name]["annotations"]["summary"] and alerts[name]["labels"]["severity"]
 
@@ -302,3 +338,68 @@ def test_promtool_accepts_each_metrics_endpoint(side: str) -> None:
     text = generate_latest(registry).decode()
     check = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _rule_test(tmp_path: Path, name: str, tests: list[dict[str, object]]) -> None:
+    """``promtool test rules`` on the real rule file with ``tests`` (input series, alert and expression checks)."""
+    yaml = pytest.importorskip("yaml")
+    tool = promtool()
+    spec = {"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": tests}
+    path = tmp_path / f"{name}.yml"
+    path.write_text(yaml.safe_dump(spec))
+    check = subprocess.run([tool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _fleet_series(starved_per_min: float, wanted: int, submitting: int) -> list[dict[str, str]]:
+    job = '{job="asyncgrpo-proxy",instance="p:8700"}'
+    return [
+        # Seconds starved per minute, as the proxy's counter grows.
+        {"series": f"asyncgrpo_trainer_starved_seconds_total{job}", "values": f"0+{starved_per_min}x40"},
+        {"series": f"asyncgrpo_generate_workers_wanted{job}", "values": f"{wanted}x40"},
+        {"series": f"asyncgrpo_generate_workers_submitting{job}", "values": f"{submitting}x40"},
+    ]
+
+
+def test_the_fleet_short_alert_needs_both_starvation_and_a_short_fleet(tmp_path: Path) -> None:
+    fires = {
+        "exp_labels": {"severity": "warning"},
+        "exp_annotations": {
+            "summary": "the trainer starves and the fleet is short of the generate workers it needs",
+            "description": "Wanted 6 generate workers; check the autoscaler's events, GPU quota and spot capacity.",
+        },
+    }
+
+    def case(starved: float, wanted: int, submitting: int, at: str, expected: list[dict[str, object]]) -> dict:
+        return {
+            "interval": "1m",
+            "input_series": _fleet_series(starved, wanted, submitting),
+            "alert_rule_test": [{"eval_time": at, "alertname": "AsyncgrpoGenerateFleetShort", "exp_alerts": expected}],
+        }
+
+    _rule_test(
+        tmp_path,
+        "fleet_short",
+        [
+            case(30, 6, 2, "20m", [fires]),  # starved half the time, 4 workers short, for over 10 minutes
+            case(30, 6, 2, "12m", []),  # not yet for 10 minutes (the rate needs its window first)
+            case(30, 6, 6, "20m", []),  # starved, but the fleet is what the proxy wants: not the autoscaler
+            case(3, 6, 2, "20m", []),  # short, but the trainer starves 5 % of the time: the buffer absorbs it
+        ],
+    )
+
+
+def test_the_keda_query_reads_the_wanted_count(tmp_path: Path) -> None:
+    yaml = pytest.importorskip("yaml")
+    query = yaml.safe_load(KEDA.read_text())["spec"]["triggers"][0]["metadata"]["query"]
+    _rule_test(
+        tmp_path,
+        "keda_query",
+        [
+            {
+                "interval": "1m",
+                "input_series": _fleet_series(0, 7, 3),
+                "promql_expr_test": [{"expr": query, "eval_time": "5m", "exp_samples": [{"labels": "{}", "value": 7}]}],
+            }
+        ],
+    )
