@@ -83,6 +83,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def redis_commands(redis_url: str) -> dict[str, int]:
+    """Calls per Redis command so far (``INFO commandstats``): everyone's, the load generator's broker reads and
+    the publisher's included, so the figure per cycle is an upper bound on the proxy's round trips."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
 def scrape(proxy_url: str) -> tuple[dict[str, float], float]:
     started = time.perf_counter()
     text = httpx.get(f"{proxy_url}/metrics", timeout=30.0).text
@@ -208,6 +221,7 @@ def main() -> None:
                         "--duration",
                         str(int(args.seconds)),
                         "--threads",
+                        "--gil",  # only samples holding the GIL: the proxy's Python CPU, not its waits
                         "--format",
                         "raw",
                         "--output",
@@ -220,12 +234,15 @@ def main() -> None:
             first_metrics, seconds = scrape(proxy_url)
             window_started = time.time()
             cpu_started = {"proxy": cpu_seconds(proxy.pid), "redis": cpu_seconds(processes[0].pid)}
+            commands_started = redis_commands(redis_url)
             while time.time() < stop_at:
                 time.sleep(1.0)
                 last_metrics, seconds = scrape(proxy_url)
                 scrapes.append(seconds)
             window = time.time() - window_started
             cpu = {"proxy": cpu_seconds(proxy.pid), "redis": cpu_seconds(processes[0].pid)}
+            commands = redis_commands(redis_url)
+            commands = {name: commands.get(name, 0) - commands_started.get(name, 0) for name in commands}
             cpu = {name: cpu[name] - cpu_started[name] for name in cpu}
             outcomes = [results.get(timeout=120) for _ in children]
             for child in children:
@@ -271,6 +288,12 @@ def main() -> None:
         "durable_checked": sum(o["durable_checked"] for o in outcomes),
         "durable_missing": sum(o["durable_missing"] for o in outcomes),
         "errors": sum(o["errors"] for o in outcomes),
+        "redis_commands_per_cycle": round(sum(commands.values()) / max(cycles, 1), 1),
+        "redis_commands_top": {
+            name: round(calls / max(cycles, 1), 2)
+            for name, calls in sorted(commands.items(), key=lambda item: -item[1])[:8]
+            if calls
+        },
     }
     print(f"proxy scale: {args.workers} workers in {args.procs} processes, {args.bucket} bucket, {window:.1f} s")
     print(f"  cycles/s (lease+submit+release)  {figures['cycles_per_s']}")
@@ -280,6 +303,10 @@ def main() -> None:
         f"  proxy CPU per cycle              {figures['proxy_cpu_ms_per_cycle']} ms "
         f"(proxy used {figures['proxy_cpu_share']} of a core; Redis {figures['redis_cpu_ms_per_cycle']} ms/cycle; "
         f"load generator {figures['load_generator_cpu_share']} of a core)"
+    )
+    print(
+        f"  Redis commands per cycle         {figures['redis_commands_per_cycle']} "
+        f"(everyone's; top: {figures['redis_commands_top']})"
     )
     print(
         f"  versions published {figures['versions_published']}, refused {figures['refused']}, "

@@ -2,7 +2,8 @@
 
 Every module of the coordinator reaches Redis through a ``RedisStore``. It owns what they share: the client
 (made with ``decode_responses=True``), ``RunKeys``, the injectable clock in milliseconds (by default Redis
-``TIME``, so every proxy and host agrees on deadlines; tests pass their own, so no test sleeps), how long
+``TIME``, so every proxy and host agrees on deadlines, read once a second and extrapolated in between:
+``RedisClock``; tests pass their own, so no test sleeps), how long
 finished records stay (``record_ttl_s``), the scripts bound to this client, and
 a change counter that tells the snapshot writer whether anything changed since the last snapshot.
 
@@ -59,6 +60,7 @@ Fixed keys:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -228,6 +230,38 @@ def wall_clock_ms(redis: Redis) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
+CLOCK_RESYNC_S = 1.0
+"""How long ``RedisClock`` extrapolates one ``TIME`` reading with this host's monotonic clock."""
+
+
+class RedisClock:
+    """Redis ``TIME`` in milliseconds, read at most once per ``resync_s`` and extrapolated in between with this
+    host's monotonic clock. A round trip per reading was about ten per lease + submit cycle and 9 % of the
+    proxy's Python CPU (``benchmarks/bench_proxy_scale.py --py-spy``). Between two readings the error is the
+    monotonic clock's drift over one interval (microseconds) plus the reading's reply latency, which a round
+    trip per call had too. Never goes backwards, whatever a new reading says."""
+
+    def __init__(
+        self, redis: Redis, resync_s: float = CLOCK_RESYNC_S, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.redis = redis
+        self.resync_s = resync_s
+        self.monotonic = monotonic
+        self._lock = threading.Lock()
+        self._reading: tuple[int, float] | None = None  # (Redis ms, monotonic seconds when read)
+        self._last = 0
+
+    def __call__(self) -> int:
+        with self._lock:
+            now = self.monotonic()
+            if self._reading is None or now - self._reading[1] >= self.resync_s:
+                self._reading = (wall_clock_ms(self.redis), self.monotonic())
+                now = self._reading[1]
+            redis_ms, read_at = self._reading
+            self._last = max(self._last, redis_ms + round((now - read_at) * 1000))
+            return self._last
+
+
 class RedisStore:
     """Redis, keys, clock and scripts of one run."""
 
@@ -244,7 +278,7 @@ class RedisStore:
         self.redis = redis
         self.run = run
         self.keys = RunKeys(run)
-        self.clock_ms = clock_ms if clock_ms is not None else lambda: wall_clock_ms(redis)
+        self.clock_ms = clock_ms if clock_ms is not None else RedisClock(redis)
         self.record_ttl_s = record_ttl_s
         self.scripts = Scripts(self._bind)
         self._changes_lock = threading.Lock()
