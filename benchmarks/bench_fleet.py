@@ -38,7 +38,9 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +53,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from bench_proxy_scale import cpu_seconds, percentile, start_proxy, start_services  # noqa: E402
 from proxy_load import GENERATE_QUEUE, OPTIMIZE_QUEUE, RUN, TOKEN, decode_task  # noqa: E402
@@ -102,6 +103,82 @@ class Fleet:
         return self.start_at <= time.time() < self.stop_at
 
 
+class Answer:
+    """An HTTP answer: status and body."""
+
+    __slots__ = ("body", "status")
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.body = body
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else {}
+
+
+class ConnectionFailed(Exception):
+    """The connection broke or timed out; it is closed and opened again by the next request."""
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection to the proxy, one request at a time. httpx costs about a millisecond of
+    CPU per request, which at 1,000 workers made the simulator, not the proxy, the bottleneck (it saturated its
+    core while the proxy idled); this costs a small fraction of that. The proxy answers with Content-Length."""
+
+    def __init__(self, url: str) -> None:
+        host_port = url.removeprefix("http://")
+        self.host, port = host_port.split(":")
+        self.port = int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Answer:
+        for attempt in (1, 2):
+            reused = self.writer is not None
+            try:
+                return await asyncio.wait_for(self._request(method, path, body), timeout)
+            except (ConnectionError, asyncio.IncompleteReadError) as error:
+                self.close()
+                if reused and attempt == 1:
+                    continue  # the server closed the idle connection as we reused it: as httpx, try a new one
+                raise ConnectionFailed(type(error).__name__) from error
+            except (OSError, asyncio.LimitOverrunError, TimeoutError, ValueError) as error:
+                self.close()
+                raise ConnectionFailed(type(error).__name__) from error
+        raise AssertionError("unreachable")
+
+    async def _request(self, method: str, path: str, body: Any) -> Answer:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + payload)
+        header = await self.reader.readuntil(b"\r\n\r\n")
+        lines = header.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        length, close = 0, False
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "connection" and value.strip().lower() == "close":
+                close = True
+        data = await self.reader.readexactly(length) if length else b""
+        if close:
+            self.close()
+        return Answer(status, data)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 def service_time(mean_s: float, rng: random.Random) -> float:
     """A task's service time: log-normal with the given mean (sigma 0.25: most tasks within +-50 %)."""
     sigma = 0.25
@@ -113,10 +190,7 @@ class Simulation:
         self.args = args
         self.redis_url = redis_url
         self.bucket = open_env_bucket(bucket_url)
-        limits = httpx.Limits(max_connections=3 * args.workers + 16, max_keepalive_connections=3 * args.workers)
-        self.client = httpx.AsyncClient(
-            base_url=proxy_url, headers={"Authorization": f"Bearer {TOKEN}"}, limits=limits, timeout=60.0
-        )
+        self.proxy_url = proxy_url
         self.broker = aioredis.Redis.from_url(redis_url, decode_responses=True)
         self.tasks: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self.rng = random.Random(0)
@@ -129,9 +203,9 @@ class Simulation:
         offered = args.workers / args.task_s
         self.death_p = min(0.5, args.deaths_per_min / 60 / offered)
 
-    async def timed(self, kind: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def timed(self, conn: Connection, kind: str, method: str, path: str, body: Any = None) -> Answer:
         started = time.perf_counter()
-        response = await self.client.request(method, path, **kwargs)
+        response = await conn.request(method, path, body)
         if self.fleet.in_window() and kind in self.fleet.latencies:
             self.fleet.latencies[kind].append(time.perf_counter() - started)
         return response
@@ -175,8 +249,10 @@ class Simulation:
 
     async def incarnation(self, worker_id: str, incarnation: str) -> bool:
         """Run one worker process until the window ends (False) or it dies (True)."""
-        beat = asyncio.create_task(self.heartbeats(worker_id, incarnation))
-        poll = asyncio.create_task(self.long_poll())
+        # A process's connections: its task's, its heartbeat thread's and its prefetcher's long poll.
+        work, beat_conn, poll_conn = (Connection(self.proxy_url) for _ in range(3))
+        beat = asyncio.create_task(self.heartbeats(beat_conn, worker_id, incarnation))
+        poll = asyncio.create_task(self.long_poll(poll_conn))
         try:
             while time.time() < self.fleet.stop_at:
                 try:
@@ -188,21 +264,23 @@ class Simulation:
                     self.fleet.deaths += 1
                     self.redeliveries.add(asyncio.create_task(self.redeliver(raw)))
                     return True
-                await self.run_task(worker_id, incarnation, task)
+                await self.run_task(work, worker_id, incarnation, task)
             return False
         finally:
             beat.cancel()
             poll.cancel()
+            for conn in (work, beat_conn, poll_conn):
+                conn.close()
 
-    async def run_task(self, worker_id: str, incarnation: str, task: dict[str, Any]) -> None:
+    async def run_task(self, conn: Connection, worker_id: str, incarnation: str, task: dict[str, Any]) -> None:
         fleet = self.fleet
         task_id = task["task_id"]
         started = time.perf_counter()
         try:
             request = {"worker_id": worker_id, "task_id": task_id, "incarnation": incarnation}
-            answer = await self.timed("lease", "POST", "/v1/leases", json=request)
-            if answer.status_code != 200:
-                fleet.refused[f"lease:{answer.json().get('error', answer.status_code)}"] += 1
+            answer = await self.timed(conn, "lease", "POST", "/v1/leases", request)
+            if answer.status != 200:
+                fleet.refused[f"lease:{answer.json().get('error', answer.status)}"] += 1
                 return
             grant = answer.json()
             remaining = service_time(self.args.task_s, self.rng)
@@ -210,7 +288,7 @@ class Simulation:
             while remaining > renew_every:
                 await asyncio.sleep(renew_every)
                 remaining -= renew_every
-                await self.timed("renew", "POST", f"/v1/leases/{grant['lease_id']}/renew", json={})
+                await self.timed(conn, "renew", "POST", f"/v1/leases/{grant['lease_id']}/renew", {})
             await asyncio.sleep(remaining)
             key = bucket_keys.rollout_key(RUN, task_id)
             if self.args.rollout_kb:
@@ -227,12 +305,12 @@ class Simulation:
                 "stats": {"reward_mean": 0.5},
                 "lease_id": grant["lease_id"],
             }
-            submitted = await self.timed("submit", "POST", "/v1/rollouts", json=submission)
-        except httpx.HTTPError as error:
-            fleet.errors[type(error).__name__] += 1
+            submitted = await self.timed(conn, "submit", "POST", "/v1/rollouts", submission)
+        except ConnectionFailed as error:
+            fleet.errors[str(error)] += 1
             return
-        if submitted.status_code != 200:
-            fleet.refused[f"submit:{submitted.json().get('error', submitted.status_code)}"] += 1
+        if submitted.status != 200:
+            fleet.refused[f"submit:{submitted.json().get('error', submitted.status)}"] += 1
             return
         fleet.admitted.add(task_id)
         fleet.admitted_groups.update(group_ids)
@@ -240,7 +318,7 @@ class Simulation:
         if fleet.in_window():
             fleet.cycles += 1
 
-    async def heartbeats(self, worker_id: str, incarnation: str) -> None:
+    async def heartbeats(self, conn: Connection, worker_id: str, incarnation: str) -> None:
         report = {
             "worker_id": worker_id,
             "role": "generate",
@@ -251,28 +329,28 @@ class Simulation:
         }
         while True:
             try:
-                await self.timed("heartbeat", "POST", "/v1/workers/heartbeat", json=report)
-            except httpx.HTTPError as error:
-                self.fleet.errors[type(error).__name__] += 1
+                await self.timed(conn, "heartbeat", "POST", "/v1/workers/heartbeat", report)
+            except ConnectionFailed as error:
+                self.fleet.errors[f"heartbeat:{error}"] += 1
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def long_poll(self) -> None:
+    async def long_poll(self, conn: Connection) -> None:
         after = -1
         while True:
             try:
-                answer = await self.client.get(
-                    "/v1/versions/latest", params={"after": after, "wait_s": LONG_POLL_S}, timeout=LONG_POLL_S + 30
-                )
+                path = f"/v1/versions/latest?after={after}&wait_s={LONG_POLL_S}"
+                answer = await conn.request("GET", path, timeout=LONG_POLL_S + 30)
                 after = int(answer.json()["version"])
                 self.fleet.polls += 1
-            except (httpx.HTTPError, KeyError, ValueError) as error:
-                self.fleet.errors[f"poll:{type(error).__name__}"] += 1
+            except (ConnectionFailed, KeyError, ValueError) as error:
+                self.fleet.errors[f"poll:{error}"] += 1
                 await asyncio.sleep(1.0)
 
     # ---- the trainer and the scraper ----
 
     async def trainer(self) -> None:
         fleet = self.fleet
+        conn = Connection(self.proxy_url)
         ready = time.time()
         while time.time() < fleet.stop_at:
             popped = await self.broker.brpop([OPTIMIZE_QUEUE], timeout=1)
@@ -298,9 +376,13 @@ class Simulation:
                 "worker_id": "sim-trainer",
                 "manifest_sha256": sha,
             }
-            reply = await self.timed("publish", "POST", "/v1/versions", json=request)
+            try:
+                reply = await self.timed(conn, "publish", "POST", "/v1/versions", request)
+            except ConnectionFailed as error:
+                fleet.errors[f"publish:{error}"] += 1
+                continue
             ready = time.time()
-            if reply.status_code != 200:
+            if reply.status != 200:
                 continue
             fleet.published += 1
             if version > 0:
@@ -311,11 +393,12 @@ class Simulation:
                 fleet.staleness[base - rollout["version"]] += 1
 
     async def scraper(self) -> None:
+        conn = Connection(self.proxy_url)
         while time.time() < self.fleet.stop_at:
             await asyncio.sleep(2.0)
             try:
-                text = (await self.client.get("/metrics")).text
-            except httpx.HTTPError:
+                text = (await conn.request("GET", "/metrics")).body.decode()
+            except ConnectionFailed:
                 continue
             values = {}
             for line in text.splitlines():
@@ -333,7 +416,6 @@ class Simulation:
         await trainer
         for job in [*background, *self.redeliveries]:
             job.cancel()
-        await self.client.aclose()
         await self.broker.aclose()
         return self.fleet
 
@@ -404,6 +486,10 @@ def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
             async def measured() -> tuple[Fleet, dict[str, float], float]:
                 job = asyncio.create_task(simulation.run())
                 await asyncio.sleep(max(0.0, fleet.start_at - time.time()))
+                if args.py_spy:  # the proxy's GIL-holding stacks over the window, raw (folded) format
+                    spy = ["py-spy", "record", "--pid", str(proxy.pid), "--duration", str(int(args.seconds))]
+                    spy += ["--threads", "--gil", "--nonblocking", "--format", "raw", "--output", args.py_spy]
+                    subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 cpu_at = {"proxy": cpu_seconds(proxy.pid), "redis": cpu_seconds(processes[0].pid)}
                 own_at = time.process_time()
                 await asyncio.sleep(max(0.0, fleet.stop_at - time.time()))
@@ -420,6 +506,8 @@ def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
             if proxy is not None:
                 proxy.terminate()
                 proxy.wait(timeout=30)
+            if args.proxy_log:
+                shutil.copy(workdir / "proxy.log", args.proxy_log)
             for process in processes:
                 process.kill()
                 process.wait(timeout=10)
@@ -524,6 +612,8 @@ def main() -> None:
     parser.add_argument("--deaths-per-min", type=float, default=10.0, help="fleet-wide")
     parser.add_argument("--rejoin-s", type=float, default=5.0)
     parser.add_argument("--visibility-s", type=float, default=60.0, help="the broker's redelivery delay")
+    parser.add_argument("--py-spy", dest="py_spy", default=None, help="record the proxy's stacks (raw) here")
+    parser.add_argument("--proxy-log", default=None, help="keep the proxy's log at this path")
     parser.add_argument("--rates", default=None, help="offered cycles/s to sweep (sets --task-s per run)")
     args = parser.parse_args()
 

@@ -89,6 +89,8 @@ def process_incarnation() -> str:
 __all__ = ["RETRY_STATUSES", "ProxyClient", "ProxyError", "ProxyUnavailable"]
 
 RETRY_STATUSES = frozenset({502, 503, 504})
+KEEP_ALIVE_S = 30.0
+"""Seconds an idle connection to the proxy is kept for the next request (httpx's default is 5)."""
 
 
 class ProxyClient:
@@ -114,7 +116,13 @@ class ProxyClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._sleep = sleep
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+        # Idle connections are kept past the heartbeat interval (5 s), so a heartbeat reuses its connection
+        # instead of opening one each time; the proxy keeps them longer still (``KEEP_ALIVE_S``), so the
+        # client is always the side that closes an idle one.
+        limits = httpx.Limits(keepalive_expiry=KEEP_ALIVE_S)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport, limits=limits
+        )
 
     def close(self) -> None:
         self._http.close()

@@ -22,8 +22,10 @@ and sha256, as a lease does, so the worker can fetch and verify it before any ta
 
 Wake-ups: a publish through this process calls ``VersionWatch.notify()`` (from the request's thread), which
 wakes every waiter at once. A publish this process did not see (another proxy process, a state rebuilt
-while it was restarting) is caught by each waiter re-reading Redis every ``fallback_s`` seconds. On
-shutdown ``close()`` answers every waiter at once, so open polls never hold up uvicorn's graceful exit.
+while it was restarting) is caught by the waiters re-reading Redis every ``fallback_s`` seconds. The waiters
+share their reads: one read of Redis per ``fallback_s`` and per publish serves every open poll, so a fleet
+of a thousand prefetchers costs what one does. On shutdown ``close()`` answers every waiter at once, so open
+polls never hold up uvicorn's graceful exit.
 
 Start-up (``serve()``) checks, before anything listens; each is refused with what to change, unless a
 setting allows it (see docs/operations.md):
@@ -55,17 +57,18 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio.to_thread
 import structlog
-from fastapi import Body, Depends, FastAPI, Path, Query, Request
+from fastapi import Body, Depends, FastAPI, Path, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis import Redis
+from redis import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError, ResponseError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
@@ -283,16 +286,27 @@ def start_checks(redis: Redis, bucket: Bucket, run: str, settings: ProxySettings
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def leadership_guard(fence: ProxyFence | None, refuse: Callable[[str], Response]) -> Callable[..., Any]:
-    """An HTTP middleware: once the lease is lost, every state-changing request is refused (``refuse``)."""
+class LeadershipGuard:
+    """An ASGI middleware: once the lease is lost, every state-changing request is refused (``refuse``).
 
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    Plain ASGI rather than ``@app.middleware("http")``, whose wrapper runs each request through extra tasks
+    and a streamed response: at a thousand workers that was 7 % of the proxy's CPU
+    (``benchmarks/bench_fleet.py --py-spy``)."""
+
+    def __init__(self, app: ASGIApp, *, fence: ProxyFence | None, refuse: Callable[[str], Response]) -> None:
+        self.app = app
+        self.fence = fence
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fence = self.fence
         # Only the methods of state-changing routes: any other one is routed on, to be answered 405 or 404.
-        if fence is not None and fence.lost is not None and request.method in CHANGING_METHODS:
-            return refuse(f"this proxy lost the run's lease to {fence.lost.describe()}; retry shortly")
-        return await call_next(request)
-
-    return guard
+        lost = fence.lost if fence is not None else None
+        if lost is not None and scope["type"] == "http" and scope["method"] in CHANGING_METHODS:
+            refusal = self.refuse(f"this proxy lost the run's lease to {lost.describe()}; retry shortly")
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 # ---- the new-version long poll ----
@@ -314,6 +328,11 @@ class VersionWatch:
         self._closing = False
         self.waiting = 0
         """Requests waiting right now (tests, debugging)."""
+        self.reads = 0
+        """Reads of Redis so far (tests, benchmarks): shared by the waiters."""
+        self._publishes = 0  # notify() calls so far: a read from before the last one is out of date
+        self._read: tuple[LatestVersion, float, int] | None = None  # (answer, loop time, publishes) of the last
+        self._reading: asyncio.Task[LatestVersion] | None = None
 
     def latest(self) -> LatestVersion:
         """The current version as Redis has it (blocking: two HGETs)."""
@@ -331,8 +350,9 @@ class VersionWatch:
 
     async def wait_newer(self, after: int, wait_s: float) -> LatestVersion:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # first waiter (or a new loop in tests): events belong to one loop
+        if self._loop is not loop:  # first waiter (or a new loop in tests): events and tasks belong to one loop
             self._loop, self._changed = loop, asyncio.Event()
+            self._read = self._reading = None
         deadline = loop.time() + wait_s
         self.waiting += 1
         try:
@@ -340,7 +360,7 @@ class VersionWatch:
                 # Taken before reading Redis, so a publish between the read and the wait still wakes us.
                 changed = self._changed
                 assert changed is not None
-                latest = await asyncio.to_thread(self.latest)
+                latest = await self._shared_latest()
                 remaining = deadline - loop.time()
                 if latest.version > after or remaining <= 0 or self._closing:
                     return latest
@@ -348,6 +368,25 @@ class VersionWatch:
                     await asyncio.wait_for(changed.wait(), timeout=min(remaining, self.fallback_s))
         finally:
             self.waiting -= 1
+
+    async def _shared_latest(self) -> LatestVersion:
+        """The current version, read from Redis by one waiter for all: again only once ``fallback_s`` passed
+        or a publish was notified since the last read (single flight: the waiters await one read)."""
+        loop = asyncio.get_running_loop()
+        last = self._read
+        if last is not None and last[2] == self._publishes and loop.time() - last[1] < self.fallback_s:
+            return last[0]
+        if self._reading is None or self._reading.done():
+            self._reading = loop.create_task(self._read_latest())
+        # Shielded: a waiter whose client went away must not cancel the read the others wait for.
+        return await asyncio.shield(self._reading)
+
+    async def _read_latest(self) -> LatestVersion:
+        publishes = self._publishes  # before the read: a publish during it makes it out of date at once
+        self.reads += 1
+        latest = await asyncio.to_thread(self.latest)
+        self._read = (latest, asyncio.get_running_loop().time(), publishes)
+        return latest
 
     def notify(self) -> None:
         """A version was published: wake every waiter (safe from any thread)."""
@@ -362,6 +401,7 @@ class VersionWatch:
 
     def _wake(self) -> None:
         # Waiters hold the old event; a fresh one is for the next round.
+        self._publishes += 1
         if self._changed is not None:
             self._changed.set()
         self._changed = asyncio.Event()
@@ -423,8 +463,26 @@ def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[
 
 LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
+KEEP_ALIVE_S = 65
+"""Seconds the proxy keeps an idle connection (uvicorn's default is 5): longer than the workers' client keeps
+one (``asyncgrpo.protocol.client.KEEP_ALIVE_S``), so a heartbeat every 5 s reuses its connection, and longer
+than the usual 60 s idle timeout of load balancers, so the proxy is never the side that drops one they reuse."""
 HANDLER_THREADS = 512
 """Threads for the sync handlers (anyio's default is 40); most of them wait on Redis or on a snapshot put."""
+REDIS_CONNECTIONS = HANDLER_THREADS + 64
+"""The proxy's Redis connections: one per handler thread, and room for the housekeeping round, the long polls'
+reads and the trackers. redis-py 8's pool holds 100 and refuses the 101st call at once ("Too many connections",
+answered ``unavailable``), which a fleet of a thousand workers reached (``benchmarks/bench_fleet.py``)."""
+REDIS_CONNECTION_WAIT_S = 20.0
+"""How long a call waits for a free connection beyond ``REDIS_CONNECTIONS`` before it fails."""
+
+
+def proxy_redis(url: str) -> Redis:
+    """The proxy's Redis client: a pool as large as the threads that use it, which waits rather than refuses."""
+    pool = BlockingConnectionPool.from_url(
+        url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=REDIS_CONNECTION_WAIT_S
+    )
+    return Redis(connection_pool=pool)
 
 
 def create_app(
@@ -511,7 +569,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         open_paths=open_paths,
     )
-    app.middleware("http")(leadership_guard(coordinator.fence, unavailable))
+    app.add_middleware(LeadershipGuard, fence=coordinator.fence, refuse=unavailable)
 
     install_error_handlers(app, metrics)
     # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.app).
@@ -624,7 +682,6 @@ def serve(
     (``proxy.__main__``) read them. Exits non-zero if another proxy holds the run (unless ``standby``: wait for
     it) or takes it over while this one serves."""
     import uvicorn
-    from redis import Redis
 
     from asyncgrpo.bucket.backends import open_bucket
     from asyncgrpo.protocol.log_setup import configure_logging
@@ -641,7 +698,7 @@ def serve(
         raise SystemExit(f"asyncgrpo proxy: {error}") from error
     configure_logging(log_format=settings.log_format, level=settings.log_level, role="proxy", run=run_name)
     bucket = open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url)
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = proxy_redis(settings.redis_url)
     try:
         fence = start_checks(redis, bucket, run_name, settings, standby=standby)
     except ProxyStartupError as error:
@@ -684,7 +741,15 @@ def serve(
         on_progress=coordinator.store.mark_changed,  # the next tick snapshots it: it survives an empty Redis
     )
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     releasing_server(config, app.state.version_watch).run()
     tracking.stop()
     if fence.lost is not None:  # non-zero, so that systemd restarts it (as a stand-by if so configured)

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from asyncgrpo.protocol.client import KEEP_ALIVE_S as CLIENT_KEEP_ALIVE_S
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import (
     BadRequest,
@@ -23,6 +24,7 @@ from asyncgrpo.protocol.errors import (
     Unauthorized,
 )
 from asyncgrpo.protocol.schemas import HeartbeatRequest, LeaseRequest, PublishRequest, RolloutSubmission
+from proxy.api.app import KEEP_ALIVE_S as PROXY_KEEP_ALIVE_S
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import served
@@ -35,6 +37,7 @@ from tests.support.proxy_harness import (
     submission,
     write_fake_version,
 )
+from worker.process.settings import WorkerSettings
 
 TOKEN = "client-test-token"
 
@@ -176,3 +179,9 @@ def test_unreachable_proxy_gives_up(tmp_path: Path) -> None:
     client = ProxyClient(f"http://127.0.0.1:{free_port()}", TOKEN, timeout_s=1, retries=2, sleep=lambda _: None)
     with pytest.raises(ProxyUnavailable, match="after 3 attempts"):
         client.run_info()
+
+
+def test_idle_connections_outlive_the_heartbeat_interval() -> None:
+    # A heartbeat every heartbeat_s reuses its connection only if the client keeps it that long, and the proxy
+    # longer still (the client must be the side that closes an idle connection, or a reuse can meet a reset).
+    assert WorkerSettings.model_fields["heartbeat_s"].default < CLIENT_KEEP_ALIVE_S < PROXY_KEEP_ALIVE_S

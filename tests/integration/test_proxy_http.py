@@ -8,10 +8,19 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 
-from proxy.api.app import ProxyStartupError, check_can_serve, create_app, is_loopback, serve
+from proxy.api.app import (
+    HANDLER_THREADS,
+    ProxyStartupError,
+    check_can_serve,
+    create_app,
+    is_loopback,
+    proxy_redis,
+    serve,
+)
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN
+from tests.support.fixtures_redis import RedisServer
 from tests.support.proxy_harness import (
     ManualClock,
     file_bucket,
@@ -253,3 +262,18 @@ def test_every_request_gets_one_log_line_with_its_duration(http: TestClient) -> 
     ]
     assert requests[0]["log_level"] == "info" and requests[1]["log_level"] == "debug"
     assert all(r["seconds"] > 0 for r in requests)
+
+
+def test_the_proxy_redis_client_has_a_connection_for_every_handler_thread(redis_server: RedisServer) -> None:
+    # redis-py's default pool refuses its 101st concurrent call ("Too many connections"), which the proxy
+    # answered as `unavailable` once a fleet of workers kept more than 100 handler threads busy.
+    client = proxy_redis(redis_server.url)
+    pool = client.connection_pool
+    held = [pool.get_connection() for _ in range(HANDLER_THREADS)]
+    try:
+        assert len({id(conn) for conn in held}) == HANDLER_THREADS
+        assert client.ping() and client.connection_pool.connection_kwargs["decode_responses"]
+    finally:
+        for conn in held:
+            pool.release(conn)
+        pool.disconnect()

@@ -149,6 +149,35 @@ def test_a_publish_seen_only_in_redis_is_noticed(live: tuple[ProxyClient, Versio
     assert poll.answer is not None and poll.answer.version == 1
 
 
+def test_the_waiters_share_their_reads_of_redis(live: tuple[ProxyClient, VersionWatch], coord: Coordinator) -> None:
+    client, watch = live
+    watch.fallback_s = 0.2
+    before = watch.reads
+    polls = [Poll(client, after=0, wait_s=2) for _ in range(40)]
+    for poll in polls:
+        poll.start()
+    for poll in polls:
+        poll.join(timeout=30)
+        assert poll.answer is not None and poll.answer.version == 0, "nothing was published: the wait ran out"
+    # 40 waiters for 2 s, each wanting a fresh read every 0.2 s: 400 reads unshared, about 10 shared.
+    reads = watch.reads - before
+    assert 0 < reads <= 2 / 0.2 + 5, f"{reads} reads of Redis for 40 waiters"
+    # A publish still reaches every waiter at once, through one read.
+    polls = [Poll(client, after=0, wait_s=30) for _ in range(10)]
+    for poll in polls:
+        poll.start()
+    wait_until(lambda: watch.waiting == 10)
+    watch.fallback_s = 120.0
+    claim_next_step(coord)
+    sha = write_fake_version(coord.bucket, "r1", 1)
+    before = watch.reads
+    assert client.publish(publish_request(1, sha)).current_version == 1
+    for poll in polls:
+        poll.join(timeout=15)
+        assert poll.answer is not None and poll.answer.version == 1
+    assert watch.reads - before <= 2, "the waiters woken by a publish read Redis once, not once each"
+
+
 def test_closing_answers_open_polls(live: tuple[ProxyClient, VersionWatch]) -> None:
     client, watch = live
     poll = Poll(client, after=0, wait_s=30)
