@@ -621,10 +621,13 @@ def main() -> None:
         report(run_fleet(args))
         return
     rows = []
+    warmup, seconds = args.warmup, args.seconds
     for rate in (float(r) for r in args.rates.split(",")):
         args.task_s = args.workers / rate
         # The trainer keeps pace with the offered rate, so the proxy, not the trainer, is what is measured.
         args.step_s = args.groups_per_step / args.groups_per_task / rate
+        # Past the start-up wave (every worker's first task ends at about the same time) and over two tasks.
+        args.warmup, args.seconds = max(warmup, 1.5 * args.task_s), max(seconds, 2 * args.task_s)
         figures = run_fleet(args)
         report(figures)
         rows.append(figures)
