@@ -38,7 +38,6 @@ import json
 import math
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import redis.asyncio as aioredis  # noqa: E402
-from bench_proxy_scale import cpu_seconds, percentile, start_proxy, start_services  # noqa: E402
+from bench_proxy_scale import (  # noqa: E402
+    cpu_seconds,
+    percentile,
+    start_proxy,
+    start_services,
+    stop_services,
+)
 from proxy_load import GENERATE_QUEUE, OPTIMIZE_QUEUE, RUN, TOKEN, decode_task  # noqa: E402
 
 from asyncgrpo.bucket import layout as bucket_keys  # noqa: E402
@@ -503,14 +508,7 @@ def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
             fleet, cpu, own_cpu = asyncio.run(measured())
             checked = audit(fleet, redis_url, bucket_url)
         finally:
-            if proxy is not None:
-                proxy.terminate()
-                proxy.wait(timeout=30)
-            if args.proxy_log:
-                shutil.copy(workdir / "proxy.log", args.proxy_log)
-            for process in processes:
-                process.kill()
-                process.wait(timeout=10)
+            stop_services(proxy, processes, workdir, args.proxy_log)
     return summarize(args, fleet, cpu, own_cpu, checked)
 
 

@@ -161,6 +161,20 @@ def start_proxy(
     raise RuntimeError("the proxy did not become healthy within 60 s")
 
 
+def stop_services(
+    proxy: subprocess.Popen | None, processes: list[subprocess.Popen], workdir: Path, proxy_log: str | None
+) -> None:
+    """Stop the proxy (keeping its log at ``proxy_log``), then Redis and the bucket's server."""
+    if proxy is not None:
+        proxy.terminate()
+        proxy.wait(timeout=30)
+    if proxy_log:
+        shutil.copy(workdir / "proxy.log", proxy_log)
+    for process in processes:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=200)
@@ -251,14 +265,7 @@ def main() -> None:
             if spy is not None:
                 spy.wait(timeout=60)
         finally:
-            if proxy is not None:
-                proxy.terminate()
-                proxy.wait(timeout=30)
-            if args.proxy_log:
-                shutil.copy(workdir / "proxy.log", args.proxy_log)
-            for process in processes:
-                process.kill()
-                process.wait(timeout=10)
+            stop_services(proxy, processes, workdir, args.proxy_log)
 
     latencies = {kind: [] for kind in KINDS}
     for outcome in outcomes:

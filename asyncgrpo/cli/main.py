@@ -59,6 +59,13 @@ def main() -> None:
 
 
 BUCKET_HELP = "file://PATH or s3://BUCKET/PREFIX [default: ASYNCGRPO_BUCKET]."
+proxy_option = click.option(
+    "--proxy",
+    "proxy_url",
+    default=from_settings("proxy_url", WorkerSettings),
+    help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].",
+)
+token_option = click.option("--token", default=from_settings("token"), help="Bearer token [default: ASYNCGRPO_TOKEN].")
 
 
 @main.group()
@@ -205,13 +212,8 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
 
 
 @main.command()
-@click.option(
-    "--proxy",
-    "proxy_url",
-    default=from_settings("proxy_url", WorkerSettings),
-    help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].",
-)
-@click.option("--token", default=from_settings("token"), help="Bearer token [default: ASYNCGRPO_TOKEN].")
+@proxy_option
+@token_option
 @click.option(
     "--bucket",
     default=from_settings("bucket"),
@@ -232,13 +234,8 @@ def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, i
 
 
 @main.command("scale-generate")
-@click.option(
-    "--proxy",
-    "proxy_url",
-    default=from_settings("proxy_url", WorkerSettings),
-    help="Base URL of the run's proxy [default: ASYNCGRPO_PROXY_URL, else http://127.0.0.1:8700].",
-)
-@click.option("--token", default=from_settings("token"), help="Bearer token [default: ASYNCGRPO_TOKEN].")
+@proxy_option
+@token_option
 @click.option("--max-workers", required=True, type=click.IntRange(min=1), help="The host's GPUs: instances 0..N-1.")
 @click.option("--min-workers", default=1, show_default=True, type=click.IntRange(min=0), help="Never fewer.")
 @click.option("--hosts", default=1, show_default=True, type=click.IntRange(min=1), help="Hosts sharing the fleet.")

@@ -22,8 +22,7 @@ from tests.support.proxy_harness import (
     ManualClock,
     advance_version,
     file_bucket,
-    make_coordinator,
-    small_config,
+    paced_coordinator,
     step_at_pace,
 )
 
@@ -58,9 +57,7 @@ def active(state: Path) -> list[str]:
 def test_the_host_follows_the_proxy_up_and_down_to_a_finished_run(
     redis_client: Redis, tmp_path: Path, clock: ManualClock
 ) -> None:
-    base = small_config(groups_per_task=2, groups_per_step=8, queue_maxsize=8, max_staleness=2)
-    config = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"total_steps": 5})})
-    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, clock=clock)
+    coord = paced_coordinator(redis_client, file_bucket(tmp_path), clock)
     systemctl, state = fake_systemctl(
         tmp_path,
         {

@@ -26,6 +26,7 @@ from tests.support.proxy_harness import (
     advance_version,
     file_bucket,
     make_coordinator,
+    paced_coordinator,
     publish_next,
     publish_request,
     small_config,
@@ -212,9 +213,7 @@ def test_waiting_totals_survive_a_proxy_restart_and_show_in_metrics(
 def test_generate_workers_wanted_follows_the_measured_rates_and_drops_to_zero_when_finished(
     redis_client: Redis, tmp_path: Path, clock: ManualClock
 ) -> None:
-    base = small_config(groups_per_task=2, groups_per_step=8, queue_maxsize=8, max_staleness=2)
-    config = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"total_steps": 5})})
-    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config, clock=clock)
+    coord = paced_coordinator(redis_client, file_bucket(tmp_path), clock)
     fleet_names = (
         "asyncgrpo_generate_workers_wanted",
         "asyncgrpo_generate_workers_submitting",

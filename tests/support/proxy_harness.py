@@ -194,3 +194,10 @@ def step_at_pace(
     assert coord.tick().step_sent is not None, "the submitted tasks did not fill a step"
     clock.advance(step_s)
     return publish_next(coord)
+
+
+def paced_coordinator(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinator:
+    """A coordinator for ``step_at_pace``: 4 tasks of 2 groups per version, a buffer of one step, 5 steps."""
+    base = small_config(groups_per_task=2, groups_per_step=8, queue_maxsize=8, max_staleness=2)
+    config = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"total_steps": 5})})
+    return make_coordinator(redis_client, bucket, config=config, clock=clock)
