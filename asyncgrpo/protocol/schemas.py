@@ -379,15 +379,17 @@ class EvalSummary(_Response):
 
 
 class FleetView(_Response):
-    """The autoscaling signal in ``/v1/status``: the generate workers that keep the trainer busy, and the
-    measurements it comes from (``proxy.coordinator.generate_tasks``)."""
+    """The autoscaling signal: the generate workers that keep the trainer busy, and the measurements it comes
+    from (``proxy.coordinator.generate_tasks``); in ``/v1/status`` and the proxy's metrics."""
 
     wanted: int
     """0 once the run reached its final version."""
     submitting: int
-    """Generate workers that submitted recently."""
+    """Generate workers that submitted within the pacing window."""
     step_s: float
+    """The trainer's time per version (median of the recent ones): optimize task sent to publish."""
     task_s: float
+    """A generate task's service time (median): lease to submission."""
     tasks_per_version: int
 
 

@@ -54,11 +54,10 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
-from asyncgrpo.protocol.schemas import GenerateTaskMessage, GroupRef
+from asyncgrpo.protocol.schemas import FleetView, GenerateTaskMessage, GroupRef
 from asyncgrpo.run.config import AsyncConfig, RunConfig
 from proxy.coordinator.leases import track_flag
 from proxy.coordinator.redis_store import RedisStore, halt
@@ -125,20 +124,6 @@ WORKER_WINDOW_S = 30.0
 """A generate worker counts as part of the fleet for this long after its last submission."""
 MAX_TRACKED_LEASES = 10_000
 """Leases whose start is remembered; older ones are forgotten (a lost task never submits)."""
-
-
-@dataclass(frozen=True)
-class FleetSize:
-    """The generate workers that keep the trainer busy, with the measurements it is computed from."""
-
-    step_s: float
-    """The trainer's time per version (median of the recent ones): optimize task sent to publish."""
-    task_s: float
-    """A generate task's service time (median): lease to submission."""
-    tasks_per_version: int
-    submitting: int
-    """Generate workers that submitted within the fleet window: the live count the pacing uses."""
-    wanted: int
 
 
 def workers_wanted(
@@ -231,7 +216,7 @@ class InflightPacer:
         refill_s = rounds * (task_s + DELIVERY_ALLOWANCE_S) * REFILL_MARGIN
         return max(1, math.ceil(refill_s / max(step_s, 1e-3) - WAIT_TOLERANCE))
 
-    def fleet(self) -> FleetSize | None:
+    def fleet(self) -> FleetView | None:
         """The generate workers wanted now and what it is computed from; None until measured (whether or not
         pacing is on: the measurements are the same)."""
         measured = self._measured()
@@ -246,7 +231,7 @@ class InflightPacer:
             max_staleness=self.max_staleness,
             max_tasks_inflight=max(1, self.queue_maxsize // self.groups_per_task),
         )
-        return FleetSize(step_s=step_s, task_s=task_s, tasks_per_version=tasks, submitting=workers, wanted=wanted)
+        return FleetView(step_s=step_s, task_s=task_s, tasks_per_version=tasks, submitting=workers, wanted=wanted)
 
     def _measured(self) -> tuple[float, float, int] | None:
         """(median task seconds, median step seconds, workers submitting) once enough of each is measured."""

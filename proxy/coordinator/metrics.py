@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,7 +21,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from asyncgrpo.protocol.errors import ERROR_CODES
-from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
+from asyncgrpo.protocol.schemas import EvalSummary, FleetView, StatusResponse
 
 log = structlog.get_logger()
 
@@ -275,21 +274,11 @@ class _EvalCollector(Collector):
         yield pass_at_k
 
 
-class FleetReading(Protocol):
-    """What ``proxy.coordinator.generate_tasks.FleetSize`` holds: the autoscaling signal and its inputs."""
-
-    step_s: float
-    task_s: float
-    tasks_per_version: int
-    submitting: int
-    wanted: int
-
-
 class _FleetCollector(Collector):
     """The autoscaling signal: no series until the pacer has measured the trainer and the generate tasks (a
     fresh or restarted proxy), so an autoscaler reading it holds its fleet instead of acting on a guess."""
 
-    def __init__(self, read: Callable[[], FleetReading | None]) -> None:
+    def __init__(self, read: Callable[[], FleetView | None]) -> None:
         self.read = read
 
     def collect(self) -> Iterator[Metric]:
@@ -418,7 +407,7 @@ class ProxyMetrics:
         self._eval_collector = _EvalCollector(read)
         self.registry.register(self._eval_collector)
 
-    def watch_fleet(self, read: Callable[[], FleetReading | None]) -> None:
+    def watch_fleet(self, read: Callable[[], FleetView | None]) -> None:
         """Expose the autoscaling signal (``asyncgrpo_generate_workers_wanted``) and its inputs."""
         if self._fleet_collector is not None:
             self.registry.unregister(self._fleet_collector)

@@ -31,7 +31,6 @@ Three classes, top down, each handed what it uses (nothing calls back up):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -73,7 +72,7 @@ from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.evaluations import Evaluations
-from proxy.coordinator.generate_tasks import FleetSize, GenerateTasks, InflightPacer, WaitingAccount
+from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
 from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.rebuild import restore_state
@@ -567,16 +566,14 @@ class Coordinator:
         if self.evals.enabled:
             answer.evals_pending = self.evals.pending_count()
             answer.eval_latest = self.evals.latest()
-        fleet = self.fleet()
-        if fleet is not None:
-            answer.fleet = FleetView(**dataclasses.asdict(fleet))
+        answer.fleet = self.fleet()
         return answer
 
-    def fleet(self) -> FleetSize | None:
+    def fleet(self) -> FleetView | None:
         """The autoscaling signal: the pacer's fleet size, and none wanted once the run is finished."""
         fleet = self.pacer.fleet()
         if fleet is not None and self.store.current_version() >= self.config.final_version:
-            return dataclasses.replace(fleet, wanted=0)
+            return fleet.model_copy(update={"wanted": 0})
         return fleet
 
     @_rebuilding

@@ -23,6 +23,7 @@ from tests.support.e2e_harness import (
     pause_mid_task,
     records_of,
     scrape,
+    stale_groups_redispatched,
     step_unpublished,
     version_reached,
     wait_for,
@@ -107,15 +108,7 @@ def test_kill_generate_worker_mid_task_redelivers_it(make_cluster: Callable[...,
     if settled == "stale":
         trained = [ro.version for r in records for ro in r.rollouts if ro.task_id == task_id]
         assert not trained, f"the killed task's stale rollout was trained: {trained}"
-        wait_for(
-            lambda: (
-                cluster.status()["counters"].get("groups_requeue_served", 0)
-                >= cluster.status()["counters"].get("groups_stale", 0)
-            ),
-            60,
-            "the stale groups to be dispatched again",
-            cluster,
-        )
+        wait_for(stale_groups_redispatched(cluster), 60, "the stale groups to be dispatched again", cluster)
 
 
 def test_sigterm_hands_the_running_task_back_at_once(make_cluster: Callable[..., LocalCluster]) -> None:
@@ -216,15 +209,7 @@ def test_paused_generate_worker_submits_stale_rollout_and_its_prompts_are_redone
 
     wait_for(lambda: cluster.status()["counters"].get("groups_stale", 0) > stale_before, 60, "a stale drop", cluster)
     # Its prompts go back in line and are dispatched again as new groups.
-    wait_for(
-        lambda: (
-            cluster.status()["counters"].get("groups_requeue_served", 0)
-            >= cluster.status()["counters"].get("groups_stale", 0)
-        ),
-        60,
-        "the stale groups to be dispatched again",
-        cluster,
-    )
+    wait_for(stale_groups_redispatched(cluster), 60, "the stale groups to be dispatched again", cluster)
     records = records_of(cluster)
     # Nothing the task sampled before the pause is trained. When the pause lands before the worker fetched its
     # leased adapter, that version is collected meanwhile: the fetch fails after the resume, the task is retried

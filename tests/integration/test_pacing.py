@@ -8,8 +8,9 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from redis import Redis
 
+from asyncgrpo.protocol.schemas import FleetView
 from asyncgrpo.run.config import AsyncConfig
-from proxy.coordinator.generate_tasks import MIN_SAMPLES, FleetSize, InflightPacer, workers_wanted
+from proxy.coordinator.generate_tasks import MIN_SAMPLES, InflightPacer, workers_wanted
 from proxy.coordinator.service import Coordinator
 from tests.support.proxy_harness import (
     ManualClock,
@@ -142,7 +143,7 @@ def test_the_pacer_reports_the_fleet_it_measured() -> None:
     assert pacer.fleet() is None, "nothing measured: no signal, so an autoscaler holds its fleet"
     _measure(pacer, clock, task_s=1.99, step_s=0.5, workers=2)
     fleet = pacer.fleet()
-    assert fleet == FleetSize(step_s=0.5, task_s=1.99, tasks_per_version=2, submitting=2, wanted=8)
+    assert fleet == FleetView(step_s=0.5, task_s=1.99, tasks_per_version=2, submitting=2, wanted=8)
     # Measured the same whether the pacing uses it or not.
     off = InflightPacer(_config(adaptive_inflight=False), clock)
     _measure(off, clock, task_s=1.99, step_s=0.5, workers=2)

@@ -157,6 +157,16 @@ def version_reached(cluster: LocalCluster, version: int) -> Callable[[], bool]:
     return lambda: cluster.status()["current_version"] >= version and len(records_of(cluster)) >= version
 
 
+def stale_groups_redispatched(cluster: LocalCluster) -> Callable[[], bool]:
+    """Every group dropped as stale had its prompt dispatched again (from the requeue line)."""
+
+    def redispatched() -> bool:
+        counters = cluster.status()["counters"]
+        return counters.get("groups_requeue_served", 0) >= counters.get("groups_stale", 0)
+
+    return redispatched
+
+
 def generate_task_unsubmitted(cluster: LocalCluster) -> Callable[[str], bool]:
     redis_client = redis.Redis.from_url(cluster.redis_url)
     in_flight_key = RunKeys(cluster.run).tasks_inflight
