@@ -33,7 +33,11 @@ class FaultyDigit(HiddenDigit):
         """
         path = script_file(os.getppid())
         calls = int(path.read_text()) if path.exists() else 0
-        path.write_text(str(calls + 1))  # before the fault: a crash must not replay it
+        # Before the fault, so a crash does not replay it; written aside and renamed, so the test never reads
+        # the truncated file a plain write leaves for a moment.
+        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(str(calls + 1))
+        os.replace(staged, path)
         fault = FAULTS[calls // SPACING] if calls % SPACING == 0 and calls // SPACING < len(FAULTS) else None
         if fault == "raise":
             raise RuntimeError("the digit is stuck")
