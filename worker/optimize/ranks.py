@@ -226,6 +226,7 @@ def follow(ranks: Ranks, build: Callable[[str], Any]) -> int:
         name, args, kwargs = ranks.receive()
         if name == STOP:
             log.info("optimize.follower_stopping", rank=ranks.rank)
+            _part()
             return 0
         if name == BUILD:
             trainer = build(*args)
@@ -247,3 +248,13 @@ def leave(ranks: Ranks) -> None:
             ranks.announce(STOP)
         except RankLost as error:
             log.warning("optimize.followers_gone", error=str(error))
+    _part()
+
+
+def _part() -> None:
+    """Destroy this process's process group, so its transport threads are joined before the interpreter exits
+    (left running, their C++ destructors aborted the process at exit, now and then)."""
+    global _joined
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _joined = None
