@@ -11,12 +11,18 @@
   ``ObjectExists``). AWS S3, SeaweedFS and moto honour it; a store that ignores the header lets the last writer
   win, so there manifests are "write once" only by convention (the version CAS at the proxy still fences
   publishers). Multipart for large files; boto3 is imported only when an S3 client is made.
+- Compare-and-swap (``get_tagged`` and ``put_if_match``): a writer that must never overwrite what another wrote
+  since its last read (the proxy's snapshot) puts with ``If-Match`` on the ETag it last saw (``If-None-Match: *``
+  where it saw none); ``ObjectChanged`` otherwise. A folder computes the ETag as S3 does for a single put (the
+  MD5 of the bytes) and swaps under an exclusive lock on the key's folder.
 - ``open_bucket(url)`` picks one from a URL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import uuid
@@ -45,6 +51,10 @@ class ObjectNotFound(BucketError):
 
 class ObjectExists(BucketError):
     """A create-only write found the key already there."""
+
+
+class ObjectChanged(BucketError):
+    """A compare-and-swap put found the object changed (or created, or deleted) since the caller's ETag."""
 
 
 class InvalidBucketURL(BucketError, ValueError):
@@ -93,6 +103,15 @@ class Bucket(ABC):
         """The bytes under ``key``; ObjectNotFound if there are none."""
 
     @abstractmethod
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The bytes under ``key`` and their ETag (for ``put_if_match``); ObjectNotFound if there are none."""
+
+    @abstractmethod
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        """Store ``data`` under ``key`` only if the object there still has ``etag`` (None: only if there is no
+        object); returns the new ETag. Raises ``ObjectChanged`` and stores nothing otherwise."""
+
+    @abstractmethod
     def head(self, key: str) -> ObjectInfo | None:
         """Size and etag of ``key``, or None if it does not exist."""
 
@@ -131,6 +150,10 @@ class Bucket(ABC):
 def check_prefix(prefix: str) -> None:
     if not prefix:
         raise InvalidKey("delete_prefix needs a non-empty prefix; refusing to empty the whole bucket")
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 def temp_sibling(path: Path) -> Path:
@@ -220,6 +243,30 @@ class FileBucket(Bucket):
             return self._path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFound(f"bucket key {key!r} does not exist in {self.url}") from None
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)  # os.replace swaps whole files: these bytes are one version of the object
+        return data, _md5(data)
+
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        path = self._path(key)
+        self._make_parent(path, key)
+        # Every swapper of a key locks its folder, so the compare and the rename are one step for them.
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            try:
+                current: str | None = _md5(path.read_bytes())
+            except FileNotFoundError:
+                current = None
+            if current != etag:
+                raise ObjectChanged(
+                    f"bucket key {key!r} changed since it was read (ETag {current}, expected {etag}); not overwritten"
+                )
+            self._write_atomically(key, lambda handle: handle.write(data), if_absent=etag is None)
+        finally:
+            os.close(folder)  # releases the lock
+        return _md5(data)
 
     def get_file(self, key: str, path: Path) -> None:
         source = self._path(key)
@@ -392,9 +439,23 @@ class S3Bucket(Bucket):
             self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=data, **extra)
 
     def get(self, key: str) -> bytes:
+        return self.get_tagged(key)[0]
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
         with self._translate(key, "get"):
             response = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
-            return response["Body"].read()
+            return response["Body"].read(), str(response["ETag"]).strip('"')
+
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": f'"{etag}"'}
+        try:
+            with self._translate(key, "put"):
+                response = self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=data, **condition)
+        except (ObjectExists, ObjectNotFound):  # 412, 409 (a racing conditional put), or 404 (deleted since)
+            raise ObjectChanged(
+                f"bucket key {key!r} in {self.url} changed since it was read (expected ETag {etag}); not overwritten"
+            ) from None
+        return str(response["ETag"]).strip('"')
 
     def head(self, key: str) -> ObjectInfo | None:
         try:

@@ -37,8 +37,9 @@ setting allows it (see docs/operations.md):
 - Redis ``maxmemory-policy`` must be ``noeviction``: an evicted key of the run's state loses admitted work
   (``ASYNCGRPO_ALLOW_REDIS_EVICTION=1`` starts anyway). Where ``CONFIG`` is disabled (some managed Redis),
   the proxy warns and goes on.
-- The bucket must honour create-only writes: a throwaway key under the run's prefix is put twice with
-  ``if_absent``; the second put must be refused (``ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1`` starts anyway).
+- The bucket must honour conditional writes: a throwaway key under the run's prefix is put twice with
+  ``if_absent`` and swapped twice with ``put_if_match`` on one ETag; each second put must be refused
+  (``ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1`` starts anyway).
 - The run's proxy lease (``proxy.coordinator.snapshot``): taken with an epoch above the snapshot's; held
   by another proxy, start-up is refused, or a stand-by waits for it.
 
@@ -71,7 +72,7 @@ from redis.exceptions import RedisError, ResponseError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
+from asyncgrpo.bucket.backends import Bucket, ObjectChanged, ObjectExists, ObjectNotFound
 from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalLeaseRequest, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import (
     ID_PATTERN,
@@ -210,28 +211,37 @@ def check_eviction_policy(redis: Redis, *, allow: bool) -> str | None:
 
 
 def check_conditional_writes(bucket: Bucket, run: str, *, allow: bool) -> bool:
-    """Probe create-only writes with a throwaway key under the run's prefix; True if the store honours them."""
+    """Probe create-only writes and compare-and-swap puts with a throwaway key under the run's prefix; True if
+    the store honours both."""
     key = bucket_keys.proxy_probe_key(run, uuid.uuid4().hex)
+    ignored: list[str] = []
     try:
         bucket.put(key, b"probe", if_absent=True)
-        try:
+        with contextlib.suppress(ObjectExists):
             bucket.put(key, b"probe again", if_absent=True)
-            honoured = False
-        except ObjectExists:
-            honoured = True
+            ignored.append(
+                f"a second put of {key} with If-None-Match: * succeeded: two trainers could overwrite "
+                "one version's manifest"
+            )
+        _, etag = bucket.get_tagged(key)
+        bucket.put_if_match(key, b"probe swapped", etag)
+        with contextlib.suppress(ObjectChanged):
+            bucket.put_if_match(key, b"probe swapped twice", etag)
+            ignored.append(
+                f"a put of {key} with If-Match on an ETag it no longer had succeeded: a proxy paused "
+                "past its lease could overwrite its successor's snapshot"
+            )
     finally:
         bucket.delete(key)
-    if not honoured:
+    if ignored:
         message = (
-            f"the bucket {bucket.url} ignores create-only writes (a second put of {key} with If-None-Match: * "
-            "succeeded): two trainers could overwrite one version's manifest. Use a store that honours "
-            "conditional writes (AWS S3, SeaweedFS, MinIO recent), or set ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1 "
-            "to start anyway"
+            f"the bucket {bucket.url} ignores conditional writes ({'; '.join(ignored)}). Use a store that honours "
+            "them (AWS S3, SeaweedFS, MinIO recent), or set ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1 to start anyway"
         )
         if not allow:
             raise ProxyStartupError(message)
-        log.warning("proxy.unconditional_bucket_allowed", bucket=bucket.url)
-    return honoured
+        log.warning("proxy.unconditional_bucket_allowed", bucket=bucket.url, ignored=ignored)
+    return not ignored
 
 
 def take_leadership(

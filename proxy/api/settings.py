@@ -50,5 +50,5 @@ class ProxySettings(CommonSettings):
     """Start even if Redis's `maxmemory-policy` is not `noeviction` (evicted state keys lose admitted work)."""
 
     allow_unconditional_bucket: bool = False
-    """Start even if the bucket ignores create-only writes (`If-None-Match: *`): manifests are then
-    write-once by convention only."""
+    """Start even if the bucket ignores conditional writes (`If-None-Match: *`, `If-Match`): manifests are then
+    write-once, and the snapshot fenced against a paused proxy, by convention only."""

@@ -15,8 +15,10 @@ Writes are group commits (``SnapshotWriter``): every change that arrives while a
 durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.
 
 Fencing: the document records the writing proxy's epoch
-(``proxy_epoch``). A put happens only right after the proxy confirmed its lease in Redis, and never over a
-snapshot of a higher epoch (read back at a new epoch and every ``READ_BACK_S``). The document ends with
+(``proxy_epoch``). A put happens only right after the proxy confirmed its lease in Redis, and only over the
+snapshot this writer last wrote or read (``If-Match`` on its ETag; ``If-None-Match: *`` where there was none).
+So a proxy paused between its confirm and its put (past its lease) can never write once its successor has, and
+a writer whose put is refused reads the snapshot back: a higher epoch there fences it. The document ends with
 ``"sha256"``, the sha256 of every byte before that field; the reader verifies it and refuses a mismatch with
 an error naming the key.
 
@@ -53,7 +55,7 @@ import structlog
 from redis import Redis
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectNotFound
+from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectChanged, ObjectNotFound
 from proxy.coordinator.redis_store import RedisStore, RunKeys
 from proxy.coordinator.scripts import CoordinatorError, SnapshotFailed, StateMissing
 
@@ -222,8 +224,6 @@ class ProxyFence:
 # ----
 SNAPSHOT_FORMAT = 2
 LEGACY_FORMATS = (1,)
-READ_BACK_S = 5.0
-"""Seconds between two checks that no proxy of a higher epoch wrote the snapshot (``_fenced_epoch``)."""
 """Formats still read (written before the checksum and the epoch); the next write upgrades them."""
 _CHECKSUM_FIELD = b',"sha256":"'
 _HEADER = re.compile(rb'\{"format": ?(\d+), ?"run": ?"[^"\\]*", ?"proxy_epoch": ?(\d+)')
@@ -359,7 +359,8 @@ class SnapshotWriter:
         self._running: _Write | None = None
         self.writes = 0
         """Snapshot puts attempted by this writer (benchmarks and tests compare it with submits)."""
-        self._read_back: tuple[int, int] | None = None  # (epoch, clock ms) of the last bucket read-back
+        self._seen = False  # whether _etag is known: read from the bucket, or this writer's last put
+        self._etag: str | None = None  # the snapshot's ETag then (None: there was no snapshot)
 
     def write(self, *, force: bool = False) -> bool:
         """Make every change marked so far durable in ``runs/<run>/proxy/snapshot.json``; True if this call
@@ -411,42 +412,53 @@ class SnapshotWriter:
         return written
 
     def _put(self) -> bool:
-        """Read the document from Redis and put it; False if Redis holds no state (nothing to write)."""
+        """Read the document from Redis and put it over the snapshot this writer last saw; False if Redis
+        holds no state (nothing to write)."""
         key = bucket_keys.proxy_snapshot_key(self.store.run)
         try:
-            epoch = 0 if self.fence is None else self._fenced_epoch(key)
+            epoch = 0 if self.fence is None else self.fence.confirm()
+            if not self._seen:
+                self._see(key, epoch)
             data = _read_state_json(self.store, epoch)
             if data is None:
                 return False
             if self.fence is not None:
                 self.fence.confirm()  # atomically in Redis, as close to the put as it gets
-            self.bucket.put(key, data)
+            try:
+                self._etag = self.bucket.put_if_match(key, data, self._etag)
+            except ObjectChanged:
+                # Written by someone else since: a proxy of a higher epoch fences this one (FenceLost). A lower
+                # or equal epoch is a late put of a deposed proxy (or of this one, its answer lost) that this
+                # proxy's Redis state already holds, or an operator's edit: put over it, once.
+                self._see(key, epoch)
+                log.warning("proxy.snapshot_changed_underneath", run=self.store.run, epoch=epoch)
+                self._etag = self.bucket.put_if_match(key, data, self._etag)
+        except ObjectChanged as error:
+            self._seen = False
+            raise SnapshotFailed(
+                f"the proxy snapshot of run {self.store.run!r} changed again while it was written: {error}"
+            ) from error
         except (BucketError, OSError) as error:
+            self._seen = False  # the put may have landed: read the ETag again before the next one
             raise SnapshotFailed(f"could not write the proxy snapshot of run {self.store.run!r}: {error}") from error
         return True
 
-    def _fenced_epoch(self, key: str) -> int:
-        """This proxy's epoch, once sure that no proxy of a higher epoch wrote the snapshot in the bucket."""
-        assert self.fence is not None
-        epoch = self.fence.confirm()
-        # The Redis lease fences proxies sharing one Redis; the read-back catches one writing through another
-        # Redis (a misconfiguration). That is detection, not prevention, so it runs once per epoch and then
-        # every READ_BACK_S, not before every put of a group commit (it was one more GET per admission).
-        last = self._read_back
-        now = self.store.clock_ms()
-        if last is not None and last[0] == epoch and now - last[1] < READ_BACK_S * 1000:
-            return epoch
-        self._read_back = (epoch, now)
+    def _see(self, key: str, epoch: int) -> None:
+        """Read the snapshot's ETag (None: there is none), after checking that no proxy of a higher epoch wrote
+        it (two proxies on two Redis: a wrong ASYNCGRPO_REDIS_URL)."""
         try:
-            theirs = snapshot_epoch(self.bucket.get(key))
+            data, etag = self.bucket.get_tagged(key)
         except ObjectNotFound:
-            return epoch
-        self.fence.raise_floor(theirs)
-        if theirs > epoch:
-            self.fence.lost = self.fence.lost or Leader("?", theirs, "unknown (seen in the bucket)", 0, 0)
-            raise FenceLost(
-                f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
-                f"coordinates run {self.store.run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); "
-                "this one stops coordinating"
-            )
-        return epoch
+            self._seen, self._etag = True, None
+            return
+        theirs = snapshot_epoch(data)
+        if self.fence is not None:
+            self.fence.raise_floor(theirs)
+            if theirs > epoch:
+                self.fence.lost = self.fence.lost or Leader("?", theirs, "unknown (seen in the bucket)", 0, 0)
+                raise FenceLost(
+                    f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
+                    f"coordinates run {self.store.run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); "
+                    "this one stops coordinating"
+                )
+        self._seen, self._etag = True, etag

@@ -16,6 +16,7 @@ from asyncgrpo.bucket.backends import (
     FileBucket,
     InvalidBucketURL,
     InvalidKey,
+    ObjectChanged,
     ObjectExists,
     ObjectNotFound,
     S3Bucket,
@@ -98,6 +99,52 @@ def test_create_only_write_keeps_the_first(bucket: Bucket) -> None:
     with pytest.raises(ObjectExists, match=re.escape("MANIFEST.json")):
         bucket.put("runs/r/adapters/v00000000/MANIFEST.json", b"second", if_absent=True)
     assert bucket.get("runs/r/adapters/v00000000/MANIFEST.json") == b"first"
+
+
+def test_compare_and_swap_puts_only_over_the_etag_last_seen(bucket: Bucket) -> None:
+    key = "runs/r/proxy/snapshot.json"
+    first = bucket.put_if_match(key, b"one", None)
+    with pytest.raises(ObjectChanged, match=re.escape(key)):
+        bucket.put_if_match(key, b"created twice", None)
+    data, etag = bucket.get_tagged(key)
+    assert (data, etag) == (b"one", first)
+    second = bucket.put_if_match(key, b"two", first)
+    assert second != first and bucket.get_tagged(key) == (b"two", second)
+    with pytest.raises(ObjectChanged, match=re.escape(key)):
+        bucket.put_if_match(key, b"over a stale read", first)
+    bucket.put(key, b"someone else")  # an unconditional writer moves the ETag too
+    with pytest.raises(ObjectChanged):
+        bucket.put_if_match(key, b"three", second)
+    bucket.delete(key)
+    with pytest.raises(ObjectChanged):
+        bucket.put_if_match(key, b"over a deleted object", second)
+    with pytest.raises(ObjectNotFound):
+        bucket.get_tagged(key)
+
+
+def test_racing_swappers_of_one_etag_exactly_one_wins(bucket: Bucket) -> None:
+    key = "runs/r/proxy/snapshot.json"
+    etag = bucket.put_if_match(key, b"base", None)
+    writers = 6
+    barrier = threading.Barrier(writers)
+    outcomes: list[str] = []
+
+    def swap(index: int) -> None:
+        barrier.wait()
+        try:
+            bucket.put_if_match(key, f"writer-{index}".encode(), etag)
+            outcomes.append(f"won-{index}")
+        except ObjectChanged:
+            outcomes.append("lost")
+
+    threads = [threading.Thread(target=swap, args=(index,)) for index in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    winners = [outcome for outcome in outcomes if outcome != "lost"]
+    assert len(outcomes) == writers and len(winners) == 1, outcomes
+    assert bucket.get(key) == f"writer-{winners[0].removeprefix('won-')}".encode()
 
 
 def test_racing_create_only_writers_exactly_one_wins(bucket: Bucket) -> None:

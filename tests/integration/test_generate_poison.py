@@ -225,15 +225,15 @@ def test_no_generate_task_while_no_generate_worker_is_alive(redis_client: Redis,
 def test_a_bucket_outage_undoes_new_tasks_without_counting_and_pauses_dispatch(coord: Coordinator) -> None:
     coord.tick()
     publish_next(coord)
-    real_put = coord.snapshots.bucket.put
+    real_put = coord.snapshots.bucket.put_if_match
     down = {"on": True}
 
-    def put(key: str, data: bytes) -> None:
+    def put(key: str, data: bytes, etag: str | None) -> str:
         if down["on"]:
             raise BucketError("injected: the bucket is unreachable")
-        real_put(key, data)
+        return real_put(key, data, etag)
 
-    coord.snapshots.bucket.put = put  # type: ignore[method-assign]
+    coord.snapshots.bucket.put_if_match = put  # type: ignore[method-assign]
     before = coord.status().counters
     with capture_logs() as logs:
         for _ in range(5):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,36 +122,69 @@ def test_a_deposed_proxy_refuses_changes_but_answers_reads_and_unknown_methods(
 def test_snapshot_of_a_higher_epoch_is_never_overwritten(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
-    """Two proxies on two Redis (a wrong ASYNCGRPO_REDIS_URL): the bucket's epoch fences the older one within
-    READ_BACK_S of the other's write (the read-back is detection, kept off the per-admission path)."""
-    from proxy.coordinator.snapshot import READ_BACK_S, seal
+    """Two proxies on two Redis (a wrong ASYNCGRPO_REDIS_URL): the other's write moves the snapshot's ETag, so
+    the older proxy's next put is refused, reads the snapshot back and finds the higher epoch."""
+    from proxy.coordinator.snapshot import seal
 
     coord = fenced(redis_client, bucket, clock)
     coord.tick()
     newer = bucket.get(SNAPSHOT).replace(b'"proxy_epoch": 1', b'"proxy_epoch": 7', 1)
     newer = newer[: newer.rfind(b',"sha256":"')] + b"}"
-    clock.advance(READ_BACK_S)
     bucket.put(SNAPSHOT, seal(newer))
     with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
         coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
 
 
-def test_the_epoch_read_back_is_not_on_every_put(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
-    """Group commits put the snapshot once per batch of admissions; reading it back before each one would cost
-    a GET per put: once per epoch, then every READ_BACK_S."""
-    from proxy.coordinator.snapshot import READ_BACK_S
+@pytest.mark.parametrize("store", ["file", "seaweedfs"])
+def test_a_proxy_paused_past_its_lease_never_writes_once_its_successor_has(
+    redis_client: Redis, tmp_path: Path, clock: ManualClock, store: str, request: pytest.FixtureRequest
+) -> None:
+    """The gap the lease alone leaves: a proxy confirms its lease, pauses (GC, a stopped VM) past the lease's
+    TTL, and puts. Its put is conditional on the snapshot it last wrote, which its successor has replaced."""
+    if store == "file":
+        bucket = file_bucket(tmp_path)
+    else:
+        bucket = request.getfixturevalue("seaweedfs_endpoint").open(f"fence-{uuid.uuid4().hex[:8]}")
+    old = fenced(redis_client, bucket, clock)
+    old.tick()
+    assert old.fence is not None
+    redis_client.delete(old.keys.proxy_lease)  # the lease lapsed during the pause
+    new = fenced(redis_client, bucket, clock)
+    assert new.fence is not None and new.fence.epoch == 2
+    new.snapshots.write(force=True)
+    theirs = bucket.get(SNAPSHOT)
+    assert snapshot_epoch(theirs) == 2
+    old.fence.confirm = lambda: 1  # type: ignore[method-assign]  # it confirmed before the pause
+    with pytest.raises(FenceLost, match="epoch 2, above this proxy's 1"):
+        old.snapshots.write(force=True)
+    assert bucket.get(SNAPSHOT) == theirs, "the paused proxy's put never reached the bucket"
+    assert new.snapshots.write(force=True), "the successor goes on writing"
 
+
+def test_a_late_put_of_a_lower_epoch_is_written_over(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+    """A put that lands between the successor's read of the snapshot and its first put (or one whose answer was
+    lost) leaves an ETag the writer did not expect: it reads the snapshot back, finds no higher epoch, and
+    puts its own state (a superset: both read one Redis) over it."""
+    coord = fenced(redis_client, bucket, clock)
+    coord.tick()
+    stale = bucket.get(SNAPSHOT)
+    coord.snapshots.write(force=True)
+    bucket.put(SNAPSHOT, stale)  # the late put
+    assert coord.snapshots.write(force=True)
+    assert bucket.get(SNAPSHOT) != stale and snapshot_epoch(bucket.get(SNAPSHOT)) == 1
+
+
+def test_puts_are_conditional_not_read_back(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+    """Group commits put the snapshot once per batch of admissions: the writer reads it once, then each put is
+    conditional on the ETag of its own last put (no GET per put)."""
     coord = fenced(redis_client, bucket, clock)
     reads: list[str] = []
-    plain_get = bucket.get
-    bucket.get = lambda key: reads.append(key) or plain_get(key)  # type: ignore[method-assign]
+    plain_get_tagged = bucket.get_tagged
+    bucket.get_tagged = lambda key: reads.append(key) or plain_get_tagged(key)  # type: ignore[method-assign]
     for _ in range(5):
         coord.snapshots.write(force=True)
-    assert reads.count(SNAPSHOT) <= 1
-    clock.advance(READ_BACK_S)
-    coord.snapshots.write(force=True)
-    assert reads.count(SNAPSHOT) == 2
+    assert reads == [SNAPSHOT]
 
 
 def test_flushall_reacquires_with_a_higher_epoch_and_goes_on(
@@ -301,12 +335,27 @@ class IgnoresIfNoneMatch:
         return getattr(self.inner, name)
 
 
-def test_bucket_ignoring_conditional_writes_is_refused(bucket: Bucket) -> None:
+class IgnoresIfMatch(IgnoresIfNoneMatch):
+    """One that honours If-None-Match but drops If-Match, as some S3-compatible stores do."""
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        self.inner.put(key, data)
+        return self.inner.get_tagged(key)[1]
+
+
+@pytest.mark.parametrize(
+    ("careless", "ignored"),
+    [(IgnoresIfNoneMatch, "If-None-Match: \\* succeeded"), (IgnoresIfMatch, "If-Match on an ETag it no longer had")],
+)
+def test_bucket_ignoring_conditional_writes_is_refused(bucket: Bucket, careless: type, ignored: str) -> None:
     assert check_conditional_writes(bucket, "r1", allow=False)
-    careless = IgnoresIfNoneMatch(bucket)
-    with pytest.raises(ProxyStartupError, match=r"ignores create-only writes.*ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET"):
-        check_conditional_writes(careless, "r1", allow=False)  # type: ignore[arg-type]
-    assert not check_conditional_writes(careless, "r1", allow=True)  # type: ignore[arg-type]
+    double = careless(bucket)
+    with pytest.raises(ProxyStartupError, match=rf"ignores conditional writes.*{ignored}.*ALLOW_UNCONDITIONAL_BUCKET"):
+        check_conditional_writes(double, "r1", allow=False)
+    assert not check_conditional_writes(double, "r1", allow=True)
     assert bucket.list("runs/r1/proxy/") == [], "the probe is deleted"
     with pytest.raises(ObjectExists):  # the real bucket does refuse
         bucket.put("x", b"1", if_absent=True) or bucket.put("x", b"1", if_absent=True)

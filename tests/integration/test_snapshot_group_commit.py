@@ -47,10 +47,9 @@ class SnapshotPuts:
         self.puts = 0
         self._lock = threading.Lock()
 
-    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
         if key != self.key:
-            self.inner.put(key, data, if_absent=if_absent)
-            return
+            return self.inner.put_if_match(key, data, etag)
         with self._lock:
             self.puts += 1
         self.entered.set()
@@ -59,7 +58,7 @@ class SnapshotPuts:
         time.sleep(self.delay_s)
         if self.fail:
             raise BucketError("injected: the bucket refused the snapshot")
-        self.inner.put(key, data, if_absent=if_absent)
+        return self.inner.put_if_match(key, data, etag)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
