@@ -111,6 +111,7 @@ from proxy.api.edge import (
     install_error_handlers,
     refuse_unknown_query,
 )
+from proxy.api.loop_routes import HEARTBEAT_PATH, Heartbeats, LoopRoutes
 from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.coordinator.service import Coordinator
@@ -504,11 +505,13 @@ def create_app(
     stop_on_lost_lease: Callable[[], object] = stop_this_process,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_need_token: bool = False,
+    redis_url: str | None = None,
 ) -> FastAPI:
     """The API of one run. ``token=None`` disables auth (only ``serve`` on loopback may do that).
     ``run_loop=False`` leaves ``tick()`` to the caller (tests). With a ``coordinator.fence``, the lease is
     renewed in the background and ``stop_on_lost_lease`` is called once it is lost. ``max_body_bytes`` and
-    ``metrics_need_token``: ``ProxySettings``."""
+    ``metrics_need_token``: ``ProxySettings``. ``redis_url`` (the coordinator's Redis): heartbeats are answered
+    on the event loop with an asyncio client of it (``proxy.api.loop_routes``)."""
     wake = asyncio.Event()
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
@@ -531,9 +534,12 @@ def create_app(
         tasks = [asyncio.create_task(housekeeping())] if run_loop else []
         if coordinator.fence is not None:  # one live proxy per run (proxy.api.app)
             tasks.append(asyncio.create_task(keep_leadership(coordinator.fence, stop_on_lost_lease)))
+        if redis_url is not None:
+            await heartbeats.start(redis_url)
         try:
             yield
         finally:
+            await heartbeats.stop()
             for task in tasks:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
@@ -571,6 +577,9 @@ def create_app(
         return response
 
     open_paths = OPEN_PATHS - {"/metrics"} if metrics_need_token else OPEN_PATHS
+    heartbeats = Heartbeats(coordinator, poke)
+    app.state.heartbeats = heartbeats
+    app.add_middleware(LoopRoutes, heartbeats=heartbeats)  # innermost: after the guard, the token and the limit
     app.add_middleware(
         AuthAndTiming,
         token=expected,
@@ -669,11 +678,14 @@ def create_app(
     def report_corrupt(version: Annotated[int, Path(ge=0)], report: CorruptReport) -> CorruptResult:
         return coordinator.report_corrupt(version, report)
 
-    @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
+    @app.post(HEARTBEAT_PATH, response_model=HeartbeatResult)
     def heartbeat(report: HeartbeatRequest) -> HeartbeatResult:
+        # Reached only by requests off the event loop's path (proxy.api.loop_routes), or without a Redis URL.
         if coordinator.heartbeat(report):
             poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
         return HeartbeatResult()
+
+    heartbeats.route = app.router.routes[-1]
 
     install_eval_routes(app, coordinator, poke)  # POST /v1/evals/{task_id}/lease and .../result
     install_openapi(app, token_required=expected is not None, open_paths=open_paths)
@@ -739,6 +751,7 @@ def serve(
         tick_s=settings.tick_s,
         max_body_bytes=settings.max_body_bytes,
         metrics_need_token=settings.metrics_need_token,
+        redis_url=settings.redis_url,
     )
     # [tracking] report_to: its own threads, only while this proxy holds the run (proxy.tracking.forwarder).
     tracking = start_forwarding(

@@ -292,7 +292,7 @@ class AuthAndTiming:
             if body is None:
                 await self._refused("too_large", TOO_LARGE_ROUTE, method, started, scope, receive, send)
                 return
-            receive = _replay(body, receive)
+            receive = replay(body, receive)
         status = 500
 
         async def send_and_note(message: Message) -> None:
@@ -316,7 +316,7 @@ class AuthAndTiming:
         self.metrics.http_seconds.labels(route, method).observe(time.perf_counter() - started)
 
 
-def _replay(messages: list[Message], receive: Receive) -> Receive:
+def replay(messages: list[Message], receive: Receive) -> Receive:
     """A ``receive`` that hands out the body already read, then waits on the real one (for a disconnect)."""
     pending = list(messages)
 

@@ -66,9 +66,10 @@ from dataclasses import dataclass
 
 import structlog
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
 from asyncgrpo.bucket.layout import check_run_name
-from proxy.coordinator.scripts import BoundScript, LuaScript, Scripts, script_source
+from proxy.coordinator.scripts import AsyncBoundScript, BoundScript, LuaScript, Scripts, script_source
 
 # ---- every Redis key name of a run ----
 GROUP_KIND = "group"
@@ -293,6 +294,12 @@ class RedisStore:
             self.keys.prefix,
             self.run,
         )
+
+    def bind_async(self, redis: AsyncRedis, script: LuaScript) -> AsyncBoundScript:
+        """``script`` on an asyncio client of this store's Redis (``redis``: the caller's, on its event loop)."""
+        source = script_source(script.name, KEY_KINDS)
+        keys = self.keys
+        return AsyncBoundScript(script, redis, source, lambda name: getattr(keys, name), keys.prefix, self.run)
 
     def has_state(self) -> bool:
         return bool(self.redis.exists(self.keys.state))

@@ -61,7 +61,7 @@ from string import Template
 from typing import Any
 
 from redis import Redis
-from redis.commands.core import Script
+from redis.asyncio import Redis as AsyncRedis
 
 
 # ---- refusals: one exception per non-OK code ----
@@ -433,7 +433,7 @@ class BoundScript:
     def __init__(
         self,
         script: LuaScript,
-        redis: Redis,
+        redis: Redis | AsyncRedis,
         source: str,
         keys: Callable[[str], str],
         prefix: str,
@@ -441,14 +441,21 @@ class BoundScript:
     ) -> None:
         self.script = script
         # registered once per client: redis-py sends EVALSHA and loads the source only when Redis lacks it
-        self._registered: Script = redis.register_script(source)
+        self._registered: Any = redis.register_script(source)
         self._keys = [keys(name) for name in script.contract.keys]
         self._prefix = prefix
         self._run = run
 
     def __call__(self, **values: Any) -> ScriptReply:
-        args = [self._prefix, *self.script.args(values)]
-        reply = self._registered(keys=self._keys, args=args)
+        reply = self._registered(keys=self._keys, args=[self._prefix, *self.script.args(values)])
+        return self.script.answer(reply, values, self._run)
+
+
+class AsyncBoundScript(BoundScript):
+    """The same on an asyncio Redis client, for requests answered on the event loop: ``await script(...)``."""
+
+    async def __call__(self, **values: Any) -> ScriptReply:  # type: ignore[override]
+        reply = await self._registered(keys=self._keys, args=[self._prefix, *self.script.args(values)])
         return self.script.answer(reply, values, self._run)
 
 

@@ -78,7 +78,13 @@ from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.rebuild import restore_state
 from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, RunKeys, halted_reason
 from proxy.coordinator.rollouts import RolloutIntake
-from proxy.coordinator.scripts import NotTaskHolder, SnapshotFailed, StateMissing
+from proxy.coordinator.scripts import (
+    AsyncBoundScript,
+    NotTaskHolder,
+    ScriptReply,
+    SnapshotFailed,
+    StateMissing,
+)
 from proxy.coordinator.snapshot import ProxyFence, SnapshotWriter
 from proxy.coordinator.steps import StepFailures, Steps, StepSending, Versions
 
@@ -537,6 +543,11 @@ class Coordinator:
         incarnation's work the next ``tick()`` ends."""
         return self.heartbeats.heartbeat(report)
 
+    async def heartbeat_on_loop(self, report: HeartbeatRequest, record: AsyncBoundScript) -> bool:
+        """``heartbeat`` through ``record`` (RECORD_HEARTBEAT on the caller's asyncio client). A heartbeat needs no
+        run state (the script touches only the worker records), so there is nothing to rebuild first."""
+        return await self.heartbeats.heartbeat_on_loop(report, record)
+
     @_rebuilding
     def version_info(self, version: int) -> VersionInfo:
         """The manifest sha256 recorded when ``version`` was published; raises VersionNotFound."""
@@ -602,16 +613,26 @@ class Workers:
 
     def heartbeat(self, report: HeartbeatRequest) -> bool:
         """Record ``report``; True if it is the first of a new incarnation of a known worker id (restarted)."""
-        reply = self.store.scripts.record_heartbeat(
-            now_ms=self.store.clock_ms(),
-            worker_id=report.worker_id,
-            report_json=report.model_dump_json(),
-            forget_after_ms=int(WORKER_FORGET_S * 1000),
+        return self._restarted(report, self.store.scripts.record_heartbeat(**self._record(report)))
+
+    async def heartbeat_on_loop(self, report: HeartbeatRequest, record: AsyncBoundScript) -> bool:
+        """``heartbeat`` with ``record``, RECORD_HEARTBEAT bound to an asyncio client."""
+        return self._restarted(report, await record(**self._record(report)))
+
+    def _record(self, report: HeartbeatRequest) -> dict[str, Any]:
+        return {
+            # Redis TIME at most once a second (RedisClock): on the event loop too, one short round trip.
+            "now_ms": self.store.clock_ms(),
+            "worker_id": report.worker_id,
+            "report_json": report.model_dump_json(),
+            "forget_after_ms": int(WORKER_FORGET_S * 1000),
             # Not the run's record TTL (days): a worker id heard from once, or made up, is gone in an hour.
-            record_ttl_s=int(WORKER_FORGET_S),
-            role=report.role,
-            incarnation=report.incarnation or "",
-        )
+            "record_ttl_s": int(WORKER_FORGET_S),
+            "role": report.role,
+            "incarnation": report.incarnation or "",
+        }
+
+    def _restarted(self, report: HeartbeatRequest, reply: ScriptReply) -> bool:
         restarted = reply["restarted"] == 1
         if restarted:
             log.warning(

@@ -28,10 +28,15 @@ MAX_ERROR_BYTES = 8 * 1024
 SHA = "0" * 64
 
 
-@pytest.fixture
-def api(coord: Coordinator) -> Iterator[tuple[httpx.Client, Coordinator]]:
+@pytest.fixture(params=["routes", "heartbeats on the loop"])
+def api(
+    coord: Coordinator, redis_url: str, request: pytest.FixtureRequest
+) -> Iterator[tuple[httpx.Client, Coordinator]]:
+    """The proxy on a real port; also with heartbeats answered on the event loop (``proxy.api.loop_routes``),
+    which must refuse every hostile heartbeat as the route does."""
     start_run(coord)
-    with served(create_app(coord, API_TOKEN, run_loop=False)) as url, httpx.Client(base_url=url, timeout=30) as client:
+    app = create_app(coord, API_TOKEN, run_loop=False, redis_url=redis_url if request.param != "routes" else None)
+    with served(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield client, coord
 
 
