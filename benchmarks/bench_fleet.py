@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -614,6 +615,8 @@ def main() -> None:
     parser.add_argument("--proxy-log", default=None, help="keep the proxy's log at this path")
     parser.add_argument("--rates", default=None, help="offered cycles/s to sweep (sets --task-s per run)")
     args = parser.parse_args()
+    if args.py_spy and shutil.which("py-spy") is None:
+        parser.error("--py-spy needs the py-spy profiler on PATH: pip install py-spy")
 
     if not args.rates:
         report(run_fleet(args))

@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--proxy-log", default=None, help="keep the proxy's log at this path")
     parser.add_argument("--py-spy", dest="py_spy", default=None, help="record the proxy's stacks (raw) to this file")
     args = parser.parse_args()
+    if args.py_spy and shutil.which("py-spy") is None:
+        parser.error("--py-spy needs the py-spy profiler on PATH: pip install py-spy")
 
     with tempfile.TemporaryDirectory(prefix="bench-proxy-scale-") as tmp:
         workdir = Path(tmp)
