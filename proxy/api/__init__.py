@@ -1,13 +1,13 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app       routes (the evaluate tasks' and the new-version long poll too), the tick loop, `serve()` and what
-              it checks before anything listens (the token, Redis eviction, create-only writes, leadership)
-              and keeps while serving (leadership)
-    edge      what every request passes: bearer-token auth, the body limit, timing and logging (plain ASGI);
-              which coordinator refusal is which error code, the error body and its handlers
+    app          routes (the evaluate tasks' and the new-version long poll too), the tick loop, `serve()` and
+                 what it checks before anything listens (the token, Redis eviction, conditional writes,
+                 leadership) and keeps while serving (leadership)
+    edge         what every request passes: bearer-token auth, the body limit, timing and logging (plain
+                 ASGI); which coordinator refusal is which error code, the error body and its handlers
     loop_routes  the heartbeat answered on the event loop with an asyncio Redis client (plain ASGI, inside
-              `edge`); anything off that path goes on to its route
-    openapi   `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
-    settings  the proxy's environment variables
+                 `edge`); anything off that path goes on to its route
+    openapi      `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
+    settings     the proxy's environment variables
 """

@@ -685,7 +685,7 @@ def create_app(
             poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
         return HeartbeatResult()
 
-    heartbeats.route = app.router.routes[-1]
+    heartbeats.route = next(r for r in app.router.routes if getattr(r, "path", None) == HEARTBEAT_PATH)
 
     install_eval_routes(app, coordinator, poke)  # POST /v1/evals/{task_id}/lease and .../result
     install_openapi(app, token_required=expected is not None, open_paths=open_paths)
