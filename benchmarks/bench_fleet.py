@@ -559,6 +559,18 @@ def summarize(
         figures["workers_wanted"] = statistics.median(wanted)
         figures["workers_wanted_arithmetic"] = round(expected, 1)
         figures["workers_wanted_ratio"] = round(statistics.median(wanted) / expected, 2)
+    # What the snapshot's group commits put, per admitted cycle, over the window (segments and compactions).
+    window_scrapes = [s for s in fleet.scrapes if fleet.start_at <= s["t"] <= fleet.stop_at]
+    if len(window_scrapes) >= 2:
+        first, last = window_scrapes[0], window_scrapes[-1]
+        cycles_between = max(1.0, fleet.cycles * (last["t"] - first["t"]) / window)
+
+        def grew(name: str) -> float:
+            return last.get(name, 0.0) - first.get(name, 0.0)
+
+        figures["snapshot_kb_per_cycle"] = round(grew("asyncgrpo_snapshot_put_bytes_total") / 1024 / cycles_between, 2)
+        figures["snapshot_puts_per_s"] = round(grew("asyncgrpo_snapshot_writes_total") / (last["t"] - first["t"]), 1)
+        figures["snapshot_compactions"] = int(grew("asyncgrpo_snapshot_compactions_total"))
     submitting = [s.get("asyncgrpo_generate_workers_submitting") for s in late]
     if submitting and submitting[-1] is not None:
         figures["workers_submitting"] = submitting[-1]
@@ -585,6 +597,11 @@ def report(figures: dict[str, Any]) -> None:
         f"long polls answered {figures['long_polls_answered']}, versions {figures['versions_published']}"
     )
     print(f"  refused {figures['refused']}, errors {figures['errors']}")
+    if "snapshot_kb_per_cycle" in figures:
+        print(
+            f"  snapshot puts/s {figures['snapshot_puts_per_s']} ({figures['snapshot_compactions']} compactions in "
+            f"the window), {figures['snapshot_kb_per_cycle']} KB put per cycle"
+        )
     print(f"  audit {figures['audit']}")
     print(f"  staleness of trained rollouts {figures['staleness']}; trainer idle {figures['trainer_idle_share']}")
     if "workers_wanted" in figures:

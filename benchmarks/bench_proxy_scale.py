@@ -288,6 +288,8 @@ def main() -> None:
         "cycles_per_s": round(cycles / args.seconds, 1),
         "submits_per_s": round(rate("asyncgrpo_rollouts_admitted_total"), 1),
         "snapshot_writes_per_s": round(rate("asyncgrpo_snapshot_writes_total"), 1),
+        "snapshot_compactions_per_s": round(rate("asyncgrpo_snapshot_compactions_total"), 2),
+        "snapshot_kb_per_cycle": round(rate("asyncgrpo_snapshot_put_bytes_total") * window / 1024 / max(cycles, 1), 2),
         "versions_published": optimizer["published"],
         "proxy_cpu_ms_per_cycle": round(1000 * cpu["proxy"] / max(cycles, 1), 2),
         "redis_cpu_ms_per_cycle": round(1000 * cpu["redis"] / max(cycles, 1), 2),
@@ -307,7 +309,11 @@ def main() -> None:
     print(f"proxy scale: {args.workers} workers in {args.procs} processes, {args.bucket} bucket, {window:.1f} s")
     print(f"  cycles/s (lease+submit+release)  {figures['cycles_per_s']}")
     print(f"  submits admitted/s               {figures['submits_per_s']}")
-    print(f"  snapshot writes/s                {figures['snapshot_writes_per_s']}")
+    print(
+        f"  snapshot writes/s                {figures['snapshot_writes_per_s']} "
+        f"({figures['snapshot_compactions_per_s']} of them compactions; "
+        f"{figures['snapshot_kb_per_cycle']} KB put per cycle)"
+    )
     print(
         f"  proxy CPU per cycle              {figures['proxy_cpu_ms_per_cycle']} ms "
         f"(proxy used {figures['proxy_cpu_share']} of a core; Redis {figures['redis_cpu_ms_per_cycle']} ms/cycle; "

@@ -25,6 +25,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.schemas import generate_queue, optimize_queue
+from proxy.coordinator.snapshot import load_snapshot
 from tests.support.fixtures_s3 import open_env_bucket
 
 TOKEN = "bench-scale-token"
@@ -34,7 +35,8 @@ OPTIMIZE_QUEUE = optimize_queue(RUN)
 HEARTBEAT_S = 5.0
 
 CHECK_EVERY = 25
-"""Every this many admitted submits, a worker reads the snapshot from the bucket to check the rollout is in it."""
+"""Every this many admitted submits, a worker reads the snapshot and its log from the bucket to check the rollout is
+in it."""
 KINDS = ("lease", "submit", "release", "heartbeat", "publish", "metrics")
 
 
@@ -63,14 +65,14 @@ async def _generate_workers(
     latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
     outcome = {"cycles": 0, "refused": 0, "errors": 0, "durable_checked": 0, "durable_missing": 0}
     bucket = open_env_bucket(bucket_url)
-    snapshot_key = bucket_keys.proxy_snapshot_key(RUN)
     admitted = 0
 
     async def check_durable(task_id: str, leased_version: int) -> None:
-        # Read after the answer: the snapshot in the bucket must name the task (buffered, or in the step that
-        # claimed it since). Only decidable while no version was published after the lease: a later publish
-        # may have trained it, and trained rollouts are not in the snapshot (retention off).
-        document = json.loads(await asyncio.to_thread(bucket.get, snapshot_key))
+        # Read after the answer: the snapshot with its log, as a rebuild reads it, must name the task (buffered,
+        # or in the step that claimed it since). Only decidable while no version was published after the lease: a
+        # later publish may have trained it, and trained rollouts are not in the snapshot (retention off).
+        document = await asyncio.to_thread(load_snapshot, bucket, RUN)
+        assert document is not None
         if int(document["state"].get("current_version", -1)) != leased_version:
             return
         outcome["durable_checked"] += 1

@@ -131,9 +131,13 @@ class Bucket(ABC):
         """Remove every key under ``prefix``; return how many were removed."""
         check_prefix(prefix)
         keys = self.list(prefix)
+        self.delete_keys(keys)
+        return len(keys)
+
+    def delete_keys(self, keys: list[str]) -> None:
+        """Remove each of ``keys`` (missing ones are not an error)."""
         for key in keys:
             self.delete(key)
-        return len(keys)
 
     @abstractmethod
     def put_file(self, key: str, path: Path, *, if_absent: bool = False) -> None:
@@ -496,9 +500,13 @@ class S3Bucket(Bucket):
     def delete_prefix(self, prefix: str) -> int:
         check_prefix(prefix)
         keys = self.list(prefix)
+        self.delete_keys(keys)
+        return len(keys)
+
+    def delete_keys(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = keys[start : start + 1000]
-            with self._translate(prefix, "delete_prefix"):
+            with self._translate(batch[0], "delete_keys"):
                 response = self.client.delete_objects(
                     Bucket=self.bucket,
                     Delete={"Objects": [{"Key": self._full(key)} for key in batch], "Quiet": True},
@@ -507,10 +515,9 @@ class S3Bucket(Bucket):
             if errors:
                 first = errors[0]
                 raise BucketError(
-                    f"deleting {len(errors)} keys under {prefix!r} failed, first {first.get('Key')!r}: "
+                    f"deleting {len(errors)} of {len(batch)} keys failed, first {first.get('Key')!r}: "
                     f"{first.get('Code')} {first.get('Message')}"
                 )
-        return len(keys)
 
     def put_file(self, key: str, path: Path, *, if_absent: bool = False) -> None:
         path = Path(path)

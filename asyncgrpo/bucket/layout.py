@@ -15,7 +15,8 @@ Layout of one run (``<run>`` is the run name)::
     runs/<run>/rollouts/<task-id>.safetensors     one generate task's samples
     runs/<run>/metrics/step-00000042.json         one record per optimizer step
     runs/<run>/evals/v00000042.json               the evaluation of one version (only with [eval])
-    runs/<run>/proxy/snapshot.json                what the proxy needs to rebuild Redis
+    runs/<run>/proxy/snapshot.json                what the proxy needs to rebuild Redis (compacted)
+    runs/<run>/proxy/log/000000000042.json        what changed since; applied in order on a rebuild
 
 Version directories are zero-padded so that a lexical listing is also a numeric one. Each attempt at a
 version writes its files under a folder of its own (``<attempt>``), so two attempts never write one object:
@@ -73,6 +74,7 @@ _TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _VERSION_DIR = re.compile(r"/adapters/v(\d{8})/$")
 _ATTEMPT = re.compile(r"^[a-z0-9]{1,32}$")
 _EVAL_KEY = re.compile(r"/evals/v(\d{8})\.json$")
+_LOG_KEY = re.compile(r"/proxy/log/(\d{12})\.json$")
 
 
 class InvalidKeyPart(ValueError):
@@ -191,6 +193,24 @@ def version_from_eval_key(key: str) -> int | None:
 
 def proxy_snapshot_key(run: str) -> str:
     return run_prefix(run) + "proxy/snapshot.json"
+
+
+def proxy_log_prefix(run: str) -> str:
+    """The folder of the snapshot log's segments (``proxy.coordinator.snapshot_log``)."""
+    return run_prefix(run) + "proxy/log/"
+
+
+def proxy_log_key(run: str, seq: int) -> str:
+    """One segment of the snapshot log, numbered so that a lexical listing is also a numeric one."""
+    if not 0 < seq < 10**12:
+        raise ValueError(f"log sequence number must be in 1..10**12-1, got {seq}")
+    return f"{proxy_log_prefix(run)}{seq:012d}.json"
+
+
+def seq_from_log_key(key: str) -> int | None:
+    """``runs/r/proxy/log/000000000042.json`` -> 42; anything else -> None."""
+    match = _LOG_KEY.search(key)
+    return int(match.group(1)) if match else None
 
 
 def proxy_probe_key(run: str, token: str) -> str:

@@ -7,11 +7,13 @@ retention, generate tasks, rollouts, steps and versions, evaluations, snapshot a
 
 Every change to the state is one Lua script (`lua/<seam>/<name>.lua`, beside the seam module of that name that
 runs it, with `prelude.lua` prepended; its header is the one statement of its KEYS, ARGV and reply fields),
-declared in `scripts` with the exception of every refusal. Four writes are single Redis commands instead, atomic
-on their own and outside any invariant: a lease's first-use time (`leases`, HSETNX), the corrupt-object check a
-halt waits on (`steps`, HSET/HDEL), an evaluate task's failure report (`evaluations`, ZADD XX) and the trackers'
-progress (`proxy.tracking.forwarder`, HSET). The proxy's leadership lease (`snapshot`) runs two inline scripts of
-its own: it guards the state, it is not part of it.
+declared in `scripts` with the exception of every refusal. Scripts write through the prelude's `call()`, which
+notes each change for the snapshot log (`snapshot_log`). Four writes are Redis commands from Python instead,
+atomic on their own and outside any invariant: a lease's first-use time (`leases`, HSETNX, not in the snapshot),
+the corrupt-object check a halt waits on (`steps`) and the trackers' progress (`proxy.tracking.forwarder`), both
+a field of a logged hash written with its note in one transaction (`redis_store.write_logged_field`), and an
+evaluate task's failure report (`evaluations`, ZADD XX, not in the snapshot). The proxy's leadership lease
+(`snapshot`) runs two inline scripts of its own: it guards the state, it is not part of it.
 
 Modules:
     service         `Coordinator` (the facade the HTTP app and tests call; a missing state is rebuilt here),
@@ -24,8 +26,11 @@ Modules:
     steps           claim a step, serve its batch, send and re-send it, its holder and failure reports, publish
                     (CAS) its version; published versions: recorded sha, step record, corruption repair
     evaluations     `[eval]`: due versions, evaluate tasks, their leases, re-sends and records; GC protection
-    snapshot        the snapshot document, its group-commit writer and reader; leadership: one live proxy per
-                    run, its lease in Redis and the fencing epoch every snapshot put carries
+    snapshot        the snapshot document, its group-commit writer (log segments, and compactions) and reader
+                    (the snapshot with its log applied); leadership: one live proxy per run, its lease in Redis
+                    and the fencing epoch every snapshot and segment put carries
+    snapshot_log    what a log segment holds (the writes `call()` in `prelude.lua` notes), how segments replay
+                    onto the snapshot document, and when the writer compacts
     rebuild         the rebuild of an empty Redis from the snapshot (or from the versions in the bucket) and
                     which newer versions a rebuild adopts
     redis_store     `RedisStore`: the Redis client, every key name of a run (`RunKeys`), clock, record TTL, bound

@@ -364,6 +364,17 @@ class ProxyMetrics:
             "(group commit), so under load it stays well below the submit rate.",
             registry=self.registry,
         )
+        self.snapshot_compactions = Counter(
+            "asyncgrpo_snapshot_compactions",
+            "Snapshot puts that were compactions (the whole state; every other put is a log segment of what "
+            "changed since the last put).",
+            registry=self.registry,
+        )
+        self.snapshot_put_bytes = Counter(
+            "asyncgrpo_snapshot_put_bytes",
+            "Bytes of snapshot compactions and log segments put to the bucket by this process.",
+            registry=self.registry,
+        )
         self.inflight_limit = Gauge(
             "asyncgrpo_inflight_limit_groups",
             "In-flight + buffered groups the proxy allows now: paced from the measured trainer step and generate "
@@ -383,6 +394,12 @@ class ProxyMetrics:
         self._collector: _StateCollector | None = None
         self._eval_collector: _EvalCollector | None = None
         self._fleet_collector: _FleetCollector | None = None
+
+    def snapshot_written(self, compaction: bool, size: int) -> None:
+        """One snapshot put landed: a compaction or a log segment of ``size`` bytes."""
+        self.snapshot_put_bytes.inc(size)
+        if compaction:
+            self.snapshot_compactions.inc()
 
     def count_http_error(self, code: str) -> None:
         """Count one error answer; a code outside ``HTTP_ERROR_CODES`` is counted as 'other'."""

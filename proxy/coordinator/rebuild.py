@@ -1,5 +1,6 @@
 """Rebuild of an empty Redis from the bucket, when Redis holds nothing for the run (invariant 6), from the
-snapshot (``proxy.coordinator.snapshot``) or the versions alone:
+snapshot with its log applied (``proxy.coordinator.snapshot``, ``proxy.coordinator.snapshot_log``) or the versions
+alone:
 
 - no snapshot and no version in the bucket: a fresh run (current = -1, the init step will be sent);
 - no snapshot but versions: start at the latest complete version (the prompt order restarts);
@@ -55,7 +56,7 @@ from asyncgrpo.bucket.layout import latest_complete_version, read_manifest
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.redis_store import RedisStore, tracking_eval_field, tracking_step_field
 from proxy.coordinator.scripts import StateExists
-from proxy.coordinator.snapshot import load_snapshot
+from proxy.coordinator.snapshot import load_stored_state
 
 
 @dataclass(frozen=True)
@@ -347,15 +348,25 @@ def restore_state(store: RedisStore, bucket: Bucket, config: RunConfig) -> str:
     'present' (someone else restored it first)."""
     src = _Sources(store, bucket, config)
     now = store.clock_ms()
-    document = load_snapshot(bucket, store.run)
+    stored = load_stored_state(bucket, store.run)
+    document = stored.document
     latest = latest_complete_version(bucket, store.run)
     if document is None:
         ops, outcome = _fresh_ops(src, latest, now)
     else:
         ops, outcome = _rebuild_ops(src, document, latest, now), "rebuilt"
+    if stored.last_seq:  # the log goes on above every segment in the bucket, applied or not
+        ops.hset(store.keys.log, {"seq": stored.last_seq})
     try:
         reply = store.scripts.restore_state(ops_json=json.dumps(ops.ops, separators=(",", ":")))
     except StateExists:
         return "present"
-    log.info("proxy.state_restored", run=store.run, outcome=outcome, latest_in_bucket=latest, ops=reply["applied"])
+    log.info(
+        "proxy.state_restored",
+        run=store.run,
+        outcome=outcome,
+        latest_in_bucket=latest,
+        log_segments=stored.segments,
+        ops=reply["applied"],
+    )
     return outcome

@@ -55,10 +55,16 @@ Fixed keys:
   ``v:<version>`` (JSON: chunks left, task ids); per evaluate task in flight ``t:<task_id>`` (JSON: version,
   prompt range, attempts, worker) and, once its result came, ``s:<task_id>`` (its chunk summary)
 - ``evals_inflight`` sorted set: evaluate task id -> deadline (ms)
+- ``log``        hash ([the snapshot log](``proxy.coordinator.snapshot_log``)): ``seq`` (the last log sequence
+  number handed out) and ``through`` (the number the last compaction covers; absent until the first compaction
+  since the state was built, so a rebuilt state is compacted before any segment is written)
+- ``log_dirty``  set: what script writes touched since the last segment (``lua/prelude.lua``'s ``call()``)
+- ``log_ops``    list: the writes to the logged lists since the last segment, in order
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +93,33 @@ KEY_KINDS = {
     "WORKER_KIND": WORKER_KIND,
 }
 """The kinds as ``lua/prelude.lua`` names them: the scripts build item keys with these very names."""
+
+LOGGED_KEYS: dict[str, str] = {
+    "state": "hash",
+    "counters": "hash",
+    "rejected_reasons": "hash",
+    "versions": "hash",
+    "prompt_attempts": "hash",
+    "tracking": "hash",
+    "requeue": "list",
+    "buffer": "list",
+    "tasks_inflight": "zset",
+    "leases": "zset",
+    "rollout_retention": "zset",
+}
+"""The fixed keys the snapshot holds (``RunKeys`` attribute -> shape): every script write to one of them, and to
+a group, task, rollout, lease or step record, is noted for the snapshot log (``call()`` in ``lua/prelude.lua``;
+``proxy.coordinator.snapshot_log``)."""
+
+
+@functools.cache
+def prelude_names() -> dict[str, str]:
+    """What ``lua/prelude.lua`` gets filled in with: the item kinds, the log's key names and the logged keys."""
+    keys = RunKeys("names")
+    suffix = {name: getattr(keys, name).removeprefix(keys.prefix) for name in (*LOGGED_KEYS, "log_dirty", "log_ops")}
+    logged = ", ".join(f"['{suffix[name]}'] = {{'{name}', '{shape}'}}" for name, shape in LOGGED_KEYS.items())
+    log_names = {"LOG_DIRTY_NAME": suffix["log_dirty"], "LOG_OPS_NAME": suffix["log_ops"]}
+    return {**KEY_KINDS, **log_names, "LOGGED_KEYS": logged}
 
 
 def tracking_step_field(tracker: str) -> str:
@@ -194,6 +227,18 @@ class RunKeys:
     def evals_inflight(self) -> str:
         return self.prefix + "evals_inflight"
 
+    @property
+    def log(self) -> str:
+        return self.prefix + "log"
+
+    @property
+    def log_dirty(self) -> str:
+        return self.prefix + "log_dirty"
+
+    @property
+    def log_ops(self) -> str:
+        return self.prefix + "log_ops"
+
     def _item(self, kind: str, item_id: str | int) -> str:
         return f"{self.prefix}{kind}:{item_id}"
 
@@ -214,6 +259,20 @@ class RunKeys:
 
     def worker(self, worker_id: str) -> str:
         return self._item(WORKER_KIND, worker_id)
+
+
+def write_logged_field(redis: Redis, keys: RunKeys, section: str, field: str, value: str | int | None) -> None:
+    """Set (or, with None, delete) one field of a logged hash from Python, noted for the snapshot log as a
+    script's ``call()`` notes it (``lua/prelude.lua``), in one transaction."""
+    if LOGGED_KEYS.get(section) != "hash":
+        raise ValueError(f"{section!r} is not a hash the snapshot log holds ({sorted(LOGGED_KEYS)})")
+    pipe = redis.pipeline(transaction=True)
+    if value is None:
+        pipe.hdel(getattr(keys, section), field)
+    else:
+        pipe.hset(getattr(keys, section), field, value)
+    pipe.sadd(keys.log_dirty, f"h\t{section}\t{field}")
+    pipe.execute()
 
 
 # ---- the store ----
@@ -289,7 +348,7 @@ class RedisStore:
         return BoundScript(
             script,
             self.redis,
-            script_source(script.name, KEY_KINDS),
+            script_source(script.name, prelude_names()),
             lambda name: getattr(self.keys, name),
             self.keys.prefix,
             self.run,
@@ -297,7 +356,7 @@ class RedisStore:
 
     def bind_async(self, redis: AsyncRedis, script: LuaScript) -> AsyncBoundScript:
         """``script`` on an asyncio client of this store's Redis (``redis``: the caller's, on its event loop)."""
-        source = script_source(script.name, KEY_KINDS)
+        source = script_source(script.name, prelude_names())
         keys = self.keys
         return AsyncBoundScript(script, redis, source, lambda name: getattr(keys, name), keys.prefix, self.run)
 

@@ -671,6 +671,13 @@ CLEAR_HALT = LuaScript(
 
 SNAPSHOT_JSON = LuaScript(
     name="snapshot_json",
+    answers=("OK", "FENCED"),
+    errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
+)
+
+LOG_SEGMENT = LuaScript(
+    name="log_segment",
+    answers=("OK", "COMPACT", "FENCED"),
     errors={NO_STATE: Refusal(StateMissing, "Redis holds no state for run {run!r}")},
 )
 
@@ -707,6 +714,7 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
     SET_HALT,
     CLEAR_HALT,
     SNAPSHOT_JSON,
+    LOG_SEGMENT,
     RESTORE_STATE,
 )
 
@@ -741,4 +749,5 @@ class Scripts:
         self.set_halt = bind(SET_HALT)
         self.clear_halt = bind(CLEAR_HALT)
         self.snapshot_json = bind(SNAPSHOT_JSON)
+        self.log_segment = bind(LOG_SEGMENT)
         self.restore_state = bind(RESTORE_STATE)

@@ -345,7 +345,9 @@ class Coordinator:
         self.config_sha256 = config_sha256
         self.prompts_sha256 = prompts_sha256
         self.metrics = metrics or ProxyMetrics()
-        self.snapshots = SnapshotWriter(self.store, bucket, self.metrics.snapshot_writes.inc, fence)
+        self.snapshots = SnapshotWriter(
+            self.store, bucket, self.metrics.snapshot_writes.inc, fence, on_written=self.metrics.snapshot_written
+        )
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.pacer = InflightPacer(config.async_, self.store.clock_ms)
         self.metrics.inflight_limit.set_function(self.pacer.limit)

@@ -48,6 +48,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, ObjectChanged, ObjectNotFound
 from proxy.coordinator.redis_store import RedisStore, RunKeys
 from proxy.coordinator.scripts import CoordinatorError, SnapshotFailed, StateMissing
+from proxy.coordinator.snapshot_log import CompactionPolicy, Replay
 
 # ---- leadership: one live proxy per run, and its fencing epoch ----
 log = structlog.get_logger()
@@ -208,6 +210,13 @@ class ProxyFence:
             self.lost = error.holder
             raise FenceLost(self._lost_message(error.holder)) from error
 
+    def check_taken(self) -> None:
+        """Raise ``FenceLost`` if another proxy holds the lease now (a script found this epoch's lease gone)."""
+        holder = self.holder()
+        if holder is not None and holder.holder != self.holder_id:
+            self.lost = self.lost or holder
+            raise FenceLost(self._lost_message(holder))
+
     def release(self) -> bool:
         """Give the lease up (clean shutdown), so a stand-by takes over at once; True if it was ours."""
         if self.lost is not None:
@@ -222,11 +231,17 @@ class ProxyFence:
 
 
 # ----
-SNAPSHOT_FORMAT = 2
-LEGACY_FORMATS = (1,)
-"""Formats still read (written before the checksum and the epoch); the next write upgrades them."""
+SNAPSHOT_FORMAT = 3
+LEGACY_FORMATS = (1, 2)
+"""Formats still read (1: before the checksum and the epoch; 2: before the log, so no segment applies to it); the
+next write upgrades them. Format 3 has ``log_through``, and segments of the same format follow it."""
 _CHECKSUM_FIELD = b',"sha256":"'
 _HEADER = re.compile(rb'\{"format": ?(\d+), ?"run": ?"[^"\\]*", ?"proxy_epoch": ?(\d+)')
+
+
+LEADERSHIP_CHECK_S = 5.0
+"""How often a writer putting segments reads the snapshot's ETag back: a proxy of a higher epoch on another Redis
+(a wrong ASYNCGRPO_REDIS_URL) replaced it, and a rebuild would pass over this proxy's segments, so it must stop."""
 
 
 class SnapshotCorrupt(Exception):
@@ -239,19 +254,24 @@ def read_state_json(store: RedisStore) -> bytes | None:
     Redis makes the JSON (``lua/snapshot_json.lua``): the proxy neither parses the whole state nor encodes it
     again at every write, which is most of a write's cost once the buffer holds hundreds of tasks.
     """
-    return _read_state_json(store, 0)
+    read = _read_state_json(store, 0, compact=False)
+    return None if read is None else read[0]
 
 
-def _read_state_json(store: RedisStore, epoch: int) -> bytes | None:
+def _read_state_json(store: RedisStore, epoch: int, *, compact: bool) -> tuple[bytes | None, int] | None:
+    """The sealed document and the log number it covers (0 unless ``compact``: see ``snapshot_json.lua``); None
+    if Redis holds no state; ``(None, epoch)`` where a compaction finds the lease not held at ``epoch``."""
     header = json.dumps(
         {"format": SNAPSHOT_FORMAT, "run": store.run, "proxy_epoch": epoch, "written_at_ms": store.clock_ms()}
     )
     try:
-        reply = store.scripts.snapshot_json(header_json=header)
+        reply = store.scripts.snapshot_json(header_json=header, compact="1" if compact else "0", epoch=epoch)
     except StateMissing:
         return None
+    if reply.code == "FENCED":
+        return None, epoch
     document: str = reply["document"]
-    return seal(document.encode())
+    return seal(document.encode()), reply["log_through"]
 
 
 def seal(document: bytes) -> bytes:
@@ -296,8 +316,79 @@ def read_state_document(store: RedisStore) -> dict[str, Any] | None:
     return None if data is None else json.loads(data)
 
 
+@dataclass(frozen=True)
+class StoredState:
+    """What the bucket holds of a run's coordinator state."""
+
+    document: dict[str, Any] | None
+    """The snapshot with the log after it applied (``proxy.coordinator.snapshot_log``); None without a snapshot."""
+    last_seq: int
+    """The highest log number in the bucket (0: none): a state rebuilt from it numbers its log above."""
+    segments: int
+    """How many segments were applied."""
+
+
 def load_snapshot(bucket: Bucket, run: str) -> dict[str, Any] | None:
-    """The run's snapshot document from the bucket; None if there is none."""
+    """The run's state as the bucket holds it: the snapshot document with its log applied; None if there is no
+    snapshot."""
+    return load_stored_state(bucket, run).document
+
+
+def load_stored_state(bucket: Bucket, run: str) -> StoredState:
+    """The snapshot, the log segments above the number it covers applied in order, and the last log number.
+
+    A segment of an older epoch than the snapshot's is a late put of a deposed proxy (its successor compacted
+    first, so what it holds is in the snapshot): it is passed over. A missing number between two segments is a
+    lost object, refused with ``SnapshotCorrupt`` naming it."""
+    document = _load_snapshot_object(bucket, run)
+    listed = sorted(
+        seq for key in bucket.list(bucket_keys.proxy_log_prefix(run)) if (seq := bucket_keys.seq_from_log_key(key))
+    )
+    last = listed[-1] if listed else 0
+    if document is None or "log_through" not in document:
+        return StoredState(document, last, 0)  # no snapshot, or one from before the log: no segment applies
+    through, epoch = int(document["log_through"]), int(document["proxy_epoch"])
+    pending = [seq for seq in listed if seq > through]
+    replay = Replay(document)
+    expected = through + 1
+    for seq, segment in zip(pending, _read_segments(bucket, run, pending), strict=True):
+        if int(segment["proxy_epoch"]) < epoch:
+            log.warning("proxy.log_segment_passed_over", run=run, seq=seq, epoch=segment["proxy_epoch"], snapshot=epoch)
+        elif seq != expected:
+            raise SnapshotCorrupt(
+                f"{bucket_keys.proxy_log_key(run, expected)} is missing from the snapshot log of run {run!r} "
+                f"(segment {seq} follows it): an object was lost from the bucket; restore it from a backup, or delete "
+                f"the segments above {expected - 1} to go on from there, losing the changes they hold"
+            )
+        else:
+            replay.apply(segment)
+        expected = max(expected, seq + 1)
+    return StoredState(replay.document(), last, replay.applied)
+
+
+def _read_segments(bucket: Bucket, run: str, seqs: list[int]) -> list[dict[str, Any]]:
+    """The segments ``seqs``, read in parallel, each checked (checksum, format, run, number)."""
+
+    def read(seq: int) -> dict[str, Any]:
+        key = bucket_keys.proxy_log_key(run, seq)
+        data = bucket.get(key)
+        _verify(key, data)
+        segment: dict[str, Any] = json.loads(data)
+        if segment.get("format") != SNAPSHOT_FORMAT or segment.get("run") != run or segment.get("seq") != seq:
+            raise SnapshotCorrupt(
+                f"{key} holds format {segment.get('format')!r}, run {segment.get('run')!r}, number "
+                f"{segment.get('seq')!r}; this proxy reads format {SNAPSHOT_FORMAT} of run {run!r}"
+            )
+        return segment
+
+    if not seqs:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(seqs))) as pool:
+        return list(pool.map(read, seqs))
+
+
+def _load_snapshot_object(bucket: Bucket, run: str) -> dict[str, Any] | None:
+    """The snapshot document itself (no log applied); None if there is none."""
     key = bucket_keys.proxy_snapshot_key(run)
     try:
         data = bucket.get(key)
@@ -332,15 +423,21 @@ class _Write:
 
 
 class SnapshotWriter:
-    """Writes the snapshot with group commit: one put makes every change marked before it durable.
+    """Writes the snapshot and its log with group commit: one put makes every change marked before it durable.
 
     A caller that needs its change durable (an admitted rollout, a publish, a dispatch) asks ``write()``
     after ``store.mark_changed()``. If a write that read the change counter at or after that change is
     running, the caller waits for it; otherwise it waits for the running one to end, and then one waiter
-    becomes the writer for every change pending. The writer reads the counter BEFORE it reads the document,
-    so the document holds every change counted up to there. A failed write fails every caller it covers
+    becomes the writer for every change pending. The writer reads the counter BEFORE it reads Redis,
+    so what it puts holds every change counted up to there. A failed write fails every caller it covers
     (``SnapshotFailed``), so nobody is told "admitted" for a change that is not in the bucket. The snapshot
     rate therefore no longer bounds the submit rate: all submits arriving during one put share the next.
+
+    Each put is a log segment (what changed since the last put, ``proxy.coordinator.snapshot_log``) or, when
+    ``policy`` says so, a compaction: the whole snapshot, after which the segments it covers are deleted. The
+    first put of a writer is a compaction (so a new leader's first write covers everything, and any segment a
+    deposed proxy puts late lies below it), and so is the put after a failed one (whose segment may or may not
+    have landed).
     """
 
     def __init__(
@@ -349,18 +446,34 @@ class SnapshotWriter:
         bucket: Bucket,
         on_put: Callable[[], object] = lambda: None,
         fence: ProxyFence | None = None,
+        policy: CompactionPolicy | None = None,
+        on_written: Callable[[bool, int], object] = lambda compaction, size: None,
     ) -> None:
         self.store = store
         self.bucket = bucket
         self.fence = fence  # None: unfenced (tests of one coordinator); the server always passes one
         self.on_put = on_put  # counts the puts (the proxy's asyncgrpo_snapshot_writes_total)
+        self.policy = policy or CompactionPolicy()
+        self.on_written = on_written  # each put that landed: (a compaction?, its bytes), for the metrics
         self._cond = threading.Condition()
         self._durable = -1  # highest change number a finished write covers
         self._running: _Write | None = None
         self.writes = 0
-        """Snapshot puts attempted by this writer (benchmarks and tests compare it with submits)."""
+        """Puts attempted by this writer, segments and compactions (benchmarks and tests compare it with submits)."""
+        self.compactions = 0
+        """Compactions put by this writer."""
+        self.put_bytes = 0
+        """Bytes this writer put, segments and compactions."""
         self._seen = False  # whether _etag is known: read from the bucket, or this writer's last put
         self._etag: str | None = None  # the snapshot's ETag then (None: there was no snapshot)
+        self._must_compact = True  # the first put, and the put after a failed one
+        self._segments = 0  # segments put since the last compaction
+        self._log_bytes = 0  # their bytes
+        self._snapshot_bytes = 0  # the last compaction's bytes
+        self._collect_through = 0  # segments up to this number are covered by a compaction: delete them
+        self.monotonic: Callable[[], float] = time.monotonic  # tests move it on
+        self._checked_at = 0.0  # when the snapshot's ETag was last read or written
+        self._epoch = -1  # the fencing epoch of this writer's last compaction
 
     def write(self, *, force: bool = False) -> bool:
         """Make every change marked so far durable in ``runs/<run>/proxy/snapshot.json``; True if this call
@@ -397,9 +510,11 @@ class SnapshotWriter:
         try:
             written = self._put()
         except SnapshotFailed as error:
+            self._must_compact = True  # its segment may or may not have landed: the next put covers both cases
             mine.error = error
             raise
         except Exception as error:  # Redis down while reading: the callers it covers are not durable either
+            self._must_compact = True
             mine.error = SnapshotFailed(f"could not read the proxy snapshot of run {self.store.run!r}: {error}")
             raise
         finally:
@@ -409,30 +524,31 @@ class SnapshotWriter:
                 mine.done = True
                 self._running = None
                 self._cond.notify_all()
+        self._collect_log()  # after the callers are answered: what a compaction covers is no longer needed
         return written
 
     def _put(self) -> bool:
-        """Read the document from Redis and put it over the snapshot this writer last saw; False if Redis
-        holds no state (nothing to write)."""
+        """Put what changed since the last put (a segment, or the whole snapshot when a compaction is due); False
+        if Redis holds no state (nothing to write)."""
         key = bucket_keys.proxy_snapshot_key(self.store.run)
         try:
             epoch = 0 if self.fence is None else self.fence.confirm()
             if not self._seen:
                 self._see(key, epoch)
-            data = _read_state_json(self.store, epoch)
-            if data is None:
-                return False
-            if self.fence is not None:
-                self.fence.confirm()  # atomically in Redis, as close to the put as it gets
-            try:
-                self._etag = self.bucket.put_if_match(key, data, self._etag)
-            except ObjectChanged:
-                # Written by someone else since: a proxy of a higher epoch fences this one (FenceLost). A lower
-                # or equal epoch is a late put of a deposed proxy (or of this one, its answer lost) that this
-                # proxy's Redis state already holds, or an operator's edit: put over it, once.
-                self._see(key, epoch)
-                log.warning("proxy.snapshot_changed_underneath", run=self.store.run, epoch=epoch)
-                self._etag = self.bucket.put_if_match(key, data, self._etag)
+            # A new epoch compacts first, so the snapshot always carries the epoch of every segment after it
+            # (the floor a new lease starts above, ``take_leadership``).
+            compact = (
+                self._must_compact
+                or epoch != self._epoch
+                or self.policy.due(self._segments, self._log_bytes, self._snapshot_bytes)
+            )
+            if not compact and self.monotonic() - self._checked_at >= LEADERSHIP_CHECK_S:
+                compact = self._snapshot_replaced(key, epoch)
+            if not compact:
+                appended = self._append(epoch)
+                if appended is not None:
+                    return appended
+            return self._compact(key, epoch)
         except ObjectChanged as error:
             self._seen = False
             raise SnapshotFailed(
@@ -441,7 +557,104 @@ class SnapshotWriter:
         except (BucketError, OSError) as error:
             self._seen = False  # the put may have landed: read the ETag again before the next one
             raise SnapshotFailed(f"could not write the proxy snapshot of run {self.store.run!r}: {error}") from error
+
+    def _snapshot_replaced(self, key: str, epoch: int) -> bool:
+        """Whether the snapshot is no longer the one this writer put (then a compaction is due); raises
+        ``FenceLost`` if a proxy of a higher epoch wrote it."""
+        self._checked_at = self.monotonic()
+        try:
+            _, etag = self.bucket.get_tagged(key)
+        except ObjectNotFound:
+            etag = None
+        if etag == self._etag:
+            return False
+        self._see(key, epoch)
         return True
+
+    def _fenced(self, what: str, epoch: int) -> SnapshotFailed:
+        """A script found the lease not held at ``epoch``: ``FenceLost`` if another proxy holds it now."""
+        if self.fence is not None:
+            self.fence.check_taken()
+        return SnapshotFailed(f"the lease of run {self.store.run!r} moved on from epoch {epoch} before its {what}")
+
+    def _append(self, epoch: int) -> bool | None:
+        """Put the next log segment; None where a compaction must be put instead (none since the state was built,
+        or a segment of this number is in the bucket already)."""
+        run = self.store.run
+        header = json.dumps(
+            {"format": SNAPSHOT_FORMAT, "run": run, "proxy_epoch": epoch, "written_at_ms": self.store.clock_ms()}
+        )
+        try:
+            reply = self.store.scripts.log_segment(header_json=header, epoch=epoch)
+        except StateMissing:
+            return False
+        if reply.code == "COMPACT":
+            return None
+        if reply.code == "FENCED":
+            raise self._fenced("log segment", epoch)
+        key, data = bucket_keys.proxy_log_key(run, reply["seq"]), seal(reply["segment"].encode())
+        if self.fence is not None:
+            self.fence.confirm()  # atomically in Redis, as close to the put as it gets
+        try:
+            self.bucket.put_if_match(key, data, None)
+        except ObjectChanged:
+            # A segment of this number exists: a proxy of a higher epoch (on another Redis) fences this one;
+            # otherwise it is this proxy's own from before a rebuild. A compaction covers it either way.
+            theirs = snapshot_epoch(self.bucket.get(key))
+            if self.fence is not None and theirs > epoch:
+                raise FenceLost(
+                    f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
+                    f"coordinates run {run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); this one stops"
+                ) from None
+            log.warning("proxy.log_segment_exists", run=run, key=key, epoch=epoch)
+            return None
+        self._segments += 1
+        self._log_bytes += len(data)
+        self.put_bytes += len(data)
+        self.on_written(False, len(data))
+        return True
+
+    def _compact(self, key: str, epoch: int) -> bool:
+        """Put the whole snapshot over the one this writer last saw; the log starts anew from it."""
+        read = _read_state_json(self.store, epoch, compact=True)
+        if read is None:
+            return False
+        data, through = read
+        if data is None:
+            raise self._fenced("compaction", epoch)
+        if self.fence is not None:
+            self.fence.confirm()  # atomically in Redis, as close to the put as it gets
+        try:
+            self._etag = self.bucket.put_if_match(key, data, self._etag)
+        except ObjectChanged:
+            # Written by someone else since: a proxy of a higher epoch fences this one (FenceLost). A lower
+            # or equal epoch is a late put of a deposed proxy (or of this one, its answer lost) that this
+            # proxy's Redis state already holds, or an operator's edit: put over it, once.
+            self._see(key, epoch)
+            log.warning("proxy.snapshot_changed_underneath", run=self.store.run, epoch=epoch)
+            self._etag = self.bucket.put_if_match(key, data, self._etag)
+        self._checked_at, self._epoch = self.monotonic(), epoch
+        self.compactions += 1
+        self.put_bytes += len(data)
+        self.on_written(True, len(data))
+        self._must_compact = False
+        self._segments, self._log_bytes, self._snapshot_bytes = 0, 0, len(data)
+        self._collect_through = through
+        return True
+
+    def _collect_log(self) -> None:
+        """Delete the segments the last compaction covers (best effort: a rebuild passes over them anyway, and
+        the next compaction tries again)."""
+        through, self._collect_through = self._collect_through, 0
+        if not through:
+            return
+        run = self.store.run
+        try:
+            keys = self.bucket.list(bucket_keys.proxy_log_prefix(run))
+            covered = [key for key in keys if (seq := bucket_keys.seq_from_log_key(key)) and seq <= through]
+            self.bucket.delete_keys(covered)
+        except (BucketError, OSError) as error:
+            log.warning("proxy.log_collect_failed", run=run, through=through, error=str(error))
 
     def _see(self, key: str, epoch: int) -> None:
         """Read the snapshot's ETag (None: there is none), after checking that no proxy of a higher epoch wrote

@@ -45,7 +45,13 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.redis_store import RunKeys, tracking_eval_field, tracking_eval_prefix, tracking_step_field
+from proxy.coordinator.redis_store import (
+    RunKeys,
+    tracking_eval_field,
+    tracking_eval_prefix,
+    tracking_step_field,
+    write_logged_field,
+)
 from proxy.tracking.metric_names import eval_metrics, step_metrics
 from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun, install_hint
 
@@ -173,7 +179,8 @@ class TrackerFollower:
                 ):
                     return sent
                 sent += 1
-            self.redis.hset(self.keys.tracking, tracking_eval_field(self.tracker.name, version), int(time.time()))
+            field = tracking_eval_field(self.tracker.name, version)
+            write_logged_field(self.redis, self.keys, "tracking", field, int(time.time()))
             self._evals_sent.add(version)  # type: ignore[union-attr]
             self.on_progress()
         return sent
@@ -190,7 +197,7 @@ class TrackerFollower:
         return int(self.redis.hget(self.keys.tracking, tracking_step_field(self.tracker.name)) or 0)
 
     def _mark_step(self, step: int) -> None:
-        self.redis.hset(self.keys.tracking, tracking_step_field(self.tracker.name), step)
+        write_logged_field(self.redis, self.keys, "tracking", tracking_step_field(self.tracker.name), step)
         self._sent_through = max(self._sent_through, step)
         self.on_progress()
 

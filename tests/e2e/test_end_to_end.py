@@ -14,6 +14,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.layout import latest_complete_version, read_manifest
 from asyncgrpo.cli.local_cluster import LocalCluster, free_port
 from proxy.coordinator.redis_store import RunKeys
+from proxy.coordinator.snapshot import StoredState, load_stored_state
 from tests.support.e2e_harness import (
     MAX_STALENESS,
     SAMPLES_PER_PROMPT,
@@ -145,6 +146,9 @@ def test_sigterm_hands_the_running_task_back_at_once(make_cluster: Callable[...,
 
 
 def test_kill_proxy_and_lose_redis_the_run_goes_on_from_the_bucket(make_cluster: Callable[..., LocalCluster]) -> None:
+    """The proxy dies with log segments above its snapshot (no compaction since: a crash between a log append and
+    its compaction) and Redis comes back empty: the new proxy rebuilds from the snapshot and its log, and every
+    rollout admitted before the crash is trained or dropped stale, none lost."""
     cluster = make_cluster()
     proxy = next(c for c in cluster.children if c.name == "proxy")
     cluster.start_worker("optimize", name="opt-1")
@@ -152,11 +156,23 @@ def test_kill_proxy_and_lose_redis_the_run_goes_on_from_the_bucket(make_cluster:
     cluster.start_worker("generate", name="gen-2")
     wait_for(version_reached(cluster, 2), 180, "version 2", cluster)
 
+    bucket = open_env_bucket(cluster.bucket_url)
+
+    def stopped_with_a_log() -> StoredState | None:
+        os.kill(proxy.pid, signal.SIGSTOP)  # nothing written while it is read
+        stored = load_stored_state(bucket, cluster.run)
+        if stored.segments and stored.document and stored.document["buffer"]:
+            return stored
+        os.kill(proxy.pid, signal.SIGCONT)
+        return None
+
     cluster.expect_dead(proxy)
+    stored = wait_for(stopped_with_a_log, 120, "log segments above the snapshot, rollouts buffered", cluster)
     proxy.kill_hard()
+    buffered = [gid for item in stored.document["buffer"] for gid in item["groups"]]
     before = records_of(cluster)
     redis.Redis.from_url(cluster.redis_url).flushall()  # Redis comes back empty: state and queues gone
-    cluster.start_proxy()  # same port; rebuilds its state from the snapshot and the manifests
+    cluster.start_proxy()  # same port; rebuilds its state from the snapshot, its log and the manifests
     rebuilt_at = cluster.status()["current_version"]
     assert rebuilt_at >= len(before), "the rebuilt proxy went back to an older version"
 
@@ -164,6 +180,9 @@ def test_kill_proxy_and_lose_redis_the_run_goes_on_from_the_bucket(make_cluster:
     records = records_of(cluster)
     assert_run_invariants(records)
     assert records[: len(before)] == before, "published history changed"
+    keys, client = RunKeys(cluster.run), redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    fates = {gid: client.hget(keys.group(gid), "state") for gid in buffered}
+    assert set(fates.values()) <= {"trained", "stale", "rejected"}, f"groups admitted before the crash: {fates}"
 
 
 def test_kill_optimize_worker_mid_step_continues_from_bucket(make_cluster: Callable[..., LocalCluster]) -> None:

@@ -16,7 +16,7 @@ import pytest
 from redis import Redis
 
 from proxy.coordinator import scripts as errors
-from proxy.coordinator.redis_store import KEY_KINDS, RedisStore, RunKeys
+from proxy.coordinator.redis_store import RedisStore, RunKeys, prelude_names
 from proxy.coordinator.scripts import (
     ALL_SCRIPTS,
     CLAIM_STEP,
@@ -57,7 +57,7 @@ def test_every_lua_file_is_declared_and_bound() -> None:
 
 def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
     for script in ALL_SCRIPTS:
-        sha = redis_client.script_load(script_source(script.name, KEY_KINDS))
+        sha = redis_client.script_load(script_source(script.name, prelude_names()))
         assert redis_client.script_exists(sha) == [True]
 
 

@@ -42,6 +42,8 @@ def dump(coord: Coordinator) -> dict[str, Any]:
             value = coord.redis.lrange(key, 0, -1)
         elif kind == "zset":
             value = coord.redis.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":  # the snapshot log's notes: a refusal notes nothing either
+            value = sorted(coord.redis.smembers(key))
         else:
             value = coord.redis.get(key)
         out[key] = (kind, value, coord.redis.ttl(key) >= 0)

@@ -30,13 +30,17 @@ from proxy.api.app import (
 )
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import (
+    LEADERSHIP_CHECK_S,
     FenceLost,
     LeadershipHeld,
     ProxyFence,
     SnapshotCorrupt,
     load_snapshot,
+    load_stored_state,
+    seal,
     snapshot_epoch,
 )
+from proxy.coordinator.snapshot_log import CompactionPolicy
 from tests.integration.test_rebuild import busy_run, claim_step_3, restart
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.fixtures_coordinator import API_TOKEN
@@ -123,25 +127,51 @@ def test_snapshot_of_a_higher_epoch_is_never_overwritten(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
     """Two proxies on two Redis (a wrong ASYNCGRPO_REDIS_URL): the other's write moves the snapshot's ETag, so
-    the older proxy's next put is refused, reads the snapshot back and finds the higher epoch."""
-    from proxy.coordinator.snapshot import seal
-
+    the older proxy's next compaction is refused, reads the snapshot back and finds the higher epoch."""
     coord = fenced(redis_client, bucket, clock)
     coord.tick()
-    newer = bucket.get(SNAPSHOT).replace(b'"proxy_epoch": 1', b'"proxy_epoch": 7', 1)
-    newer = newer[: newer.rfind(b',"sha256":"')] + b"}"
-    bucket.put(SNAPSHOT, seal(newer))
+    coord.snapshots.policy = CompactionPolicy(max_segments=0)  # every put a compaction
+    replace_with_epoch(bucket, 7)
     with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
         coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
 
 
+def replace_with_epoch(bucket: Bucket, epoch: int) -> None:
+    """What another proxy of ``epoch`` (on another Redis) puts: this snapshot with its epoch."""
+    newer = bucket.get(SNAPSHOT).replace(b'"proxy_epoch": 1', b'"proxy_epoch": %d' % epoch, 1)
+    bucket.put(SNAPSHOT, seal(newer[: newer.rfind(b',"sha256":"')] + b"}"))
+
+
+def test_a_proxy_putting_segments_stops_within_the_check_after_a_higher_epoch_wrote(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    """The same with the default policy, where most puts are log segments (new keys, which no other writer
+    moves): a rebuild passes over segments of an older epoch than the snapshot's, so the writer reads the
+    snapshot's ETag back every LEADERSHIP_CHECK_S and stops once a higher epoch wrote it."""
+    coord = fenced(redis_client, bucket, clock)
+    now = [0.0]
+    coord.snapshots.monotonic = lambda: now[0]
+    coord.tick()
+    assert coord.snapshots.write(force=True) and coord.snapshots.compactions == 1, "a segment, not a compaction"
+    replace_with_epoch(bucket, 7)
+    now[0] += LEADERSHIP_CHECK_S - 0.1
+    coord.snapshots.write(force=True)  # within the interval: one more segment, which a rebuild passes over
+    now[0] += 0.1
+    with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
+        coord.snapshots.write(force=True)
+    assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
+    assert load_stored_state(bucket, "r1").segments == 0, "the older epoch's segments are passed over"
+
+
 @pytest.mark.parametrize("store", ["file", "seaweedfs"])
+@pytest.mark.parametrize("put", ["segment", "compaction"])
 def test_a_proxy_paused_past_its_lease_never_writes_once_its_successor_has(
-    redis_client: Redis, tmp_path: Path, clock: ManualClock, store: str, request: pytest.FixtureRequest
+    redis_client: Redis, tmp_path: Path, clock: ManualClock, store: str, put: str, request: pytest.FixtureRequest
 ) -> None:
     """The gap the lease alone leaves: a proxy confirms its lease, pauses (GC, a stopped VM) past the lease's
-    TTL, and puts. Its put is conditional on the snapshot it last wrote, which its successor has replaced."""
+    TTL, and puts. The log's notes are taken only at the epoch that holds the lease (atomically in Redis), and a
+    compaction's put is conditional on the snapshot it last wrote, which its successor has replaced."""
     if store == "file":
         bucket = file_bucket(tmp_path)
     else:
@@ -149,17 +179,56 @@ def test_a_proxy_paused_past_its_lease_never_writes_once_its_successor_has(
     old = fenced(redis_client, bucket, clock)
     old.tick()
     assert old.fence is not None
+    if put == "compaction":
+        old.snapshots.policy = CompactionPolicy(max_segments=0)
     redis_client.delete(old.keys.proxy_lease)  # the lease lapsed during the pause
     new = fenced(redis_client, bucket, clock)
     assert new.fence is not None and new.fence.epoch == 2
     new.snapshots.write(force=True)
     theirs = bucket.get(SNAPSHOT)
     assert snapshot_epoch(theirs) == 2
+    log_before = bucket.list(bucket_keys.proxy_log_prefix("r1"))
     old.fence.confirm = lambda: 1  # type: ignore[method-assign]  # it confirmed before the pause
-    with pytest.raises(FenceLost, match="epoch 2, above this proxy's 1"):
+    with pytest.raises(FenceLost, match=r"lost the lease of run 'r1'.*epoch 2"):
         old.snapshots.write(force=True)
     assert bucket.get(SNAPSHOT) == theirs, "the paused proxy's put never reached the bucket"
+    assert bucket.list(bucket_keys.proxy_log_prefix("r1")) == log_before, "nor did a segment"
     assert new.snapshots.write(force=True), "the successor goes on writing"
+
+
+def test_a_segment_put_late_by_a_deposed_proxy_is_never_read(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    """A proxy took its segment's notes while it led, then paused before the put: its successor's first put is a
+    compaction, which covers those changes (both read one Redis) and a number above the late segment's, so a
+    rebuild never reads it; the next compaction deletes it."""
+    old = fenced(redis_client, bucket, clock)
+    old.tick()
+    old.store.mark_changed()
+    held: list[tuple[str, bytes]] = []
+    plain_put = bucket.put_if_match
+
+    def pause(key: str, data: bytes, etag: str | None) -> str:
+        held.append((key, data))  # the pause: this put lands only after the successor took over
+        return "held"
+
+    bucket.put_if_match = pause  # type: ignore[method-assign]
+    dispatched = old.tick().tasks_sent
+    assert held and bucket_keys.seq_from_log_key(held[0][0]), "the old proxy was putting a segment"
+    bucket.put_if_match = plain_put  # type: ignore[method-assign]
+    redis_client.delete(old.keys.proxy_lease)
+    new = fenced(redis_client, bucket, clock)
+    new.snapshots.write(force=True)
+    through = json.loads(bucket.get(SNAPSHOT))["log_through"]
+    bucket.put_if_match(held[0][0], held[0][1], None)  # the late put lands
+    assert bucket_keys.seq_from_log_key(held[0][0]) < through
+    stored = load_stored_state(bucket, "r1")
+    assert stored.segments == 0
+    assert stored.document is not None
+    assert {item["task_id"] for item in stored.document["inflight_tasks"]} >= set(dispatched)
+    new.snapshots.policy = CompactionPolicy(max_segments=0)
+    new.snapshots.write(force=True)
+    assert held[0][0] not in bucket.list(bucket_keys.proxy_log_prefix("r1")), "collected by the next compaction"
 
 
 def test_a_late_put_of_a_lower_epoch_is_written_over(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
@@ -167,6 +236,7 @@ def test_a_late_put_of_a_lower_epoch_is_written_over(redis_client: Redis, bucket
     lost) leaves an ETag the writer did not expect: it reads the snapshot back, finds no higher epoch, and
     puts its own state (a superset: both read one Redis) over it."""
     coord = fenced(redis_client, bucket, clock)
+    coord.snapshots.policy = CompactionPolicy(max_segments=0)
     coord.tick()
     stale = bucket.get(SNAPSHOT)
     coord.snapshots.write(force=True)
@@ -175,16 +245,24 @@ def test_a_late_put_of_a_lower_epoch_is_written_over(redis_client: Redis, bucket
     assert bucket.get(SNAPSHOT) != stale and snapshot_epoch(bucket.get(SNAPSHOT)) == 1
 
 
-def test_puts_are_conditional_not_read_back(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
-    """Group commits put the snapshot once per batch of admissions: the writer reads it once, then each put is
-    conditional on the ETag of its own last put (no GET per put)."""
+@pytest.mark.parametrize("compact_every_put", [False, True])
+def test_puts_are_conditional_not_read_back(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock, compact_every_put: bool
+) -> None:
+    """Group commits put once per batch of admissions: the writer reads the snapshot once, then each compaction is
+    conditional on the ETag of its own last one and each segment is create-only (no GET per put)."""
     coord = fenced(redis_client, bucket, clock)
+    coord.snapshots.policy = (
+        CompactionPolicy(max_segments=0) if compact_every_put else CompactionPolicy(log_to_snapshot=float("inf"))
+    )
     reads: list[str] = []
     plain_get_tagged = bucket.get_tagged
     bucket.get_tagged = lambda key: reads.append(key) or plain_get_tagged(key)  # type: ignore[method-assign]
+    coord.tick()
     for _ in range(5):
-        coord.snapshots.write(force=True)
+        assert coord.snapshots.write(force=True)
     assert reads == [SNAPSHOT]
+    assert coord.snapshots.compactions == (6 if compact_every_put else 1)
 
 
 def test_flushall_reacquires_with_a_higher_epoch_and_goes_on(

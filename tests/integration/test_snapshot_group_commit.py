@@ -35,11 +35,12 @@ SUBMITS = 32
 
 
 class SnapshotPuts:
-    """A real bucket whose snapshot puts can be slowed, held on an event, or made to fail; counts them."""
+    """A real bucket whose snapshot and log puts can be slowed, held on an event, or made to fail; counts them."""
 
     def __init__(self, inner: Bucket, run: str) -> None:
         self.inner = inner
         self.key = bucket_keys.proxy_snapshot_key(run)
+        self.log = bucket_keys.proxy_log_prefix(run)
         self.delay_s = 0.0
         self.fail = False
         self.hold: threading.Event | None = None
@@ -48,7 +49,7 @@ class SnapshotPuts:
         self._lock = threading.Lock()
 
     def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
-        if key != self.key:
+        if key != self.key and not key.startswith(self.log):
             return self.inner.put_if_match(key, data, etag)
         with self._lock:
             self.puts += 1

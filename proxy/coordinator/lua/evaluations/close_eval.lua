@@ -6,11 +6,11 @@
 local vfield = 'v:' .. ARGV[2]
 local vraw = redis.call('HGET', KEYS[2], vfield)
 if not vraw then return {'OK', 0} end
-for _, tid in ipairs(cjson.decode(vraw).tasks) do redis.call('HDEL', KEYS[2], 's:' .. tid, 't:' .. tid) end
-redis.call('HDEL', KEYS[2], vfield)
+for _, tid in ipairs(cjson.decode(vraw).tasks) do call('HDEL', KEYS[2], 's:' .. tid, 't:' .. tid) end
+call('HDEL', KEYS[2], vfield)
 local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '-1')
 if tonumber(ARGV[2]) > latest then
-  redis.call('HSET', KEYS[2], 'latest_version', ARGV[2], 'latest', ARGV[3])
+  call('HSET', KEYS[2], 'latest_version', ARGV[2], 'latest', ARGV[3])
 end
-redis.call('HINCRBY', KEYS[1], 'eval_versions_done', 1)
+call('HINCRBY', KEYS[1], 'eval_versions_done', 1)
 return {'OK', 1}

@@ -14,19 +14,19 @@ local lease = redis.call('HMGET', lk, 'task_id', 'worker_id', 'version')
 if lease[1] ~= ARGV[2] or lease[2] ~= ARGV[5] or tonumber(lease[3]) ~= task.version then
   return {'NOT_HOLDER', 'lease ' .. ARGV[3] .. ' is not a live lease of this task held by this worker'}
 end
-redis.call('HDEL', KEYS[3], tfield)
-redis.call('ZREM', KEYS[4], ARGV[2])
+call('HDEL', KEYS[3], tfield)
+call('ZREM', KEYS[4], ARGV[2])
 local vfield = 'v:' .. tostring(task.version)
-redis.call('HDEL', KEYS[3], tfield)
-redis.call('ZREM', KEYS[4], ARGV[2])
+call('HDEL', KEYS[3], tfield)
+call('ZREM', KEYS[4], ARGV[2])
 local vraw = redis.call('HGET', KEYS[3], vfield)
 if not vraw then return {'EVAL_ENDED'} end
 local pending = cjson.decode(vraw)
 pending.left = pending.left - 1
-redis.call('HSET', KEYS[3], vfield, cjson.encode(pending))
-redis.call('HSET', KEYS[3], 's:' .. ARGV[2], ARGV[4])
-local released = redis.call('ZREM', KEYS[2], ARGV[3])
-redis.call('DEL', lk)
-redis.call('HINCRBY', KEYS[1], 'leases_released', released)
-redis.call('HINCRBY', KEYS[1], 'eval_tasks_done', 1)
+call('HSET', KEYS[3], vfield, cjson.encode(pending))
+call('HSET', KEYS[3], 's:' .. ARGV[2], ARGV[4])
+local released = call('ZREM', KEYS[2], ARGV[3])
+call('DEL', lk)
+call('HINCRBY', KEYS[1], 'leases_released', released)
+call('HINCRBY', KEYS[1], 'eval_tasks_done', 1)
 return {'OK', tostring(task.version), pending.left}

@@ -13,13 +13,13 @@ local task = cjson.decode(raw)
 local version = tostring(task.version)
 local expires = tonumber(ARGV[2]) + tonumber(ARGV[3])
 local lk = key(LEASE, ARGV[4])
-redis.call('HSET', lk, 'version', version, 'worker_id', ARGV[5], 'task_id', ARGV[6], 'expires_ms', expires,
+call('HSET', lk, 'version', version, 'worker_id', ARGV[5], 'task_id', ARGV[6], 'expires_ms', expires,
   'granted_ms', ARGV[2], 'incarnation', ARGV[8])
 redis.call('PEXPIRE', lk, ARGV[3])
-redis.call('ZADD', KEYS[3], expires, ARGV[4])
-redis.call('HINCRBY', KEYS[2], 'leases_granted', 1)
+call('ZADD', KEYS[3], expires, ARGV[4])
+call('HINCRBY', KEYS[2], 'leases_granted', 1)
 task.worker = ARGV[5]
 task.incarnation = ARGV[8]
-redis.call('HSET', KEYS[5], tfield, cjson.encode(task))
-redis.call('ZADD', KEYS[6], ARGV[7], ARGV[6])
+call('HSET', KEYS[5], tfield, cjson.encode(task))
+call('ZADD', KEYS[6], ARGV[7], ARGV[6])
 return {'OK', version, redis.call('HGET', KEYS[4], version), expires, task.start, task.count}

@@ -12,7 +12,7 @@ for i = 1, #inflight, 2 do
   local tid, deadline = inflight[i], tonumber(inflight[i + 1])
   local raw = redis.call('HGET', KEYS[2], 't:' .. tid)
   if not raw then
-    redis.call('ZREM', KEYS[3], tid)  -- forgotten with its version (given up earlier in this loop)
+    call('ZREM', KEYS[3], tid)  -- forgotten with its version (given up earlier in this loop)
   else
     local task = cjson.decode(raw)
     local lost = false
@@ -26,19 +26,19 @@ for i = 1, #inflight, 2 do
         local vraw = redis.call('HGET', KEYS[2], vfield)
         local ids = vraw and cjson.decode(vraw).tasks or {tid}
         for _, other in ipairs(ids) do
-          redis.call('HDEL', KEYS[2], 't:' .. other, 's:' .. other)
-          redis.call('ZREM', KEYS[3], other)
+          call('HDEL', KEYS[2], 't:' .. other, 's:' .. other)
+          call('ZREM', KEYS[3], other)
         end
-        redis.call('HDEL', KEYS[2], vfield)
-        redis.call('HINCRBY', KEYS[1], 'eval_versions_failed', 1)
+        call('HDEL', KEYS[2], vfield)
+        call('HINCRBY', KEYS[1], 'eval_versions_failed', 1)
         failed[#failed + 1] = task.version
       else
         task.attempts = task.attempts + 1
         task.worker = ''
         task.incarnation = ''
-        redis.call('HSET', KEYS[2], 't:' .. tid, cjson.encode(task))
-        redis.call('ZADD', KEYS[3], ARGV[4], tid)
-        redis.call('HINCRBY', KEYS[1], 'eval_tasks_resent', 1)
+        call('HSET', KEYS[2], 't:' .. tid, cjson.encode(task))
+        call('ZADD', KEYS[3], ARGV[4], tid)
+        call('HINCRBY', KEYS[1], 'eval_tasks_resent', 1)
         resend[#resend + 1] = {task_id = tid, version = task.version, start = task.start, count = task.count}
       end
     end

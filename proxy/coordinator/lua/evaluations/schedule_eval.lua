@@ -12,13 +12,13 @@ if #ARGV > 4 and redis.call('HEXISTS', KEYS[3], vfield) == 0 then
     local tid, start, count = string.match(ARGV[i], '^(.*):(%d+):(%d+)$')
     local task = {version = tonumber(ARGV[3]), start = tonumber(start), count = tonumber(count), attempts = 1,
       worker = ''}
-    redis.call('HSET', KEYS[3], 't:' .. tid, cjson.encode(task))
-    redis.call('ZADD', KEYS[4], ARGV[2], tid)
+    call('HSET', KEYS[3], 't:' .. tid, cjson.encode(task))
+    call('ZADD', KEYS[4], ARGV[2], tid)
     ids[#ids + 1] = tid
   end
-  redis.call('HSET', KEYS[3], vfield, cjson.encode({left = #ids, tasks = ids}))
-  redis.call('HINCRBY', KEYS[2], 'eval_tasks_sent', #ids)
+  call('HSET', KEYS[3], vfield, cjson.encode({left = #ids, tasks = ids}))
+  call('HINCRBY', KEYS[2], 'eval_tasks_sent', #ids)
   scheduled = 1
 end
-redis.call('HSET', KEYS[3], 'cursor', ARGV[4])
+call('HSET', KEYS[3], 'cursor', ARGV[4])
 return {'OK', scheduled}

@@ -46,44 +46,44 @@ for i = 10, #ARGV do
         local quarantine = redis.call('HGET', KEYS[7], 'quarantined:' .. idx)
         local n = 0
         if counts and not quarantine then
-          n = redis.call('HINCRBY', KEYS[7], idx, 1)
-          if mode == 'failed' then redis.call('HSET', KEYS[7], 'reason:' .. idx, reported) end
+          n = call('HINCRBY', KEYS[7], idx, 1)
+          if mode == 'failed' then call('HSET', KEYS[7], 'reason:' .. idx, reported) end
         end
         if counts and not quarantine and max_attempts > 0 and n >= max_attempts then
           quarantine = redis.call('HGET', KEYS[7], 'reason:' .. idx) or ('failed_' .. n .. '_attempts')
-          redis.call('HDEL', KEYS[7], idx, 'reason:' .. idx)
+          call('HDEL', KEYS[7], idx, 'reason:' .. idx)
           -- quarantined: never dispatched again (it would fail max_attempts more times every epoch)
-          redis.call('HSET', KEYS[7], 'quarantined:' .. idx, quarantine)
-          redis.call('HINCRBY', KEYS[7], 'quarantined', 1)
-          redis.call('HINCRBY', KEYS[2], 'prompts_quarantined', 1)
+          call('HSET', KEYS[7], 'quarantined:' .. idx, quarantine)
+          call('HINCRBY', KEYS[7], 'quarantined', 1)
+          call('HINCRBY', KEYS[2], 'prompts_quarantined', 1)
         end
         if quarantine then
           -- rejected at its last attempt; or another group of a prompt quarantined while it was in flight
-          redis.call('HSET', gk, 'reason', quarantine)
+          call('HSET', gk, 'reason', quarantine)
           end_group(gid, 'rejected', now, ttl, nil)
-          redis.call('HINCRBY', KEYS[6], quarantine, 1)
+          call('HINCRBY', KEYS[6], quarantine, 1)
           rejected = rejected + 1
         else
           end_group(gid, 'cancelled', now, ttl, KEYS[3])
           groups = groups + 1
         end
-        redis.call('HINCRBY', KEYS[1], 'groups_inflight', -1)
+        call('HINCRBY', KEYS[1], 'groups_inflight', -1)
       end
     end
-    redis.call('HSET', tk, 'state', 'cancelled', 'ended_ms', now, 'cancelled_as', why == 'restarted' and why or mode)
+    call('HSET', tk, 'state', 'cancelled', 'ended_ms', now, 'cancelled_as', why == 'restarted' and why or mode)
     retire(tk, ttl)
-    redis.call('ZREM', KEYS[4], tid)
+    call('ZREM', KEYS[4], tid)
     -- the worker may have written its rollout before it was lost
     retain_until(KEYS[5], track, tid, current)
     tasks = tasks + 1
   end
 end
-redis.call('HINCRBY', KEYS[2], 'tasks_cancelled', tasks)
-redis.call('HINCRBY', KEYS[2], 'groups_cancelled', groups)
-redis.call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
+call('HINCRBY', KEYS[2], 'tasks_cancelled', tasks)
+call('HINCRBY', KEYS[2], 'groups_cancelled', groups)
+call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
 if mode == 'dead' then
-  redis.call('HINCRBY', KEYS[2], 'tasks_worker_lost', tasks)
-  redis.call('HINCRBY', KEYS[2], 'tasks_worker_restarted', restarted)
+  call('HINCRBY', KEYS[2], 'tasks_worker_lost', tasks)
+  call('HINCRBY', KEYS[2], 'tasks_worker_restarted', restarted)
 end
-if mode == 'failed' or mode == 'failed_uncounted' then redis.call('HINCRBY', KEYS[2], 'tasks_failed', tasks) end
+if mode == 'failed' or mode == 'failed_uncounted' then call('HINCRBY', KEYS[2], 'tasks_failed', tasks) end
 return {'OK', tasks, groups, rejected}

@@ -23,13 +23,13 @@ if epoch ~= tonumber(ARGV[6]) or pos ~= tonumber(ARGV[7]) then return {'RETRY'} 
 local indices, from_requeue, used = {}, 0, 0
 local short = alone
 while #indices < k do
-  local idx = redis.call('LPOP', KEYS[3])
+  local idx = call('LPOP', KEYS[3])
   if not idx then break end
   -- a quarantined prompt requeued before its quarantine (e.g. a stale drop): that group ended; it stays out
   if redis.call('HEXISTS', KEYS[5], 'quarantined:' .. idx) == 0 then
     if #indices > 0 and redis.call('HEXISTS', KEYS[5], idx) == 1 then
       -- it goes alone in the next task; this one stays short, so requeued prompts keep going first, in order
-      redis.call('LPUSH', KEYS[3], idx)
+      call('LPUSH', KEYS[3], idx)
       short = true
       break
     end
@@ -44,7 +44,7 @@ while not short and #indices < tonumber(ARGV[4]) and used < #ARGV - 9 do
 end
 -- nothing popped from the requeue line and every candidate quarantined: no task (nothing changed)
 if #indices == 0 then return {'NO_ROOM'} end
-local seq = redis.call('HINCRBY', KEYS[1], 'task_seq', 1)
+local seq = call('HINCRBY', KEYS[1], 'task_seq', 1)
 local task_id = 'gen-' .. ARGV[9] .. '-' .. num(KEYS[1], 'incarnation', 0) .. '-' .. string.format('%08d', seq)
 pos = pos + used
 while pos >= n do pos = pos - n; epoch = epoch + 1 end
@@ -53,16 +53,16 @@ local gids, parts = {}, {}
 for i, idx in ipairs(indices) do
   local gid = task_id .. '.' .. (i - 1)
   gids[i] = gid
-  redis.call('HSET', key(GROUP, gid), 'prompt_index', idx, 'state', 'inflight', 'task_id', task_id,
+  call('HSET', key(GROUP, gid), 'prompt_index', idx, 'state', 'inflight', 'task_id', task_id,
     'dispatched_ms', now)
   parts[i] = '{"group_id":"' .. gid .. '","prompt_index":' .. idx .. '}'
 end
-redis.call('HSET', key(TASK, task_id), 'state', 'inflight', 'group_ids', '["' .. table.concat(gids, '","') .. '"]',
+call('HSET', key(TASK, task_id), 'state', 'inflight', 'group_ids', '["' .. table.concat(gids, '","') .. '"]',
   'dispatched_ms', now, 'deadline_ms', ARGV[3])
-redis.call('ZADD', KEYS[4], ARGV[3], task_id)
-redis.call('HINCRBY', KEYS[1], 'groups_inflight', k)
-redis.call('HSET', KEYS[1], 'epoch', epoch, 'epoch_pos', pos)
-redis.call('HINCRBY', KEYS[2], 'tasks_dispatched', 1)
-redis.call('HINCRBY', KEYS[2], 'groups_dispatched', k)
-redis.call('HINCRBY', KEYS[2], 'groups_requeue_served', from_requeue)
+call('ZADD', KEYS[4], ARGV[3], task_id)
+call('HINCRBY', KEYS[1], 'groups_inflight', k)
+call('HSET', KEYS[1], 'epoch', epoch, 'epoch_pos', pos)
+call('HINCRBY', KEYS[2], 'tasks_dispatched', 1)
+call('HINCRBY', KEYS[2], 'groups_dispatched', k)
+call('HINCRBY', KEYS[2], 'groups_requeue_served', from_requeue)
 return {'OK', task_id, '[' .. table.concat(parts, ',') .. ']'}

@@ -11,16 +11,16 @@ for i = #ARGV, 2, -1 do
     local gids = cjson.decode(redis.call('HGET', tk, 'group_ids'))
     for j = #gids, 1, -1 do
       local gk = key(GROUP, gids[j])
-      redis.call('LPUSH', KEYS[3], redis.call('HGET', gk, 'prompt_index'))
-      redis.call('DEL', gk)
+      call('LPUSH', KEYS[3], redis.call('HGET', gk, 'prompt_index'))
+      call('DEL', gk)
     end
-    redis.call('DEL', tk)
-    redis.call('ZREM', KEYS[4], ARGV[i])
-    redis.call('HINCRBY', KEYS[1], 'groups_inflight', -#gids)
-    redis.call('HINCRBY', KEYS[2], 'tasks_dispatched', -1)
-    redis.call('HINCRBY', KEYS[2], 'groups_dispatched', -#gids)
+    call('DEL', tk)
+    call('ZREM', KEYS[4], ARGV[i])
+    call('HINCRBY', KEYS[1], 'groups_inflight', -#gids)
+    call('HINCRBY', KEYS[2], 'tasks_dispatched', -1)
+    call('HINCRBY', KEYS[2], 'groups_dispatched', -#gids)
     tasks, groups = tasks + 1, groups + #gids
   end
 end
-redis.call('HINCRBY', KEYS[2], 'tasks_undone', tasks)
+call('HINCRBY', KEYS[2], 'tasks_undone', tasks)
 return {'OK', tasks, groups}

@@ -18,7 +18,7 @@ local due, protected = {}, {}
 for _, tid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])) do
   local rstate = redis.call('HGET', key(ROLLOUT, tid), 'state')
   if in_step[tid] or rstate == 'buffered' or rstate == 'claimed' then
-    redis.call('ZREM', KEYS[2], tid)
+    call('ZREM', KEYS[2], tid)
     protected[#protected + 1] = tid
   else
     due[#due + 1] = tid

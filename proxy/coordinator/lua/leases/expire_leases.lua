@@ -4,8 +4,8 @@
 -- returns {"OK", expired:int}
 local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
 for _, id in ipairs(ids) do
-  redis.call('DEL', key(LEASE, id))
-  redis.call('ZREM', KEYS[2], id)
+  call('DEL', key(LEASE, id))
+  call('ZREM', KEYS[2], id)
 end
-redis.call('HINCRBY', KEYS[1], 'leases_expired', #ids)
+call('HINCRBY', KEYS[1], 'leases_expired', #ids)
 return {'OK', #ids}

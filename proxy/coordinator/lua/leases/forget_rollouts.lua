@@ -8,9 +8,9 @@ local max_version, forgotten = tonumber(ARGV[2]), 0
 for i = 3, #ARGV do
   local score = redis.call('ZSCORE', KEYS[3], ARGV[i])
   if score and tonumber(score) <= max_version then
-    redis.call('ZREM', KEYS[3], ARGV[i])
+    call('ZREM', KEYS[3], ARGV[i])
     forgotten = forgotten + 1
   end
 end
-redis.call('HINCRBY', KEYS[2], 'rollouts_deleted', forgotten)
+call('HINCRBY', KEYS[2], 'rollouts_deleted', forgotten)
 return {'OK', forgotten}

@@ -15,11 +15,11 @@ if tstate and tstate ~= 'inflight' then return {'TASK_ENDED', tstate} end
 if not tstate and string.sub(ARGV[6], 1, #ARGV[7]) == ARGV[7] then return {'TASK_ENDED', 'unknown'} end
 local expires = tonumber(ARGV[2]) + tonumber(ARGV[3])
 local lk = key(LEASE, ARGV[4])
-redis.call('HSET', lk, 'version', current, 'worker_id', ARGV[5], 'task_id', ARGV[6], 'expires_ms', expires,
+call('HSET', lk, 'version', current, 'worker_id', ARGV[5], 'task_id', ARGV[6], 'expires_ms', expires,
   'granted_ms', ARGV[2], 'incarnation', ARGV[8])
 redis.call('PEXPIRE', lk, ARGV[3])
-redis.call('ZADD', KEYS[3], expires, ARGV[4])
-redis.call('HINCRBY', KEYS[2], 'leases_granted', 1)
+call('ZADD', KEYS[3], expires, ARGV[4])
+call('HINCRBY', KEYS[2], 'leases_granted', 1)
 -- the task's holder: proxy.coordinator.generate_tasks cancels it when the holder's heartbeats stop. Its
 -- leases ("<lease_id>:<version> ...", the holder's only: a new holder starts the list again) bind the
 -- submission (submit_rollout.lua): a renewal keeps its version, a second lease by the holder adds one.
@@ -31,7 +31,7 @@ if tstate then
   -- bounded: only a worker that keeps leasing one task without submitting gets this far
   while #entries >= MAX_TASK_LEASES do table.remove(entries, 1) end
   entries[#entries + 1] = ARGV[4] .. ':' .. current
-  redis.call('HSET', tk, 'worker_id', ARGV[5], 'leased_ms', ARGV[2], 'leased_version', current,
+  call('HSET', tk, 'worker_id', ARGV[5], 'leased_ms', ARGV[2], 'leased_version', current,
     'leases', table.concat(entries, ' '), 'incarnation', ARGV[8])
 end
 return {'OK', current, redis.call('HGET', KEYS[4], current), expires}

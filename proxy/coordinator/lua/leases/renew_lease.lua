@@ -7,8 +7,8 @@ local lk = key(LEASE, ARGV[4])
 local now = tonumber(ARGV[2])
 if num(lk, 'expires_ms', 0) <= now then return {'LEASE_LOST'} end
 local expires = now + tonumber(ARGV[3])
-redis.call('HSET', lk, 'expires_ms', expires)
+call('HSET', lk, 'expires_ms', expires)
 redis.call('PEXPIRE', lk, ARGV[3])
-redis.call('ZADD', KEYS[2], expires, ARGV[4])
+call('ZADD', KEYS[2], expires, ARGV[4])
 local version = redis.call('HGET', lk, 'version')
 return {'OK', version, redis.call('HGET', KEYS[3], version), expires}

@@ -3,4 +3,4 @@
 -- ARGV[1] prefix  ARGV[2] counter (field name)  ARGV[3] amount
 -- returns {"OK", value:int} (the new value) | {"NO_STATE"}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
-return {'OK', redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])}
+return {'OK', call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])}

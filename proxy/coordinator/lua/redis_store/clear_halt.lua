@@ -4,7 +4,7 @@
 -- returns {"OK", cleared:int} (1 if lifted, else 0)
 local cleared = 0
 if redis.call('HGET', KEYS[1], 'halted_by') == ARGV[2] then
-  redis.call('HDEL', KEYS[1], 'halted', 'halted_by')
+  call('HDEL', KEYS[1], 'halted', 'halted_by')
   cleared = 1
 end
 return {'OK', cleared}

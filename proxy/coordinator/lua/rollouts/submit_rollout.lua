@@ -57,7 +57,7 @@ if tstate == 'admitted' then
   end
   local why = not_leased()
   if why then return {'NOT_HOLDER', why} end
-  redis.call('HINCRBY', KEYS[2], 'rollouts_duplicate', 1)
+  call('HINCRBY', KEYS[2], 'rollouts_duplicate', 1)
   local rstate = redis.call('HGET', key(ROLLOUT, tid), 'state')
   if rstate ~= 'buffered' and rstate ~= 'claimed' then retain_until(KEYS[7], track, tid, current) end
   return {'DUPLICATE', current}
@@ -102,45 +102,45 @@ local admitted, rejected, dropped = {}, 0, 0
 for _, gid in ipairs(task_groups) do
   local f = fate[gid] or ARGV[11]
   local idx = redis.call('HGET', key(GROUP, gid), 'prompt_index')
-  if idx then redis.call('HDEL', KEYS[8], idx, 'reason:' .. idx) end
+  if idx then call('HDEL', KEYS[8], idx, 'reason:' .. idx) end
   if f == true then
     if stale then
       end_group(gid, 'stale', now, ttl, KEYS[4])
       dropped = dropped + 1
     else
-      redis.call('HSET', key(GROUP, gid), 'state', 'buffered', 'version', version, 'admitted_ms', now)
+      call('HSET', key(GROUP, gid), 'state', 'buffered', 'version', version, 'admitted_ms', now)
       admitted[#admitted + 1] = gid
     end
   else
-    redis.call('HSET', key(GROUP, gid), 'reason', f)
+    call('HSET', key(GROUP, gid), 'reason', f)
     end_group(gid, 'rejected', now, ttl, nil)
-    redis.call('HINCRBY', KEYS[3], f, 1)
+    call('HINCRBY', KEYS[3], f, 1)
     rejected = rejected + 1
   end
 end
-redis.call('ZREM', KEYS[5], tid)
-redis.call('HINCRBY', KEYS[1], 'groups_inflight', -#task_groups)
-redis.call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
+call('ZREM', KEYS[5], tid)
+call('HINCRBY', KEYS[1], 'groups_inflight', -#task_groups)
+call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
 if stale then
-  redis.call('HSET', tk, 'state', 'stale', 'version', version, 'worker_id', ARGV[6], 'ended_ms', now)
+  call('HSET', tk, 'state', 'stale', 'version', version, 'worker_id', ARGV[6], 'ended_ms', now)
   retire(tk, ttl)
-  redis.call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
-  redis.call('HINCRBY', KEYS[2], 'groups_stale', dropped)
+  call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
+  call('HINCRBY', KEYS[2], 'groups_stale', dropped)
   retain_until(KEYS[7], track, tid, current)
   return {'STALE', current}
 end
-redis.call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'sha256', sha,
+call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'sha256', sha,
   'ended_ms', now)
 if #admitted > 0 then
-  redis.call('HSET', key(ROLLOUT, tid), 'ref', ARGV[8], 'version', version, 'admitted_ms', now,
+  call('HSET', key(ROLLOUT, tid), 'ref', ARGV[8], 'version', version, 'admitted_ms', now,
     'group_ids', ARGV[9], 'groups', #admitted, 'worker_id', ARGV[6], 'state', 'buffered')
-  redis.call('RPUSH', KEYS[6], tid)
-  redis.call('HINCRBY', KEYS[1], 'groups_buffered', #admitted)
+  call('RPUSH', KEYS[6], tid)
+  call('HINCRBY', KEYS[1], 'groups_buffered', #admitted)
 else
   -- every group rejected: nothing of this rollout will be trained
   retire(tk, ttl)
   retain_until(KEYS[7], track, tid, current)
 end
-redis.call('HINCRBY', KEYS[2], 'rollouts_admitted', 1)
-redis.call('HINCRBY', KEYS[2], 'groups_admitted', #admitted)
+call('HINCRBY', KEYS[2], 'rollouts_admitted', 1)
+call('HINCRBY', KEYS[2], 'groups_admitted', #admitted)
 return {'OK', current}

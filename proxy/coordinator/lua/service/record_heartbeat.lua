@@ -12,35 +12,35 @@ local restarted, ended = 0, 0
 if incarnation ~= '' then
   local known = redis.call('HGET', wk, 'incarnation')
   if known ~= incarnation then
-    redis.call('HSET', wk, 'incarnation', incarnation, 'incarnation_ms', ARGV[2])
+    call('HSET', wk, 'incarnation', incarnation, 'incarnation_ms', ARGV[2])
     if known then
       restarted = 1
-      redis.call('HINCRBY', wk, 'restarts', 1)
-      redis.call('HINCRBY', KEYS[4], 'worker_restarts', 1)
+      call('HINCRBY', wk, 'restarts', 1)
+      call('HINCRBY', KEYS[4], 'worker_restarts', 1)
       -- a scan of every lease, but only when a worker restarts: never on the lease or submit path
       for _, lid in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
         local lk = key(LEASE, lid)
         local holder, of = unpack(redis.call('HMGET', lk, 'worker_id', 'incarnation'))
         if holder == ARGV[3] and of ~= incarnation then
-          redis.call('DEL', lk)
-          redis.call('ZREM', KEYS[5], lid)
+          call('DEL', lk)
+          call('ZREM', KEYS[5], lid)
           ended = ended + 1
         end
       end
-      redis.call('HINCRBY', KEYS[4], 'leases_ended_by_restart', ended)
+      call('HINCRBY', KEYS[4], 'leases_ended_by_restart', ended)
     end
   end
 end
-redis.call('HSET', wk, 'report', ARGV[4], 'last_seen_ms', ARGV[2])
+call('HSET', wk, 'report', ARGV[4], 'last_seen_ms', ARGV[2])
 retire(wk, ARGV[6])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+call('ZADD', KEYS[1], ARGV[2], ARGV[3])
 -- the per-role sets let /metrics count live workers without reading each one
 local mine, other = KEYS[2], KEYS[3]
 if ARGV[7] == 'optimize' then mine, other = KEYS[3], KEYS[2] end
-redis.call('ZADD', mine, ARGV[2], ARGV[3])
-redis.call('ZREM', other, ARGV[3])
+call('ZADD', mine, ARGV[2], ARGV[3])
+call('ZREM', other, ARGV[3])
 local horizon = tonumber(ARGV[2]) - tonumber(ARGV[5])
-local forgotten = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', horizon)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', horizon)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', horizon)
+local forgotten = call('ZREMRANGEBYSCORE', KEYS[1], '-inf', horizon)
+call('ZREMRANGEBYSCORE', KEYS[2], '-inf', horizon)
+call('ZREMRANGEBYSCORE', KEYS[3], '-inf', horizon)
 return {'OK', forgotten, restarted, ended}

@@ -1,8 +1,15 @@
--- snapshot_json: read, atomically, everything a rebuild needs (no writes) as the snapshot document's JSON.
+-- snapshot_json: read, atomically, everything a rebuild needs as the snapshot document's JSON; with compact,
+-- also start the snapshot log anew from it (proxy.coordinator.snapshot_log): the next log number is handed to the
+-- document as "log_through" (and recorded as the log's "through"), and the notes of what changed are cleared, so
+-- the segments after it hold exactly what changed after this read.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] versions  KEYS[5] requeue  KEYS[6] buffer
 -- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention  KEYS[10] prompt_attempts  KEYS[11] tracking
--- ARGV[1] prefix  ARGV[2] header_json (the document's other fields, an object)
--- returns {"OK", document} | {"NO_STATE"}
+-- KEYS[12] log  KEYS[13] log_dirty  KEYS[14] log_ops  KEYS[15] proxy_lease
+-- ARGV[1] prefix  ARGV[2] header_json (the document's other fields, an object)  ARGV[3] compact: "1" (a compaction
+--   of the log: writes only the log's keys) or "0" (a read: no writes)  ARGV[4] epoch (the compacting writer's;
+--   "0": unfenced)
+-- returns {"OK", document, log_through:int} (log_through: 0 on a read) | {"FENCED"} (a compaction by a proxy
+--   that no longer holds the lease at that epoch: nothing written) | {"NO_STATE"}
 --   The JSON is made here (cjson) so that the proxy neither parses nor re-encodes the whole state per write.
 --   Hashes become objects of strings; buffer = [{task_id, rollout, groups: {group_id: group}}], inflight_tasks
 --   likewise with task; step = {record, groups} or null; leases = [{lease_id, lease}]; rollout_retention =
@@ -11,6 +18,7 @@
 --   "<tracker>:step" and "<tracker>:eval:<v>" fields, without the send times: a few bytes per eval).
 --   Arrays are joined by hand: cjson writes an empty table as {}.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
+if ARGV[3] == '1' and not leads(KEYS[15], ARGV[4]) then return {'FENCED'} end
 local function hash(k)
   local flat, out = redis.call('HGETALL', k), {}
   for i = 1, #flat, 2 do out[flat[i]] = flat[i + 1] end
@@ -87,7 +95,13 @@ for _, name in ipairs(names) do
   tracking[#tracking + 1] = cjson.encode(name) .. ':{"step":' .. string.format('%d', progress.step)
     .. ',"evals":' .. array(evals) .. '}'
 end
-local header = ARGV[2]
+local header, through = ARGV[2], 0
+if ARGV[3] == '1' then
+  through = redis.call('HINCRBY', KEYS[12], 'seq', 1)
+  redis.call('HSET', KEYS[12], 'through', through)
+  redis.call('DEL', KEYS[13], KEYS[14])
+  header = string.sub(header, 1, -2) .. (#header > 2 and ',' or '') .. '"log_through":' .. string.format('%d', through) .. '}'
+end
 local document = string.sub(header, 1, -2) .. (#header > 2 and ',' or '')
   .. '"state":' .. cjson.encode(hash(KEYS[1]))
   .. ',"counters":' .. cjson.encode(hash(KEYS[2]))
@@ -101,4 +115,4 @@ local document = string.sub(header, 1, -2) .. (#header > 2 and ',' or '')
   .. ',"rollout_retention":' .. cjson.encode(retention)
   .. ',"prompt_attempts":' .. cjson.encode(hash(KEYS[10]))
   .. ',"tracking":{' .. table.concat(tracking, ',') .. '}}'
-return {'OK', document}
+return {'OK', document, through}

@@ -13,10 +13,10 @@ local now, needed, max_staleness, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARG
 if num(KEYS[1], 'step_inflight', -1) >= 0 then return {'NOT_READY', 'a step is in flight', 0} end
 local current = num(KEYS[1], 'current_version', -1)
 if current < 0 then
-  redis.call('HSET', key(STEP, 0), 'step', 0, 'base_version', -1, 'rollouts', '[]', 'claimed_ms', now,
+  call('HSET', key(STEP, 0), 'step', 0, 'base_version', -1, 'rollouts', '[]', 'claimed_ms', now,
     'sent_ms', 0, 'state', 'claimed', 'groups', 0)
-  redis.call('HSET', KEYS[1], 'step_inflight', 0)
-  redis.call('HINCRBY', KEYS[2], 'steps_claimed', 1)
+  call('HSET', KEYS[1], 'step_inflight', 0)
+  call('HINCRBY', KEYS[2], 'steps_claimed', 1)
   return {'OK', 0, -1, '[]', '', 0}
 end
 if current >= tonumber(ARGV[7]) then return {'NOT_READY', 'the run reached its final version', 0} end
@@ -24,13 +24,13 @@ local dropped = 0
 for _, tid in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
   local rk = key(ROLLOUT, tid)
   if current - num(rk, 'version', 0) > max_staleness then
-    redis.call('LREM', KEYS[4], 1, tid)
+    call('LREM', KEYS[4], 1, tid)
     local gids = cjson.decode(redis.call('HGET', rk, 'group_ids'))
     for _, gid in ipairs(gids) do end_group(gid, 'stale', now, ttl, KEYS[3]) end
-    redis.call('HINCRBY', KEYS[1], 'groups_buffered', -#gids)
-    redis.call('HINCRBY', KEYS[2], 'groups_stale', #gids)
-    redis.call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
-    redis.call('HSET', rk, 'state', 'stale')
+    call('HINCRBY', KEYS[1], 'groups_buffered', -#gids)
+    call('HINCRBY', KEYS[2], 'groups_stale', #gids)
+    call('HINCRBY', KEYS[2], 'rollouts_stale', 1)
+    call('HSET', rk, 'state', 'stale')
     retire(rk, ttl)
     retire(key(TASK, tid), ttl)
     retain_until(KEYS[5], ARGV[6], tid, current)
@@ -41,22 +41,22 @@ if num(KEYS[1], 'groups_buffered', 0) < needed then return {'NOT_READY', 'too fe
 local step = current + 1
 local refs, claimed, total = {}, {}, 0
 while total < needed do
-  local tid = redis.call('LPOP', KEYS[4])
+  local tid = call('LPOP', KEYS[4])
   if not tid then break end
   local rk = key(ROLLOUT, tid)
   local gids = cjson.decode(redis.call('HGET', rk, 'group_ids'))
-  for _, gid in ipairs(gids) do redis.call('HSET', key(GROUP, gid), 'state', 'claimed', 'step', step) end
+  for _, gid in ipairs(gids) do call('HSET', key(GROUP, gid), 'state', 'claimed', 'step', step) end
   refs[#refs + 1] = redis.call('HGET', rk, 'ref')
   local r = redis.call('HMGET', rk, 'version', 'admitted_ms')
   claimed[#claimed + 1] = r[1] .. ':' .. r[2] .. ':' .. #gids
-  redis.call('HSET', rk, 'state', 'claimed', 'step', step)
+  call('HSET', rk, 'state', 'claimed', 'step', step)
   total = total + #gids
 end
 local rollouts = '[' .. table.concat(refs, ',') .. ']'
-redis.call('HINCRBY', KEYS[1], 'groups_buffered', -total)
-redis.call('HSET', key(STEP, step), 'step', step, 'base_version', current, 'rollouts', rollouts, 'claimed_ms', now,
+call('HINCRBY', KEYS[1], 'groups_buffered', -total)
+call('HSET', key(STEP, step), 'step', step, 'base_version', current, 'rollouts', rollouts, 'claimed_ms', now,
   'sent_ms', 0, 'state', 'claimed', 'groups', total)
-redis.call('HSET', KEYS[1], 'step_inflight', step)
-redis.call('HINCRBY', KEYS[2], 'steps_claimed', 1)
-redis.call('HINCRBY', KEYS[2], 'groups_claimed', total)
+call('HSET', KEYS[1], 'step_inflight', step)
+call('HINCRBY', KEYS[2], 'steps_claimed', 1)
+call('HINCRBY', KEYS[2], 'groups_claimed', total)
 return {'OK', step, current, rollouts, table.concat(claimed, ','), dropped}

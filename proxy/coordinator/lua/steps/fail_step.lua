@@ -29,19 +29,19 @@ elseif kind == 'base' then
   if not string.find(',' .. failed .. ',', ',' .. worker .. ',', 1, true) then
     failed = (failed == '' and worker) or (failed .. ',' .. worker)
   end
-  redis.call('HSET', sk, 'base_failed', failed, 'sent_ms', 0, 'last_failed', worker)
-  redis.call('HDEL', sk, 'holder', 'started_ms', 'target')
+  call('HSET', sk, 'base_failed', failed, 'sent_ms', 0, 'last_failed', worker)
+  call('HDEL', sk, 'holder', 'started_ms', 'target')
   return {'RETRY', num(sk, 'attempts', 0), failed}
 elseif kind == 'upload' then
-  redis.call('HSET', sk, 'sent_ms', 0)
-  redis.call('HDEL', sk, 'holder', 'started_ms', 'target')
+  call('HSET', sk, 'sent_ms', 0)
+  call('HDEL', sk, 'holder', 'started_ms', 'target')
   return {'RETRY', num(sk, 'attempts', 0), redis.call('HGET', sk, 'base_failed') or ''}
 else
-  local attempts = redis.call('HINCRBY', sk, 'attempts', 1)
-  redis.call('HINCRBY', KEYS[2], 'step_failures', 1)
+  local attempts = call('HINCRBY', sk, 'attempts', 1)
+  call('HINCRBY', KEYS[2], 'step_failures', 1)
   if attempts < tonumber(ARGV[8]) then
-    redis.call('HSET', sk, 'sent_ms', 0, 'last_failed', worker)
-    redis.call('HDEL', sk, 'holder', 'started_ms', 'target')
+    call('HSET', sk, 'sent_ms', 0, 'last_failed', worker)
+    call('HDEL', sk, 'holder', 'started_ms', 'target')
     return {'RETRY', attempts, redis.call('HGET', sk, 'base_failed') or ''}
   end
   reject_all = true
@@ -55,25 +55,25 @@ for i = #refs, 1, -1 do
   local rk = key(ROLLOUT, tid)
   if reject_all or tid == bad then
     for _, gid in ipairs(gids) do
-      redis.call('HSET', key(GROUP, gid), 'reason', reason)
+      call('HSET', key(GROUP, gid), 'reason', reason)
       end_group(gid, 'rejected', now, ttl, nil)
     end
-    redis.call('HINCRBY', KEYS[3], reason, #gids)
-    redis.call('HSET', rk, 'state', 'rejected', 'reason', reason)
+    call('HINCRBY', KEYS[3], reason, #gids)
+    call('HSET', rk, 'state', 'rejected', 'reason', reason)
     retire(rk, ttl)
     retire(key(TASK, tid), ttl)
     retain_until(KEYS[5], track, tid, current)
     rejected = rejected + #gids
   else
-    for _, gid in ipairs(gids) do redis.call('HSET', key(GROUP, gid), 'state', 'buffered', 'step', '') end
-    redis.call('HSET', rk, 'state', 'buffered', 'step', '')
-    redis.call('LPUSH', KEYS[4], tid)
+    for _, gid in ipairs(gids) do call('HSET', key(GROUP, gid), 'state', 'buffered', 'step', '') end
+    call('HSET', rk, 'state', 'buffered', 'step', '')
+    call('LPUSH', KEYS[4], tid)
     requeued = requeued + #gids
   end
 end
-redis.call('DEL', sk)
-redis.call('HSET', KEYS[1], 'step_inflight', -1)
-redis.call('HINCRBY', KEYS[1], 'groups_buffered', requeued)
-redis.call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
-redis.call('HINCRBY', KEYS[2], 'steps_unclaimed', 1)
+call('DEL', sk)
+call('HSET', KEYS[1], 'step_inflight', -1)
+call('HINCRBY', KEYS[1], 'groups_buffered', requeued)
+call('HINCRBY', KEYS[2], 'groups_rejected', rejected)
+call('HINCRBY', KEYS[2], 'steps_unclaimed', 1)
 return {'OK', rejected, requeued}

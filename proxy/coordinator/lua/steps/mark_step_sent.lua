@@ -7,9 +7,9 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'NO_STATE'} end
 local sk = key(STEP, ARGV[3])
 if redis.call('HGET', sk, 'state') ~= 'claimed' then return {'NOT_CLAIMED'} end
-redis.call('HSET', sk, 'sent_ms', ARGV[2])
-redis.call('HINCRBY', sk, 'sends', 1)
-redis.call('HDEL', sk, 'holder', 'started_ms', 'holder_incarnation')
-if ARGV[5] == '' then redis.call('HDEL', sk, 'target') else redis.call('HSET', sk, 'target', ARGV[5]) end
-if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[2], 'optimize_resent', 1) end
+call('HSET', sk, 'sent_ms', ARGV[2])
+call('HINCRBY', sk, 'sends', 1)
+call('HDEL', sk, 'holder', 'started_ms', 'holder_incarnation')
+if ARGV[5] == '' then call('HDEL', sk, 'target') else call('HSET', sk, 'target', ARGV[5]) end
+if ARGV[4] == '1' then call('HINCRBY', KEYS[2], 'optimize_resent', 1) end
 return {'OK'}

@@ -18,12 +18,12 @@ elseif redis.call('HGET', sk, 'state') ~= 'claimed' or num(sk, 'base_version', -
   code = 'STEP_NOT_CLAIMED'
 end
 if code then
-  redis.call('HINCRBY', KEYS[2], 'conflicts', 1)
+  call('HINCRBY', KEYS[2], 'conflicts', 1)
   return {code, current}
 end
-redis.call('HSET', KEYS[1], 'current_version', version, 'step_inflight', -1, 'last_publish_ms', now)
-redis.call('HSET', KEYS[3], version, ARGV[6])
-redis.call('HSET', sk, 'state', 'published', 'published_ms', now, 'worker_id', ARGV[7])
+call('HSET', KEYS[1], 'current_version', version, 'step_inflight', -1, 'last_publish_ms', now)
+call('HSET', KEYS[3], version, ARGV[6])
+call('HSET', sk, 'state', 'published', 'published_ms', now, 'worker_id', ARGV[7])
 retire(sk, ttl)
 local trained = 0
 for _, ref in ipairs(cjson.decode(redis.call('HGET', sk, 'rollouts'))) do
@@ -31,11 +31,11 @@ for _, ref in ipairs(cjson.decode(redis.call('HGET', sk, 'rollouts'))) do
     end_group(gid, 'trained', now, ttl, nil)
     trained = trained + 1
   end
-  redis.call('HSET', key(ROLLOUT, ref['task_id']), 'state', 'trained')
+  call('HSET', key(ROLLOUT, ref['task_id']), 'state', 'trained')
   retire(key(ROLLOUT, ref['task_id']), ttl)
   retire(key(TASK, ref['task_id']), ttl)
   retain_until(KEYS[4], ARGV[9], ref['task_id'], version)
 end
-redis.call('HINCRBY', KEYS[2], 'publish', 1)
-redis.call('HINCRBY', KEYS[2], 'groups_trained', trained)
+call('HINCRBY', KEYS[2], 'publish', 1)
+call('HINCRBY', KEYS[2], 'groups_trained', trained)
 return {'OK', version}

@@ -13,6 +13,6 @@ end
 local ids = {}
 for _, ref in ipairs(cjson.decode(redis.call('HGET', sk, 'rollouts'))) do ids[#ids + 1] = ref['task_id'] end
 if table.concat(ids, ',') ~= table.concat(cjson.decode(ARGV[6]), ',') then return {'NOT_CLAIMED'} end
-redis.call('HSET', sk, 'holder', ARGV[4], 'started_ms', ARGV[2], 'holder_incarnation', ARGV[7])
-redis.call('HINCRBY', sk, 'starts', 1)
+call('HSET', sk, 'holder', ARGV[4], 'started_ms', ARGV[2], 'holder_incarnation', ARGV[7])
+call('HINCRBY', sk, 'starts', 1)
 return {'OK'}
