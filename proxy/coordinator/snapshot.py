@@ -334,12 +334,31 @@ def load_snapshot(bucket: Bucket, run: str) -> dict[str, Any] | None:
     return load_stored_state(bucket, run).document
 
 
+LOAD_ATTEMPTS = 5
+"""Reads of the snapshot and its log a reader makes while a live proxy compacts under it (each compaction moves
+the snapshot on and deletes the segments it covers)."""
+
+
+class _CompactedMeanwhile(Exception):
+    """A segment vanished, or a number is missing, and the snapshot moved on since it was read: read again."""
+
+
 def load_stored_state(bucket: Bucket, run: str) -> StoredState:
     """The snapshot, the log segments above the number it covers applied in order, and the last log number.
 
     A segment of an older epoch than the snapshot's is a late put of a deposed proxy (its successor compacted
     first, so what it holds is in the snapshot): it is passed over. A missing number between two segments is a
-    lost object, refused with ``SnapshotCorrupt`` naming it."""
+    lost object, refused with ``SnapshotCorrupt`` naming it, unless the snapshot moved on meanwhile (a live
+    proxy compacted): then it is read again."""
+    for _ in range(LOAD_ATTEMPTS - 1):
+        try:
+            return _load_stored_state(bucket, run)
+        except _CompactedMeanwhile:
+            continue
+    return _load_stored_state(bucket, run, last_attempt=True)
+
+
+def _load_stored_state(bucket: Bucket, run: str, *, last_attempt: bool = False) -> StoredState:
     document = _load_snapshot_object(bucket, run)
     listed = sorted(
         seq for key in bucket.list(bucket_keys.proxy_log_prefix(run)) if (seq := bucket_keys.seq_from_log_key(key))
@@ -348,13 +367,26 @@ def load_stored_state(bucket: Bucket, run: str) -> StoredState:
     if document is None or "log_through" not in document:
         return StoredState(document, last, 0)  # no snapshot, or one from before the log: no segment applies
     through, epoch = int(document["log_through"]), int(document["proxy_epoch"])
+
+    def moved_on() -> bool:
+        now = _load_snapshot_object(bucket, run)
+        return not last_attempt and now is not None and now.get("log_through") != through
+
     pending = [seq for seq in listed if seq > through]
+    try:
+        segments = _read_segments(bucket, run, pending)
+    except ObjectNotFound:
+        if moved_on():
+            raise _CompactedMeanwhile from None
+        raise
     replay = Replay(document)
     expected = through + 1
-    for seq, segment in zip(pending, _read_segments(bucket, run, pending), strict=True):
+    for seq, segment in zip(pending, segments, strict=True):
         if int(segment["proxy_epoch"]) < epoch:
             log.warning("proxy.log_segment_passed_over", run=run, seq=seq, epoch=segment["proxy_epoch"], snapshot=epoch)
         elif seq != expected:
+            if moved_on():
+                raise _CompactedMeanwhile
             raise SnapshotCorrupt(
                 f"{bucket_keys.proxy_log_key(run, expected)} is missing from the snapshot log of run {run!r} "
                 f"(segment {seq} follows it): an object was lost from the bucket; restore it from a backup, or delete "

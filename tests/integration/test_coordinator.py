@@ -333,6 +333,28 @@ def test_claim_takes_oldest_and_drops_too_stale(redis_client: Redis, tmp_path: P
         coord.get_step(7)
 
 
+def test_the_buffer_is_scanned_for_staleness_once_per_version(redis_client: Redis, tmp_path: Path) -> None:
+    """Rounds that cannot claim (too few groups) do not re-read every buffered rollout: staleness changes only
+    with the version. The scan after a publish still drops what the publish made too stale."""
+    config = small_config(max_staleness=0, groups_per_task=2, groups_per_step=4, queue_maxsize=8)
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=config)
+    started(coord)
+    first, second = coord.dispatcher.generate[:2]
+    coord.submit(submission(coord, first, 0))
+    coord.tick()
+    assert coord.redis.hget(coord.keys.state, "stale_scan") == "0:0"
+    # Made stale behind the proxy's back: a scan would drop it; rounds at this version do not scan again.
+    coord.redis.hset(coord.keys.rollout(first["task_id"]), "version", -5)
+    for _ in range(3):
+        assert coord.tick().stale_dropped == 0
+    coord.redis.hset(coord.keys.rollout(first["task_id"]), "version", 0)
+    coord.submit(submission(coord, second, 0))
+    assert coord.tick().step_claimed == 1
+    publish_next(coord)
+    coord.tick()
+    assert coord.redis.hget(coord.keys.state, "stale_scan") == "1:0"
+
+
 def test_unpublished_step_is_resent_with_the_same_batch(coord: Coordinator, clock: ManualClock) -> None:
     started(coord)
     submit_pending(coord, set())

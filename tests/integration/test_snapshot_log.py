@@ -322,3 +322,36 @@ def test_logged_keys_are_the_documents_sections() -> None:
     sections = set(Replay(empty).document())
     named = {"tasks_inflight": "inflight_tasks"}
     assert {named.get(name, name) for name in LOGGED_KEYS} == sections - {"step"}
+
+
+def test_a_reader_racing_a_compaction_reads_again(redis_client: Redis, bucket: Bucket) -> None:
+    """A reader beside a live proxy (a benchmark's audit, an operator's tool) lists segments that a compaction
+    then deletes: it finds the snapshot moved on and reads again, never a half-applied or refused log."""
+    run = busy(redis_client, bucket, seed=5)
+    writer = run.coord.snapshots
+    writer.policy = NEVER
+    for _ in range(10):
+        run.step()
+        writer.write(force=True)
+    prefix = bucket_keys.proxy_log_prefix(run.coord.run)
+    listings: list[list[str]] = []
+
+    class CompactsAfterListing:
+        def __init__(self, inner: Bucket) -> None:
+            self.inner = inner
+
+        def list(self, at: str) -> list[str]:
+            keys = self.inner.list(at)
+            if at == prefix:
+                listings.append(keys)
+                if len(listings) == 1:  # the proxy compacts right after the reader listed the log
+                    writer.policy = CompactionPolicy(max_segments=0)
+                    writer.write(force=True)
+            return keys
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    stored = load_stored_state(CompactsAfterListing(bucket), run.coord.run)  # type: ignore[arg-type]
+    assert len(listings) == 2 and listings[0] and listings[1] == [], "read again after the compaction"
+    assert stored.document is not None and state_sections(stored.document) == redis_state(run.coord)

@@ -21,7 +21,12 @@ if current < 0 then
 end
 if current >= tonumber(ARGV[7]) then return {'NOT_READY', 'the run reached its final version', 0} end
 local dropped = 0
-for _, tid in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+-- Whether a buffered rollout is too stale changes only when the version does (a submission that is too stale is
+-- refused, and a failed step puts back rollouts claimed at this version): the buffer is scanned once per version
+-- and staleness bound, not at every claim attempt (every round of a full buffer, O(buffer) reads each).
+local scan = current .. ':' .. max_staleness
+local scanned = redis.call('HGET', KEYS[1], 'stale_scan') == scan
+for _, tid in ipairs(scanned and {} or redis.call('LRANGE', KEYS[4], 0, -1)) do
   local rk = key(ROLLOUT, tid)
   if current - num(rk, 'version', 0) > max_staleness then
     call('LREM', KEYS[4], 1, tid)
@@ -37,6 +42,7 @@ for _, tid in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
     dropped = dropped + #gids
   end
 end
+if not scanned then call('HSET', KEYS[1], 'stale_scan', scan) end
 if num(KEYS[1], 'groups_buffered', 0) < needed then return {'NOT_READY', 'too few groups buffered', dropped} end
 local step = current + 1
 local refs, claimed, total = {}, {}, 0
