@@ -172,6 +172,17 @@ def busy(redis_client: Redis, bucket: Bucket, seed: int) -> BusyRun:
     return BusyRun(coord, clock, seed)
 
 
+def logged(redis_client: Redis, bucket: Bucket, seed: int, operations: int) -> BusyRun:
+    """A busy run of ``operations`` random operations, each made durable by a segment (no compaction after the
+    first)."""
+    run = busy(redis_client, bucket, seed)
+    run.coord.snapshots.policy = NEVER
+    for _ in range(operations):
+        run.step()
+        run.coord.snapshots.write(force=True)
+    return run
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["segments_only", "default"])
 def test_the_snapshot_and_its_log_equal_the_state_after_every_operation(
@@ -225,11 +236,7 @@ def test_each_segment_holds_only_what_changed(redis_client: Redis, bucket: Bucke
 def test_rebuild_after_a_crash_between_segments_and_their_compaction(redis_client: Redis, bucket: Bucket) -> None:
     """Segments above the snapshot, no compaction since (the proxy died), Redis emptied: the rebuild reads the
     snapshot and applies every segment, so no admitted rollout is lost, and the log goes on above them."""
-    run = busy(redis_client, bucket, seed=7)
-    run.coord.snapshots.policy = NEVER
-    for _ in range(60):
-        run.step()
-        run.coord.snapshots.write()
+    run = logged(redis_client, bucket, seed=7, operations=60)
     buffered = redis_client.lrange(run.coord.keys.buffer, 0, -1)
     version = run.coord.current_version()
     stored = load_stored_state(bucket, run.coord.run)
@@ -253,11 +260,7 @@ def test_rebuild_after_a_crash_between_segments_and_their_compaction(redis_clien
 def test_a_missing_segment_is_refused_naming_it(redis_client: Redis, bucket: Bucket) -> None:
     from proxy.coordinator.snapshot import SnapshotCorrupt
 
-    run = busy(redis_client, bucket, seed=3)
-    run.coord.snapshots.policy = NEVER
-    for _ in range(12):
-        run.step()
-        run.coord.snapshots.write(force=True)
+    run = logged(redis_client, bucket, seed=3, operations=12)
     keys = bucket.list(bucket_keys.proxy_log_prefix(run.coord.run))
     assert len(keys) >= 3
     bucket.delete(keys[1])
@@ -268,11 +271,7 @@ def test_a_missing_segment_is_refused_naming_it(redis_client: Redis, bucket: Buc
 def test_a_corrupted_segment_is_refused_naming_it(redis_client: Redis, bucket: Bucket) -> None:
     from proxy.coordinator.snapshot import SnapshotCorrupt
 
-    run = busy(redis_client, bucket, seed=4)
-    run.coord.snapshots.policy = NEVER
-    for _ in range(4):
-        run.step()
-        run.coord.snapshots.write(force=True)
+    run = logged(redis_client, bucket, seed=4, operations=4)
     key = bucket.list(bucket_keys.proxy_log_prefix(run.coord.run))[-1]
     bucket.put(key, bucket.get(key).replace(b'"seq":', b'"seq": ', 1))
     with pytest.raises(SnapshotCorrupt, match=re.escape(key) + " fails its checksum"):
@@ -327,12 +326,8 @@ def test_logged_keys_are_the_documents_sections() -> None:
 def test_a_reader_racing_a_compaction_reads_again(redis_client: Redis, bucket: Bucket) -> None:
     """A reader beside a live proxy (a benchmark's audit, an operator's tool) lists segments that a compaction
     then deletes: it finds the snapshot moved on and reads again, never a half-applied or refused log."""
-    run = busy(redis_client, bucket, seed=5)
+    run = logged(redis_client, bucket, seed=5, operations=10)
     writer = run.coord.snapshots
-    writer.policy = NEVER
-    for _ in range(10):
-        run.step()
-        writer.write(force=True)
     prefix = bucket_keys.proxy_log_prefix(run.coord.run)
     listings: list[list[str]] = []
 
