@@ -311,7 +311,7 @@ def main() -> None:
     print(f"  submits admitted/s               {figures['submits_per_s']}")
     print(
         f"  snapshot writes/s                {figures['snapshot_writes_per_s']} "
-        f"({figures['snapshot_compactions_per_s']} of them compactions; "
+        f"({figures['snapshot_compactions_per_s']} compactions/s; "
         f"{figures['snapshot_kb_per_cycle']} KB put per cycle)"
     )
     print(
