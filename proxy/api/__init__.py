@@ -1,13 +1,16 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app          routes (the evaluate tasks' and the new-version long poll too), the tick loop, `serve()` and
-                 what it checks before anything listens (the token, Redis eviction, conditional writes,
-                 leadership) and keeps while serving (leadership)
+    app          routes (the evaluate tasks' too), the tick loop, `serve()` and what it checks before anything
+                 listens (the token, Redis eviction, conditional writes, leadership) and keeps while serving
+                 (leadership)
     edge         what every request passes: bearer-token auth, the body limit, timing and logging (plain
                  ASGI); which coordinator refusal is which error code, the error body and its handlers
-    loop_routes  the heartbeat answered on the event loop with an asyncio Redis client (plain ASGI, inside
-                 `edge`); anything off that path goes on to its route
+    loop_routes  the fleet's requests (heartbeats, leases, renewals, the long poll) answered on the event loop
+                 with an asyncio Redis client (plain ASGI, inside `edge`); anything off that path, and any
+                 refusal, goes on to its route
     openapi      `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
     settings     the proxy's environment variables
+    version_watch  `GET /v1/versions/latest`, the new-version long poll: its waiters, the one watcher that
+                 re-reads Redis for them, and the server that answers them all when it stops
 """

@@ -13,19 +13,7 @@ The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app'
 ``tick_s`` seconds and right after each submit and publish. The evaluate tasks' routes
 (``POST /v1/evals/{task_id}/lease`` and ``.../result``) are installed by ``install_eval_routes``.
 
-``GET /v1/versions/latest``: a long poll that tells generate workers about a new version as it is published.
-
-A worker asks ``?after=N&wait_s=S``. If the current version is newer than N the answer comes at once; else
-the request waits, at most ``S`` seconds (<= ``MAX_WAIT_S``), and answers as soon as a version is published,
-or with the unchanged current version when the time runs out. The answer names the version's manifest key
-and sha256, as a lease does, so the worker can fetch and verify it before any task leases it.
-
-Wake-ups: a publish through this process calls ``VersionWatch.notify()`` (from the request's thread), which
-wakes every waiter at once. A publish this process did not see (another proxy process, a state rebuilt
-while it was restarting) is caught by the waiters re-reading Redis every ``fallback_s`` seconds. The waiters
-share their reads: one read of Redis per ``fallback_s`` and per publish serves every open poll, so a fleet
-of a thousand prefetchers costs what one does. On shutdown ``close()`` answers every waiter at once, so open
-polls never hold up uvicorn's graceful exit.
+``GET /v1/versions/latest``, the generate workers' long poll for new versions: ``proxy.api.version_watch``.
 
 Start-up (``serve()``) checks, before anything listens; each is refused with what to change, unless a
 setting allows it (see docs/operations.md):
@@ -60,11 +48,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import anyio.to_thread
 import structlog
-from fastapi import Body, Depends, FastAPI, Path, Query
+from fastapi import Body, Depends, FastAPI, Path
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import BlockingConnectionPool, Redis
@@ -80,7 +68,6 @@ from asyncgrpo.protocol.schemas import (
     CorruptResult,
     HeartbeatRequest,
     HeartbeatResult,
-    LatestVersion,
     LeaseGrant,
     LeaseRequest,
     PublishRequest,
@@ -111,15 +98,16 @@ from proxy.api.edge import (
     install_error_handlers,
     refuse_unknown_query,
 )
-from proxy.api.loop_routes import HEARTBEAT_PATH, Heartbeats, LoopRoutes
+from proxy.api.loop_routes import HEARTBEAT_PATH, LOOP_PATHS, LoopAnswers, LoopRoutes
 from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
+from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import FenceLost, LeadershipHeld, ProxyFence, snapshot_epoch
 from proxy.tracking.forwarder import start_forwarding
 
 if TYPE_CHECKING:
-    import uvicorn
+    pass
 
 
 log = structlog.get_logger()
@@ -320,133 +308,6 @@ class LeadershipGuard:
         await self.app(scope, receive, send)
 
 
-# ---- the new-version long poll ----
-
-MAX_WAIT_S = 30.0
-"""Longest wait a client may ask for: below the usual 60 s idle timeout of load balancers."""
-FALLBACK_S = 1.0
-"""How often a waiter re-reads Redis for a publish this process was not told about."""
-
-
-class VersionWatch:
-    """Waiters for a version newer than the one they hold; ``notify`` after every publish."""
-
-    def __init__(self, coordinator: Coordinator, *, fallback_s: float = FALLBACK_S) -> None:
-        self.coordinator = coordinator
-        self.fallback_s = fallback_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
-        self._closing = False
-        self.waiting = 0
-        """Requests waiting right now (tests, debugging)."""
-        self.reads = 0
-        """Reads of Redis so far (tests, benchmarks): shared by the waiters."""
-        self._publishes = 0  # notify() calls so far: a read from before the last one is out of date
-        self._read: tuple[LatestVersion, float, int] | None = None  # (answer, loop time, publishes) of the last
-        self._reading: asyncio.Task[LatestVersion] | None = None
-
-    def latest(self) -> LatestVersion:
-        """The current version as Redis has it (blocking: two HGETs)."""
-        coord = self.coordinator
-        version = coord.current_version()
-        sha = coord.redis.hget(coord.keys.versions, str(version)) if version >= 0 else None
-        published = version >= 0
-        return LatestVersion(
-            run=coord.run,
-            version=version,
-            adapter_prefix=bucket_keys.adapter_prefix(coord.run, version) if published else None,
-            manifest_key=bucket_keys.manifest_key(coord.run, version) if published else None,
-            manifest_sha256=sha or None,
-        )
-
-    async def wait_newer(self, after: int, wait_s: float) -> LatestVersion:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # first waiter (or a new loop in tests): events and tasks belong to one loop
-            self._loop, self._changed = loop, asyncio.Event()
-            self._read = self._reading = None
-        deadline = loop.time() + wait_s
-        self.waiting += 1
-        try:
-            while True:
-                # Taken before reading Redis, so a publish between the read and the wait still wakes us.
-                changed = self._changed
-                assert changed is not None
-                latest = await self._shared_latest()
-                remaining = deadline - loop.time()
-                if latest.version > after or remaining <= 0 or self._closing:
-                    return latest
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), timeout=min(remaining, self.fallback_s))
-        finally:
-            self.waiting -= 1
-
-    async def _shared_latest(self) -> LatestVersion:
-        """The current version, read from Redis by one waiter for all: again only once ``fallback_s`` passed
-        or a publish was notified since the last read (single flight: the waiters await one read)."""
-        loop = asyncio.get_running_loop()
-        last = self._read
-        if last is not None and last[2] == self._publishes and loop.time() - last[1] < self.fallback_s:
-            return last[0]
-        if self._reading is None or self._reading.done():
-            self._reading = loop.create_task(self._read_latest())
-        # Shielded: a waiter whose client went away must not cancel the read the others wait for.
-        return await asyncio.shield(self._reading)
-
-    async def _read_latest(self) -> LatestVersion:
-        publishes = self._publishes  # before the read: a publish during it makes it out of date at once
-        self.reads += 1
-        latest = await asyncio.to_thread(self.latest)
-        self._read = (latest, asyncio.get_running_loop().time(), publishes)
-        return latest
-
-    def notify(self) -> None:
-        """A version was published: wake every waiter (safe from any thread)."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake)
-
-    def close(self) -> None:
-        """Answer every waiter now and every later one at once (the server is stopping)."""
-        self._closing = True
-        self.notify()
-
-    def _wake(self) -> None:
-        # Waiters hold the old event; a fresh one is for the next round.
-        self._publishes += 1
-        if self._changed is not None:
-            self._changed.set()
-        self._changed = asyncio.Event()
-
-
-def install_version_watch(app: FastAPI, coordinator: Coordinator) -> VersionWatch:
-    """Add ``GET /v1/versions/latest`` to ``app``; the caller calls ``notify()`` after each publish."""
-    watch = VersionWatch(coordinator)
-    app.state.version_watch = watch
-
-    @app.get("/v1/versions/latest", response_model=LatestVersion)
-    async def latest_version(
-        after: Annotated[int, Query(ge=-1, description="The version the caller holds (-1: none).")] = -1,
-        wait_s: Annotated[
-            float, Query(ge=0.0, le=MAX_WAIT_S, description="Seconds to wait for a newer version (0: answer now).")
-        ] = 0.0,
-    ) -> LatestVersion:
-        return await watch.wait_newer(after, wait_s)
-
-    return watch
-
-
-def releasing_server(config: uvicorn.Config, watch: VersionWatch) -> uvicorn.Server:
-    """A uvicorn server that answers the open long polls as soon as it is told to stop."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            watch.close()
-            super().handle_exit(sig, frame)
-
-    return _Server(config)
-
-
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
@@ -535,11 +396,11 @@ def create_app(
         if coordinator.fence is not None:  # one live proxy per run (proxy.api.app)
             tasks.append(asyncio.create_task(keep_leadership(coordinator.fence, stop_on_lost_lease)))
         if redis_url is not None:
-            await heartbeats.start(redis_url)
+            await loop_answers.start(redis_url)
         try:
             yield
         finally:
-            await heartbeats.stop()
+            await loop_answers.stop()
             for task in tasks:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
@@ -577,9 +438,12 @@ def create_app(
         return response
 
     open_paths = OPEN_PATHS - {"/metrics"} if metrics_need_token else OPEN_PATHS
-    heartbeats = Heartbeats(coordinator, poke)
-    app.state.heartbeats = heartbeats
-    app.add_middleware(LoopRoutes, heartbeats=heartbeats)  # innermost: after the guard, the token and the limit
+    # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).
+    version_watch = install_version_watch(app, coordinator)
+    loop_answers = LoopAnswers(coordinator, version_watch, poke)
+    app.state.loop_answers = loop_answers
+    # Innermost: after the guard, the token and the limit. The fleet's requests are answered on the event loop.
+    app.add_middleware(LoopRoutes, answers=loop_answers)
     app.add_middleware(
         AuthAndTiming,
         token=expected,
@@ -591,8 +455,6 @@ def create_app(
     app.add_middleware(LeadershipGuard, fence=coordinator.fence, refuse=unavailable)
 
     install_error_handlers(app, metrics)
-    # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.app).
-    version_watch = install_version_watch(app, coordinator)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -685,7 +547,7 @@ def create_app(
             poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
         return HeartbeatResult()
 
-    heartbeats.route = next(r for r in app.router.routes if getattr(r, "path", None) == HEARTBEAT_PATH)
+    loop_answers.routes = {r.path: r for r in app.router.routes if getattr(r, "path", None) in LOOP_PATHS}
 
     install_eval_routes(app, coordinator, poke)  # POST /v1/evals/{task_id}/lease and .../result
     install_openapi(app, token_required=expected is not None, open_paths=open_paths)

@@ -13,7 +13,7 @@ work directly on the ASGI messages:
   the spaces after ``Bearer`` are skipped (the HTTP parser already dropped the value's outer whitespace);
 - refuse a body over ``max_body_bytes`` (413) before anything parses it, whether it announced its length or not;
 - time the request by its route template and method (unknown methods as ``other``) and log one
-  ``proxy.request`` line (at debug level for polled routes).
+  ``proxy.request`` line (at debug level for the polled routes, unless refused).
 
 Refusals as HTTP answers: which coordinator exception is which protocol error code, and the error body.
 
@@ -205,8 +205,20 @@ log = structlog.get_logger()
 
 OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 """Answered without the token: they carry no ids (``/metrics`` can be closed too)."""
-QUIET_ROUTES = frozenset({"/metrics", "/healthz", "/v1/status", "/v1/workers"})
-"""Polled by dashboards and people: their request lines are logged at debug level only."""
+QUIET_ROUTES = frozenset(
+    {
+        "/metrics",
+        "/healthz",
+        "/v1/status",
+        "/v1/workers",
+        "/v1/workers/heartbeat",
+        "/v1/versions/latest",
+        "/v1/leases/{lease_id}/renew",
+    }
+)
+"""Polled by dashboards and people, or sent by every worker every few seconds: their request lines are logged
+at debug level only, unless refused (at 1,000 workers the heartbeats alone were 200 lines a second, and logging
+was 8 % of the proxy's CPU). ``asyncgrpo_http_request_seconds`` counts them all."""
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Metric label values for the method; anything else a client makes up is counted as ``other``."""
 UNAUTHORIZED_ROUTE = "unauthorized"
@@ -306,7 +318,7 @@ class AuthAndTiming:
         route = getattr(scope.get("route"), "path", "unmatched")
         seconds = time.perf_counter() - started
         self.metrics.http_seconds.labels(route, method).observe(seconds)
-        log_line = log.debug if route in QUIET_ROUTES else log.info
+        log_line = log.debug if route in QUIET_ROUTES and status < 400 else log.info
         log_line("proxy.request", method=method, route=route, status=status, seconds=seconds)
 
     async def _refused(

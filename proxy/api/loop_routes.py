@@ -1,111 +1,204 @@
-"""The heartbeat answered on the event loop: the request a fleet sends most.
+"""The fleet's requests answered on the event loop: heartbeats, leases, renewals and the new-version long poll.
 
-Every worker sends one every 5 s, sampling or idle, so 1,000 generate workers send 200 a second. Through a
-FastAPI route each one paid for the dependency machinery's validation and a hop to a handler thread: most of the
-proxy's CPU at that fleet size (``benchmarks/bench_fleet.py``). ``LoopRoutes`` answers it in the ASGI stack
-instead, inside the token check, the body limit, the timing and the lease guard: the body is validated by the
-route's own model, the script runs on an asyncio Redis client, and the answer is the route's.
+A generate worker sends a heartbeat every 5 s, a lease and maybe renewals per task, and holds a long poll open
+that every publish answers: at 1,000 workers that is hundreds of requests a second, most of the proxy's. Through a
+FastAPI route each one paid for the dependency machinery (parameters, the response model) and, for synchronous
+handlers, a hop to a handler thread and back (``benchmarks/bench_fleet.py --py-spy``). ``LoopRoutes`` answers
+them in the ASGI stack instead, inside the leadership guard, the token check, the body limit and the timing: the
+body is validated by the route's own model, the script runs on an asyncio Redis client, and the answer is the
+route's model.
 
-Anything off that one path (a query string, a body that is not JSON or that the model refuses, any error) goes
-on to the route unchanged, so the route stays the one definition of the endpoint, of its errors and of
-``/openapi.json``. Without a Redis URL (``create_app(redis_url=None)``, tests of the routes) every request does.
+Anything off those paths (a query string a route does not take, a body that is not JSON or that the model
+refuses, a path parameter the route would refuse, any refusal or error) goes on to the route unchanged, so the
+route stays the one definition of the endpoint, of its errors and of ``/openapi.json``. A refusal is answered
+by the route running the request again: lease and renewal refusals change nothing, so the route refuses alike
+(or, should the state have moved meanwhile, answers as a retry would). Without a Redis URL
+(``create_app(redis_url=None)``, tests of the routes) every request but the long poll goes to its route.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from urllib.parse import parse_qsl
 
 import structlog
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from asyncgrpo.protocol.schemas import HeartbeatRequest, HeartbeatResult
+from asyncgrpo.protocol.schemas import (
+    ID_PATTERN,
+    HeartbeatRequest,
+    HeartbeatResult,
+    LeaseRequest,
+    RenewRequest,
+)
 from proxy.api.edge import replay
-from proxy.coordinator.scripts import RECORD_HEARTBEAT, AsyncBoundScript
+from proxy.api.version_watch import MAX_WAIT_S, VersionWatch
+from proxy.coordinator.scripts import GRANT_LEASE, RECORD_HEARTBEAT, RENEW_LEASE, AsyncBoundScript
 from proxy.coordinator.service import Coordinator
 
 log = structlog.get_logger()
 
 HEARTBEAT_PATH = "/v1/workers/heartbeat"
+LEASES_PATH = "/v1/leases"
+RENEW_PATH = "/v1/leases/{lease_id}/renew"
+LATEST_PATH = "/v1/versions/latest"
+LOOP_PATHS = (HEARTBEAT_PATH, LEASES_PATH, RENEW_PATH, LATEST_PATH)
+"""The routes answered here (by their templates, as the timing labels them)."""
 LOOP_REDIS_CONNECTIONS = 64
 """Connections of the event loop's Redis client: its calls are one short script each, never a bucket put."""
 LOOP_REDIS_WAIT_S = 20.0
 """How long a call waits for one of them before it fails (and the route answers instead)."""
 
+_RENEW = re.compile(r"/v1/leases/([^/]+)/renew")
+_ID = re.compile(ID_PATTERN)
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+_DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?")
+"""The plain forms of the long poll's numbers; any other spelling is the route's to parse or refuse."""
 
-class Heartbeats:
-    """The event loop's heartbeat: its Redis client, opened and closed with the app (on its loop)."""
 
-    def __init__(self, coordinator: Coordinator, poke: Callable[[], None]) -> None:
+class PassOn(Exception):
+    """The request is the route's to answer (off the loop's path)."""
+
+
+class LoopAnswers:
+    """What answers the fleet's requests on the event loop: its Redis client and scripts, opened and closed with
+    the app (on its loop), the version watch, and what was answered here."""
+
+    def __init__(self, coordinator: Coordinator, watch: VersionWatch, poke: Callable[[], None]) -> None:
         self.coordinator = coordinator
+        self.watch = watch
         self.poke = poke
-        self.answer = HeartbeatResult().model_dump_json().encode()
-        self.route: object = None
-        """The FastAPI route of the path, put in the scope so the timing middleware labels both alike."""
-        self.served = 0
-        """Heartbeats answered here (the tests and the benchmarks read it)."""
+        self.served: Counter[str] = Counter()
+        """Requests answered here, by route template (the tests and the benchmarks read it)."""
+        self.routes: dict[str, object] = {}
+        """The FastAPI route of each path, put in the scope so the timing middleware labels both alike."""
         self._pool: BlockingConnectionPool | None = None
-        self._record: AsyncBoundScript | None = None
+        self._record_heartbeat: AsyncBoundScript | None = None
+        self._grant_lease: AsyncBoundScript | None = None
+        self._renew_lease: AsyncBoundScript | None = None
 
     @property
     def open(self) -> bool:
-        return self._record is not None
+        return self._pool is not None
 
     async def start(self, redis_url: str) -> None:
         self._pool = BlockingConnectionPool.from_url(
             redis_url, decode_responses=True, max_connections=LOOP_REDIS_CONNECTIONS, timeout=LOOP_REDIS_WAIT_S
         )
-        self._record = self.coordinator.store.bind_async(AsyncRedis(connection_pool=self._pool), RECORD_HEARTBEAT)
+        redis = AsyncRedis(connection_pool=self._pool)
+        store = self.coordinator.store
+        self._record_heartbeat = store.bind_async(redis, RECORD_HEARTBEAT)
+        self._grant_lease = store.bind_async(redis, GRANT_LEASE)
+        self._renew_lease = store.bind_async(redis, RENEW_LEASE)
 
     async def stop(self) -> None:
-        self._record = None
-        if self._pool is not None:
-            await self._pool.disconnect()
-            self._pool = None
+        pool, self._pool = self._pool, None
+        self._record_heartbeat = self._grant_lease = self._renew_lease = None
+        if pool is not None:
+            await pool.disconnect()
 
-    async def record(self, report: HeartbeatRequest) -> None:
-        assert self._record is not None
-        if await self.coordinator.heartbeat_on_loop(report, self._record):
+    def endpoint(self, scope: Scope) -> _Endpoint | None:
+        """What answers the request here, or None: the route."""
+        method, path = scope["method"], scope["path"]
+        if method == "GET" and path == LATEST_PATH:
+            query = scope.get("query_string", b"")
+            return _Endpoint(LATEST_PATH, lambda _: self._latest(query))
+        # Routes refuse unknown queries; FastAPI parses a body without a content type as JSON too.
+        if method != "POST" or scope.get("query_string") or not _json(scope) or not self.open:
+            return None
+        if path == HEARTBEAT_PATH:
+            return _Endpoint(HEARTBEAT_PATH, self._heartbeat)
+        if path == LEASES_PATH:
+            return _Endpoint(LEASES_PATH, self._lease)
+        renew = _RENEW.fullmatch(path)
+        if renew is not None and _ID.fullmatch(lease_id := renew.group(1)):
+            return _Endpoint(RENEW_PATH, lambda body: self._renew(lease_id, body))
+        return None
+
+    async def _heartbeat(self, body: bytes) -> BaseModel:
+        report = HeartbeatRequest.model_validate_json(body)
+        assert self._record_heartbeat is not None
+        if await self.coordinator.heartbeat_on_loop(report, self._record_heartbeat):
             self.poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
-        self.served += 1
+        return HeartbeatResult()
+
+    async def _lease(self, body: bytes) -> BaseModel:
+        request = LeaseRequest.model_validate_json(body)
+        assert self._grant_lease is not None
+        return await self.coordinator.lease_on_loop(
+            request.worker_id, request.task_id, request.incarnation or "", self._grant_lease
+        )
+
+    async def _renew(self, lease_id: str, body: bytes) -> BaseModel:
+        RenewRequest.model_validate_json(body)  # no body at all, which the route takes too, is the route's
+        assert self._renew_lease is not None
+        return await self.coordinator.renew_on_loop(lease_id, self._renew_lease)
+
+    async def _latest(self, query: bytes) -> BaseModel:
+        after, wait_s = _long_poll_query(query)
+        return await self.watch.wait_newer(after, wait_s)
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    path: str
+    """The route's template: its label, and how ``LoopAnswers.routes`` finds the route."""
+    answer: Callable[[bytes], Awaitable[BaseModel]]
+    """The answer from the request's body; raises PassOn (or anything) to hand the request to the route."""
 
 
 class LoopRoutes:
-    """ASGI: ``POST /v1/workers/heartbeat`` answered by ``heartbeats`` when it can, else by the app."""
+    """ASGI: the fleet's requests (``LOOP_PATHS``) answered by ``answers`` when they can be, else by the app."""
 
-    def __init__(self, app: ASGIApp, *, heartbeats: Heartbeats) -> None:
+    def __init__(self, app: ASGIApp, *, answers: LoopAnswers) -> None:
         self.app = app
-        self.heartbeats = heartbeats
+        self.answers = answers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] != HEARTBEAT_PATH
-            or scope.get("query_string")  # the route refuses unknown query parameters
-            or not _json(scope)
-            or not self.heartbeats.open
-        ):
+        endpoint = self.answers.endpoint(scope) if scope["type"] == "http" else None
+        if endpoint is None:
             await self.app(scope, receive, send)
             return
-        messages = await _body(receive)
+        messages = await _body(receive) if scope["method"] == "POST" else []
         try:
-            report = HeartbeatRequest.model_validate_json(b"".join(m.get("body", b"") for m in messages))
-            await self.heartbeats.record(report)
-        except ValidationError:
-            await self.app(scope, replay(messages, receive), send)  # the route's 422, with its body
+            answer = await endpoint.answer(b"".join(m.get("body", b"") for m in messages))
+        except (PassOn, ValidationError):
+            await self.app(scope, replay(messages, receive), send)  # the route's answer, or its 422
             return
-        except Exception as error:  # Redis down or slow: the route answers (and maps the error) as before
-            log.info("proxy.loop_heartbeat_passed_on", error=str(error))
+        except Exception as error:  # a refusal, Redis down or slow: the route answers (and maps the error)
+            log.info("proxy.loop_request_passed_on", path=endpoint.path, error=str(error), kind=type(error).__name__)
             await self.app(scope, replay(messages, receive), send)
             return
-        scope["route"] = self.heartbeats.route
-        body = self.heartbeats.answer
+        scope["route"] = self.answers.routes.get(endpoint.path)
+        body = answer.model_dump_json().encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        self.answers.served[endpoint.path] += 1
+
+
+def _long_poll_query(query: bytes) -> tuple[int, float]:
+    """``after`` and ``wait_s`` when the query spells them plainly and within the route's bounds; else PassOn."""
+    try:
+        pairs = parse_qsl(query.decode("ascii"), keep_blank_values=True, strict_parsing=bool(query))
+    except (UnicodeDecodeError, ValueError):
+        raise PassOn from None
+    values = dict(pairs)
+    if len(values) != len(pairs) or not set(values) <= {"after", "wait_s"}:
+        raise PassOn  # a repeated or unknown parameter: the route's to answer
+    after_text, wait_text = values.get("after", "-1"), values.get("wait_s", "0")
+    if not _INTEGER.fullmatch(after_text) or not _DECIMAL.fullmatch(wait_text):
+        raise PassOn
+    after, wait_s = int(after_text), float(wait_text)
+    if after < -1 or wait_s > MAX_WAIT_S:
+        raise PassOn
+    return after, wait_s
 
 
 def _json(scope: Scope) -> bool:

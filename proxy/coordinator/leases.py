@@ -16,10 +16,13 @@ the window (an upload in progress) are never touched. Rollouts: the scripts queu
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import structlog
+from redis.exceptions import RedisError
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError
@@ -28,7 +31,7 @@ from asyncgrpo.protocol.schemas import LeaseGrant
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.metrics import ProxyMetrics
 from proxy.coordinator.redis_store import RedisStore
-from proxy.coordinator.scripts import SnapshotFailed
+from proxy.coordinator.scripts import AsyncBoundScript, SnapshotFailed
 from proxy.coordinator.snapshot import SnapshotWriter
 
 log = structlog.get_logger()
@@ -80,21 +83,36 @@ class Leases:
     def grant(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
         """Lease the current version for a task in flight; raises NoVersionYet before the init step published
         version 0, TaskEnded for a task of this run that is cancelled, done or forgotten."""
+        lease_id, now, values = self._grant_values(worker_id, task_id, incarnation)
+        reply = self.store.scripts.grant_lease(**values)
+        if reply["version"] > self._first_use_marked:
+            self._observe_first_use(reply["version"], now)
+        return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
+
+    async def grant_on_loop(
+        self, worker_id: str, task_id: str, incarnation: str, script: AsyncBoundScript
+    ) -> LeaseGrant:
+        """``grant`` with ``script``, GRANT_LEASE bound to the caller's asyncio client. The first lease of a
+        version (once per version) observes its wait in a thread: it takes two more round trips."""
+        lease_id, now, values = self._grant_values(worker_id, task_id, incarnation)
+        reply = await script(**values)
+        if reply["version"] > self._first_use_marked:
+            await asyncio.to_thread(self._observe_first_use, reply["version"], now)
+        return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
+
+    def _grant_values(self, worker_id: str, task_id: str, incarnation: str) -> tuple[str, int, dict[str, Any]]:
         lease_id = uuid.uuid4().hex
         now = self.store.clock_ms()
-        reply = self.store.scripts.grant_lease(
-            now_ms=now,
-            ttl_ms=self._ttl_ms,
-            lease_id=lease_id,
-            worker_id=worker_id,
-            task_id=task_id,
-            task_prefix=task_id_prefix(self.store.run),
-            incarnation=incarnation,
-        )
-        version = reply["version"]
-        if version > self._first_use_marked:
-            self._observe_first_use(version, now)
-        return self._grant(lease_id, version, reply["manifest_sha256"], reply["expires_ms"])
+        values = {
+            "now_ms": now,
+            "ttl_ms": self._ttl_ms,
+            "lease_id": lease_id,
+            "worker_id": worker_id,
+            "task_id": task_id,
+            "task_prefix": task_id_prefix(self.store.run),
+            "incarnation": incarnation,
+        }
+        return lease_id, now, values
 
     def _observe_first_use(self, version: int, now_ms: int) -> None:
         """At the first lease on ``version``, observe the seconds since it was published.
@@ -106,15 +124,21 @@ class Leases:
         """
         redis = self.store.redis
         step_key = self.store.keys.step(version)
-        published_ms = redis.hget(step_key, "published_ms")
-        if published_ms is None:
-            self._first_use_marked = version
+        try:
+            published_ms = redis.hget(step_key, "published_ms")
+            if published_ms is None:
+                self._first_use_marked = version
+                return
+            pipe = redis.pipeline(transaction=True)
+            pipe.hsetnx(step_key, "first_lease_ms", now_ms)
+            # Backstop: should the record have expired between the two calls, the stub HSETNX made expires too.
+            pipe.expire(step_key, self.store.record_ttl_s, nx=True)
+            first, _ = pipe.execute()
+        except RedisError as error:
+            # The lease is granted already: failing its answer now would only make the worker lease again.
+            # The next lease of the version observes it instead.
+            log.warning("proxy.version_first_use_unobserved", version=version, error=str(error))
             return
-        pipe = redis.pipeline(transaction=True)
-        pipe.hsetnx(step_key, "first_lease_ms", now_ms)
-        # Backstop: should the record have expired between the two calls, the stub HSETNX made expires too.
-        pipe.expire(step_key, self.store.record_ttl_s, nx=True)
-        first, _ = pipe.execute()
         self._first_use_marked = version
         if first:
             seconds = max(0, now_ms - int(published_ms)) / 1000.0
@@ -124,6 +148,11 @@ class Leases:
     def renew(self, lease_id: str) -> LeaseGrant:
         """Push a live lease's expiry on; raises LeaseLostError if it already expired."""
         reply = self.store.scripts.renew_lease(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
+        return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
+
+    async def renew_on_loop(self, lease_id: str, script: AsyncBoundScript) -> LeaseGrant:
+        """``renew`` with ``script``, RENEW_LEASE bound to the caller's asyncio client."""
+        reply = await script(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
         return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
 
     def release(self, lease_id: str) -> bool:

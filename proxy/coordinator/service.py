@@ -464,9 +464,22 @@ class Coordinator:
         self.pacer.leased(task_id)
         return grant
 
+    async def lease_on_loop(
+        self, worker_id: str, task_id: str, incarnation: str, script: AsyncBoundScript
+    ) -> LeaseGrant:
+        """``lease`` through ``script`` (GRANT_LEASE on the caller's asyncio client). Raises StateMissing
+        without rebuilding: the caller hands the request to the route, which rebuilds and leases."""
+        grant = await self.leases.grant_on_loop(worker_id, task_id, incarnation, script)
+        self.pacer.leased(task_id)
+        return grant
+
     @_rebuilding
     def renew(self, lease_id: str) -> LeaseGrant:
         return self.leases.renew(lease_id)
+
+    async def renew_on_loop(self, lease_id: str, script: AsyncBoundScript) -> LeaseGrant:
+        """``renew`` through ``script`` (RENEW_LEASE); StateMissing as ``lease_on_loop``."""
+        return await self.leases.renew_on_loop(lease_id, script)
 
     @_rebuilding
     def release(self, lease_id: str) -> bool:

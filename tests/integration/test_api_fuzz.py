@@ -33,7 +33,8 @@ from schemathesis.checks import (
 )
 
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
-from proxy.api.app import MAX_WAIT_S, create_app, take_leadership
+from proxy.api.app import create_app, take_leadership
+from proxy.api.version_watch import MAX_WAIT_S
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import ProxyFence
 from tests.support.dispatcher import RecordingDispatcher
@@ -157,7 +158,10 @@ def proxy_url(
         redis, bucket, config=config, clock=ManualClock(), dispatcher=RecordingDispatcher(), fence=fence
     )
     coord = {"before_v0": _before_v0, "mid_run": _mid_run, "finished": _finished, "standby": _standby}[state](coord)
-    with served(create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_lease=lambda: None)) as url:
+    # With the loop's answers (proxy.api.loop_routes), as ``serve`` runs it: they must answer as the routes do.
+    loop_redis = f"redis://{redis_server.host}:{redis_server.port}/{FUZZ_DB}"
+    app = create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_lease=lambda: None, redis_url=loop_redis)
+    with served(app) as url:
         yield url
     redis.flushdb()
 

@@ -28,12 +28,12 @@ MAX_ERROR_BYTES = 8 * 1024
 SHA = "0" * 64
 
 
-@pytest.fixture(params=["routes", "heartbeats on the loop"])
+@pytest.fixture(params=["routes", "the loop's answers"])
 def api(
     coord: Coordinator, redis_url: str, request: pytest.FixtureRequest
 ) -> Iterator[tuple[httpx.Client, Coordinator]]:
-    """The proxy on a real port; also with heartbeats answered on the event loop (``proxy.api.loop_routes``),
-    which must refuse every hostile heartbeat as the route does."""
+    """The proxy on a real port; also with the fleet's requests answered on the event loop (``proxy.api.loop_routes``),
+    which must refuse every hostile request as the routes do."""
     start_run(coord)
     app = create_app(coord, API_TOKEN, run_loop=False, redis_url=redis_url if request.param != "routes" else None)
     with served(app) as url, httpx.Client(base_url=url, timeout=30) as client:

@@ -274,6 +274,8 @@ def test_generate_messages_expire_at_their_deadline(redis_url: str) -> None:
     raw = Redis.from_url(redis_url, decode_responses=True).lrange(generate_queue("r1"), 0, -1)
     headers = json.loads(raw[0])["headers"]
     assert headers["expires"].startswith("2033-05-18T03:33:20"), headers["expires"]
+    # What `celery inspect` shows of it: the kwargs as JSON (written by the JSON encoder, not Celery's repr).
+    assert (headers["argsrepr"], json.loads(headers["kwargsrepr"])) == ("()", message.model_dump(mode="json"))
 
 
 def test_max_group_attempts_config(redis_client: Redis, tmp_path: Path, clock: ManualClock) -> None:

@@ -264,6 +264,26 @@ def test_every_request_gets_one_log_line_with_its_duration(http: TestClient) -> 
     assert all(r["seconds"] > 0 for r in requests)
 
 
+def test_the_fleets_polls_are_logged_at_debug_unless_refused(http: TestClient) -> None:
+    """Every worker sends a heartbeat every few seconds and holds a long poll: at info they would be most of
+    the log. A refused one is logged at info, as every other refusal is."""
+    from structlog.testing import capture_logs
+
+    beat = {"worker_id": "gen-1", "role": "generate", "hostname": "h", "pid": 1, "state": "idle"}
+    with capture_logs() as lines:
+        http.post("/v1/workers/heartbeat", json=beat, headers=AUTH)
+        http.get("/v1/versions/latest", headers=AUTH)
+        http.post("/v1/workers/heartbeat", json={**beat, "role": "judge"}, headers=AUTH)
+        http.post(f"/v1/leases/{'f' * 32}/renew", json={}, headers=AUTH)
+    requests = [(r["route"], r["status"], r["log_level"]) for r in lines if r["event"] == "proxy.request"]
+    assert requests == [
+        ("/v1/workers/heartbeat", 200, "debug"),
+        ("/v1/versions/latest", 200, "debug"),
+        ("/v1/workers/heartbeat", 422, "info"),
+        ("/v1/leases/{lease_id}/renew", 410, "info"),
+    ]
+
+
 def test_the_proxy_redis_client_has_a_connection_for_every_handler_thread(redis_server: RedisServer) -> None:
     # redis-py's default pool refuses its 101st concurrent call ("Too many connections"), which the proxy
     # answered as `unavailable` once a fleet of workers kept more than 100 handler threads busy.

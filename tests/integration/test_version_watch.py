@@ -17,7 +17,8 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import BadRequest
 from asyncgrpo.protocol.schemas import LatestVersion
-from proxy.api.app import VersionWatch, create_app
+from proxy.api.app import create_app
+from proxy.api.version_watch import VersionWatch
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import (
@@ -176,6 +177,34 @@ def test_the_waiters_share_their_reads_of_redis(live: tuple[ProxyClient, Version
         poll.join(timeout=15)
         assert poll.answer is not None and poll.answer.version == 1
     assert watch.reads - before <= 2, "the waiters woken by a publish read Redis once, not once each"
+
+
+def test_a_waiter_sleeps_until_a_publish_or_its_deadline(
+    live: tuple[ProxyClient, VersionWatch], coord: Coordinator
+) -> None:
+    """The watcher re-reads Redis for everyone: a waiter is not woken at each re-read (at 1,000 waiters, 1,000
+    timers a second), only when the version moved or its time ran out."""
+    client, watch = live
+    watch.fallback_s = 0.05
+    reads, sleeps = watch.reads, watch.sleeps
+    polls = [Poll(client, after=0, wait_s=1) for _ in range(20)]
+    for poll in polls:
+        poll.start()
+    for poll in polls:
+        poll.join(timeout=30)
+        assert poll.answer is not None and poll.answer.version == 0
+    assert watch.reads - reads >= 5, "the watcher kept reading Redis while they waited"
+    assert watch.sleeps - sleeps == 20, "each waiter slept once, through every re-read"
+    # A publish straight into Redis, as another proxy process would: the watcher's next read wakes them.
+    polls = [Poll(client, after=0, wait_s=30) for _ in range(5)]
+    for poll in polls:
+        poll.start()
+    wait_until(lambda: watch.waiting == 5)
+    claim_next_step(coord)
+    publish_next(coord)
+    for poll in polls:
+        poll.join(timeout=15)
+        assert poll.answer is not None and poll.answer.version == 1 and poll.seconds < 15
 
 
 def test_closing_answers_open_polls(live: tuple[ProxyClient, VersionWatch]) -> None:
