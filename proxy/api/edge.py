@@ -89,12 +89,16 @@ STARLETTE_REFUSALS = {
 }
 """The refusals Starlette and FastAPI make themselves (unparsable body, unknown path, wrong method)."""
 TOO_LARGE = "too_large"
-SENT_CODES = frozenset(REFUSAL_CODES.values()) | {code for code, _ in STARLETTE_REFUSALS.values()} | {
-    AUTH_REFUSAL,
-    TOO_LARGE,
-    UNAVAILABLE,
-    INTERNAL,
-}
+SENT_CODES = (
+    frozenset(REFUSAL_CODES.values())
+    | {code for code, _ in STARLETTE_REFUSALS.values()}
+    | {
+        AUTH_REFUSAL,
+        TOO_LARGE,
+        UNAVAILABLE,
+        INTERNAL,
+    }
+)
 """Every error code this server can send (checked against the table by a test)."""
 MAX_DETAIL_CHARS = 1000
 MAX_FIELD_ERRORS = 20
@@ -134,8 +138,10 @@ def refuse_unknown_query(request: Request) -> None:
     unknown = [name for name in request.query_params if name not in known]
     if unknown:
         raise RequestValidationError(
-            [{"loc": ("query", name), "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
-             for name in unknown]
+            [
+                {"loc": ("query", name), "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
+                for name in unknown
+            ]
         )
 
 
@@ -161,13 +167,41 @@ def _refusal_fields(exc: Exception) -> dict[str, Any]:
     return {}
 
 
+def counted_error(
+    metrics: ProxyMetrics, code: str, detail: str, *, status: int | None = None, **extra: Any
+) -> JSONResponse:
+    metrics.count_http_error(code)
+    return error_body(code, detail, status=status, **extra)
+
+
+def is_refusal(exc: Exception) -> bool:
+    """Whether ``exc`` is a coordinator refusal (or a store failure) with an error code of its own."""
+    return isinstance(exc, tuple(REFUSAL_CODES))
+
+
+def refusal_answer(exc: Exception, metrics: ProxyMetrics) -> JSONResponse:
+    """The answer to a refusal (``is_refusal``), counted: what every route and ``proxy.api.loop_routes`` send."""
+    code = _refusal_code(exc)
+    if code == UNAVAILABLE:
+        log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)
+        return counted_error(metrics, code, _unavailable_detail(exc))
+    return counted_error(metrics, code, str(exc), **_refusal_fields(exc))
+
+
+def fault_answer(exc: Exception, metrics: ProxyMetrics) -> JSONResponse:
+    """The answer to a fault of the proxy itself (any other exception), logged with its traceback."""
+    log.error("proxy.request_failed", error=repr(exc)[:MAX_DETAIL_CHARS], kind=type(exc).__name__, exc_info=exc)
+    return counted_error(
+        metrics, INTERNAL, "the proxy failed to answer this request; its log has the error", status=500
+    )
+
+
 def install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
     """Answer every refusal, schema failure, parse error, unknown path and fault with an ``ErrorBody``; count
     each by code."""
 
     def _error(code: str, detail: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
-        metrics.count_http_error(code)
-        return error_body(code, detail, status=status, **extra)
+        return counted_error(metrics, code, detail, status=status, **extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -187,15 +221,10 @@ def install_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def _fault(_: Request, exc: Exception) -> JSONResponse:
-        log.error("proxy.request_failed", error=repr(exc)[:MAX_DETAIL_CHARS], kind=type(exc).__name__, exc_info=exc)
-        return _error(INTERNAL, "the proxy failed to answer this request; its log has the error", status=500)
+        return fault_answer(exc, metrics)
 
     async def _refused(_: Request, exc: Exception) -> JSONResponse:
-        code = _refusal_code(exc)
-        if code == UNAVAILABLE:
-            log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)
-            return _error(code, _unavailable_detail(exc))
-        return _error(code, str(exc), **_refusal_fields(exc))
+        return refusal_answer(exc, metrics)
 
     for kind in REFUSAL_CODES:
         app.add_exception_handler(kind, _refused)

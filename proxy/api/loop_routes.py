@@ -1,19 +1,20 @@
-"""The fleet's requests answered on the event loop: heartbeats, leases, renewals and the new-version long poll.
+"""The fleet's requests answered on the event loop: heartbeats, leases, renewals, submits and the long poll.
 
-A generate worker sends a heartbeat every 5 s, a lease and maybe renewals per task, and holds a long poll open
-that every publish answers: at 1,000 workers that is hundreds of requests a second, most of the proxy's. Through a
-FastAPI route each one paid for the dependency machinery (parameters, the response model) and, for synchronous
-handlers, a hop to a handler thread and back (``benchmarks/bench_fleet.py --py-spy``). ``LoopRoutes`` answers
-them in the ASGI stack instead, inside the leadership guard, the token check, the body limit and the timing: the
-body is validated by the route's own model, the script runs on an asyncio Redis client, and the answer is the
-route's model.
+A generate worker sends a heartbeat every 5 s, a lease, maybe renewals and a submit per task, and holds a long
+poll open that every publish answers: at 1,000 workers that is hundreds of requests a second, most of the proxy's.
+Through a FastAPI route each one paid for the dependency machinery (parameters, the response model) and, for
+synchronous handlers, a hop to a handler thread and back (``benchmarks/bench_fleet.py --py-spy``). ``LoopRoutes``
+answers them in the ASGI stack instead, inside the leadership guard, the token check, the body limit and the
+timing: the body is validated by the route's own model, the scripts run on an asyncio Redis client, a submit
+waits for the group commit on a future (``SnapshotWriter.write_through_on_loop``), and the answer is the route's
+model. A refusal or a fault is answered with the routes' own error answers (``proxy.api.edge``).
 
 Anything off those paths (a query string a route does not take, a body that is not JSON or that the model
-refuses, a path parameter the route would refuse, any refusal or error) goes on to the route unchanged, so the
-route stays the one definition of the endpoint, of its errors and of ``/openapi.json``. A refusal is answered
-by the route running the request again: lease and renewal refusals change nothing, so the route refuses alike
-(or, should the state have moved meanwhile, answers as a retry would). Without a Redis URL
-(``create_app(redis_url=None)``, tests of the routes) every request but the long poll goes to its route.
+refuses, a path parameter the route would refuse) goes on to the route unchanged, so the route stays the one
+definition of the endpoint, of its schema errors and of ``/openapi.json``. So does a request that found no state
+in Redis (the route rebuilds it, then answers) or whose Redis call failed: the route runs it again, as the
+worker's retry would. Without a Redis URL (``create_app(redis_url=None)``, tests of the routes) every request
+but the long poll goes to its route.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asyncgrpo.protocol.schemas import (
@@ -36,10 +38,12 @@ from asyncgrpo.protocol.schemas import (
     HeartbeatResult,
     LeaseRequest,
     RenewRequest,
+    RolloutSubmission,
 )
-from proxy.api.edge import replay
+from proxy.api.edge import fault_answer, is_refusal, refusal_answer, replay
 from proxy.api.version_watch import MAX_WAIT_S, VersionWatch
-from proxy.coordinator.scripts import GRANT_LEASE, RECORD_HEARTBEAT, RENEW_LEASE, AsyncBoundScript
+from proxy.coordinator.redis_store import LoopScripts
+from proxy.coordinator.scripts import StateMissing
 from proxy.coordinator.service import Coordinator
 
 log = structlog.get_logger()
@@ -47,8 +51,9 @@ log = structlog.get_logger()
 HEARTBEAT_PATH = "/v1/workers/heartbeat"
 LEASES_PATH = "/v1/leases"
 RENEW_PATH = "/v1/leases/{lease_id}/renew"
+ROLLOUTS_PATH = "/v1/rollouts"
 LATEST_PATH = "/v1/versions/latest"
-LOOP_PATHS = (HEARTBEAT_PATH, LEASES_PATH, RENEW_PATH, LATEST_PATH)
+LOOP_PATHS = (HEARTBEAT_PATH, LEASES_PATH, RENEW_PATH, ROLLOUTS_PATH, LATEST_PATH)
 """The routes answered here (by their templates, as the timing labels them)."""
 LOOP_REDIS_CONNECTIONS = 64
 """Connections of the event loop's Redis client: its calls are one short script each, never a bucket put."""
@@ -78,28 +83,28 @@ class LoopAnswers:
         """Requests answered here, by route template (the tests and the benchmarks read it)."""
         self.routes: dict[str, object] = {}
         """The FastAPI route of each path, put in the scope so the timing middleware labels both alike."""
+        self.refused: Counter[str] = Counter()
+        """Refusals answered here, by route template."""
         self._pool: BlockingConnectionPool | None = None
-        self._record_heartbeat: AsyncBoundScript | None = None
-        self._grant_lease: AsyncBoundScript | None = None
-        self._renew_lease: AsyncBoundScript | None = None
+        self._scripts: LoopScripts | None = None
 
     @property
     def open(self) -> bool:
-        return self._pool is not None
+        return self._scripts is not None
+
+    @property
+    def scripts(self) -> LoopScripts:
+        assert self._scripts is not None, "the loop's Redis client is not open"
+        return self._scripts
 
     async def start(self, redis_url: str) -> None:
         self._pool = BlockingConnectionPool.from_url(
             redis_url, decode_responses=True, max_connections=LOOP_REDIS_CONNECTIONS, timeout=LOOP_REDIS_WAIT_S
         )
-        redis = AsyncRedis(connection_pool=self._pool)
-        store = self.coordinator.store
-        self._record_heartbeat = store.bind_async(redis, RECORD_HEARTBEAT)
-        self._grant_lease = store.bind_async(redis, GRANT_LEASE)
-        self._renew_lease = store.bind_async(redis, RENEW_LEASE)
+        self._scripts = self.coordinator.store.bind_loop(AsyncRedis(connection_pool=self._pool))
 
     async def stop(self) -> None:
-        pool, self._pool = self._pool, None
-        self._record_heartbeat = self._grant_lease = self._renew_lease = None
+        pool, self._pool, self._scripts = self._pool, None, None
         if pool is not None:
             await pool.disconnect()
 
@@ -116,6 +121,8 @@ class LoopAnswers:
             return _Endpoint(HEARTBEAT_PATH, self._heartbeat)
         if path == LEASES_PATH:
             return _Endpoint(LEASES_PATH, self._lease)
+        if path == ROLLOUTS_PATH:
+            return _Endpoint(ROLLOUTS_PATH, self._submit)
         renew = _RENEW.fullmatch(path)
         if renew is not None and _ID.fullmatch(lease_id := renew.group(1)):
             return _Endpoint(RENEW_PATH, lambda body: self._renew(lease_id, body))
@@ -123,22 +130,26 @@ class LoopAnswers:
 
     async def _heartbeat(self, body: bytes) -> BaseModel:
         report = HeartbeatRequest.model_validate_json(body)
-        assert self._record_heartbeat is not None
-        if await self.coordinator.heartbeat_on_loop(report, self._record_heartbeat):
+        if await self.coordinator.heartbeat_on_loop(report, self.scripts):
             self.poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
         return HeartbeatResult()
 
     async def _lease(self, body: bytes) -> BaseModel:
         request = LeaseRequest.model_validate_json(body)
-        assert self._grant_lease is not None
         return await self.coordinator.lease_on_loop(
-            request.worker_id, request.task_id, request.incarnation or "", self._grant_lease
+            request.worker_id, request.task_id, request.incarnation or "", self.scripts
         )
 
     async def _renew(self, lease_id: str, body: bytes) -> BaseModel:
         RenewRequest.model_validate_json(body)  # no body at all, which the route takes too, is the route's
-        assert self._renew_lease is not None
-        return await self.coordinator.renew_on_loop(lease_id, self._renew_lease)
+        return await self.coordinator.renew_on_loop(lease_id, self.scripts)
+
+    async def _submit(self, body: bytes) -> BaseModel:
+        submission = RolloutSubmission.model_validate_json(body)
+        try:
+            return await self.coordinator.submit_on_loop(submission, self.scripts)
+        finally:
+            self.poke()  # a round now: the buffer may complete a step
 
     async def _latest(self, query: bytes) -> BaseModel:
         after, wait_s = _long_poll_query(query)
@@ -166,21 +177,33 @@ class LoopRoutes:
             await self.app(scope, receive, send)
             return
         messages = await _body(receive) if scope["method"] == "POST" else []
+        answers = self.answers
         try:
             answer = await endpoint.answer(b"".join(m.get("body", b"") for m in messages))
         except (PassOn, ValidationError):
             await self.app(scope, replay(messages, receive), send)  # the route's answer, or its 422
             return
-        except Exception as error:  # a refusal, Redis down or slow: the route answers (and maps the error)
+        except (StateMissing, RedisError) as error:
+            # Nothing changed (no state), or maybe something did and its reply was lost: the route runs the
+            # request again through the coordinator's own client, rebuilding a lost state first, as a worker's
+            # retry would (every request here may be repeated: a repeated submit is answered as a duplicate).
             log.info("proxy.loop_request_passed_on", path=endpoint.path, error=str(error), kind=type(error).__name__)
             await self.app(scope, replay(messages, receive), send)
             return
-        scope["route"] = self.answers.routes.get(endpoint.path)
+        except Exception as error:  # a refusal, or a fault: answered here, exactly as the route's handlers do
+            scope["route"] = answers.routes.get(endpoint.path)
+            refusal = is_refusal(error)
+            metrics = answers.coordinator.metrics
+            response = refusal_answer(error, metrics) if refusal else fault_answer(error, metrics)
+            await response(scope, replay(messages, receive), send)
+            answers.refused[endpoint.path] += refusal
+            return
+        scope["route"] = answers.routes.get(endpoint.path)
         body = answer.model_dump_json().encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.answers.served[endpoint.path] += 1
+        answers.served[endpoint.path] += 1
 
 
 def _long_poll_query(query: bytes) -> tuple[int, float]:

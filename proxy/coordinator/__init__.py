@@ -2,7 +2,8 @@
 
 Read it top down; an import-linter contract keeps this order (nothing calls up it):
 `service` (the facade the HTTP app calls, the round it runs, the views it answers) > the seams (leases and
-retention, generate tasks, rollouts, steps and versions, evaluations, snapshot and leadership, rebuild) >
+retention, generate tasks, rollouts, steps and versions, evaluations, snapshot and leadership, rebuild,
+workers) >
 `redis_store` > `scripts` > metrics, dispatch.
 
 Every change to the state is one Lua script (`lua/<seam>/<name>.lua`, beside the seam module of that name that
@@ -18,7 +19,7 @@ evaluate task's failure report (`evaluations`, ZADD XX, not in the snapshot). Th
 Modules:
     service         `Coordinator` (the facade the HTTP app and tests call; a missing state is rebuilt here),
                     `Housekeeping` (the round `tick()` runs), `StateRestorer`; the views of the state
-                    (`/v1/status`, `/v1/run`, `/v1/workers`) and worker heartbeats
+                    (`/v1/status`, `/v1/run`)
     leases          grant, renew, release and expire leases on adapter versions; first-use latency; retention:
                     collect old adapter versions and rollout objects that no lease, window or evaluation holds
     generate_tasks  dispatch generate tasks (requeue line, seeded prompt order), cancel, expire; in-flight pacing
@@ -33,8 +34,11 @@ Modules:
                     onto the snapshot document, and when the writer compacts
     rebuild         the rebuild of an empty Redis from the snapshot (or from the versions in the bucket) and
                     which newer versions a rebuild adopts
+    workers         the fleet's heartbeats: each worker's last report (`/v1/workers`), liveness by role,
+                    restarts told apart by incarnation
     redis_store     `RedisStore`: the Redis client, every key name of a run (`RunKeys`), clock, record TTL, bound
-                    scripts, change counter; the run's halt
+                    scripts (and `LoopScripts`, those bound to an event loop's client), change counter; the
+                    run's halt
     scripts         the Lua scripts declared (answers, the exception of each other code), one exception per
                     refusal, how a script's header is parsed and checked, and how a script is loaded, registered
                     and called

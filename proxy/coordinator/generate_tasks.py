@@ -122,6 +122,8 @@ DELIVERY_ALLOWANCE_S = 0.01
 """Per round of generate tasks: the broker delivering it and the proxy admitting it."""
 WORKER_WINDOW_S = 30.0
 """A generate worker counts as part of the fleet for this long after its last submission."""
+PRUNE_EVERY_MS = 1000
+"""How often the workers seen submitting are pruned to the window (a second's error in a 30 s window)."""
 MAX_TRACKED_LEASES = 10_000
 """Leases whose start is remembered; older ones are forgotten (a lost task never submits)."""
 
@@ -155,6 +157,7 @@ class InflightPacer:
         self._step_s: deque[float] = deque(maxlen=SAMPLES_KEPT)
         self._step_sent_ms: dict[int, int] = {}
         self._worker_seen_ms: dict[str, int] = {}
+        self._pruned_ms = -PRUNE_EVERY_MS
 
     # ---- what the coordinator reports ----
 
@@ -241,9 +244,12 @@ class InflightPacer:
                 return None
             task_s = statistics.median(self._task_s)
             step_s = statistics.median(self._step_s)
-            window_ms = max(WORKER_WINDOW_S, 10 * task_s) * 1000
-            for worker in [w for w, seen in self._worker_seen_ms.items() if now - seen > window_ms]:
-                del self._worker_seen_ms[worker]
+            # Pruned once a second, not at every call: every round asks, and the scan is O(workers).
+            if now - self._pruned_ms >= PRUNE_EVERY_MS:
+                self._pruned_ms = now
+                window_ms = max(WORKER_WINDOW_S, 10 * task_s) * 1000
+                for worker in [w for w, seen in self._worker_seen_ms.items() if now - seen > window_ms]:
+                    del self._worker_seen_ms[worker]
             return task_s, step_s, len(self._worker_seen_ms)
 
 

@@ -159,6 +159,10 @@ class Leases:
         """Drop a lease; False if it was already gone (releasing is idempotent)."""
         return bool(self.store.scripts.release_lease(lease_id=lease_id)["released"])
 
+    async def release_on_loop(self, lease_id: str, script: AsyncBoundScript) -> bool:
+        """``release`` with ``script``, RELEASE_LEASE bound to the caller's asyncio client."""
+        return bool((await script(lease_id=lease_id))["released"])
+
     def expire(self) -> int:
         """Forget the leases past their expiry; returns how many."""
         return self.store.scripts.expire_leases(now_ms=self.store.clock_ms())["expired"]

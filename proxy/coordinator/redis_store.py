@@ -75,7 +75,18 @@ from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 
 from asyncgrpo.bucket.layout import check_run_name
-from proxy.coordinator.scripts import AsyncBoundScript, BoundScript, LuaScript, Scripts, script_source
+from proxy.coordinator.scripts import (
+    GRANT_LEASE,
+    RECORD_HEARTBEAT,
+    RELEASE_LEASE,
+    RENEW_LEASE,
+    SUBMIT_ROLLOUT,
+    AsyncBoundScript,
+    BoundScript,
+    LuaScript,
+    Scripts,
+    script_source,
+)
 
 # ---- every Redis key name of a run ----
 GROUP_KIND = "group"
@@ -322,6 +333,19 @@ class RedisClock:
             return self._last
 
 
+@dataclass(frozen=True)
+class LoopScripts:
+    """The scripts of the requests answered on the event loop (``proxy.api.loop_routes``), bound to its asyncio
+    client, and the client (a submit with rejected groups reads the known reasons)."""
+
+    redis: AsyncRedis
+    record_heartbeat: AsyncBoundScript
+    grant_lease: AsyncBoundScript
+    renew_lease: AsyncBoundScript
+    release_lease: AsyncBoundScript
+    submit_rollout: AsyncBoundScript
+
+
 class RedisStore:
     """Redis, keys, clock and scripts of one run."""
 
@@ -359,6 +383,17 @@ class RedisStore:
         source = script_source(script.name, prelude_names())
         keys = self.keys
         return AsyncBoundScript(script, redis, source, lambda name: getattr(keys, name), keys.prefix, self.run)
+
+    def bind_loop(self, redis: AsyncRedis) -> LoopScripts:
+        """The scripts of the requests answered on an event loop, on its asyncio client ``redis``."""
+        return LoopScripts(
+            redis=redis,
+            record_heartbeat=self.bind_async(redis, RECORD_HEARTBEAT),
+            grant_lease=self.bind_async(redis, GRANT_LEASE),
+            renew_lease=self.bind_async(redis, RENEW_LEASE),
+            release_lease=self.bind_async(redis, RELEASE_LEASE),
+            submit_rollout=self.bind_async(redis, SUBMIT_ROLLOUT),
+        )
 
     def has_state(self) -> bool:
         return bool(self.redis.exists(self.keys.state))

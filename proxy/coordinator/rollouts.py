@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.protocol.schemas import RolloutSubmission, StaleRolloutError, SubmitResult
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.leases import track_flag
-from proxy.coordinator.redis_store import RedisStore
+from proxy.coordinator.redis_store import LoopScripts, RedisStore
 from proxy.coordinator.scripts import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
 from proxy.coordinator.snapshot import SnapshotWriter
 
@@ -44,11 +45,8 @@ class RolloutIntake:
         self.config = async_config
         self.snapshots = snapshots
 
-    def _rejected(self, submission: RolloutSubmission) -> list[list[str]]:
+    def _rejected(self, submission: RolloutSubmission, known_reasons: set[str]) -> list[list[str]]:
         """[[group_id, reason], ...] with reasons normalised and capped at MAX_REJECT_REASONS labels."""
-        if not submission.rejected_groups:
-            return []  # the usual case: no round trip for the known reasons
-        known_reasons = set(self.store.redis.hkeys(self.store.keys.rejected_reasons))
         rejected = []
         for item in submission.rejected_groups:
             reason = normalise_reason(item.reason)
@@ -57,9 +55,8 @@ class RolloutIntake:
             rejected.append([item.group_id, reason])
         return rejected
 
-    def submit(self, submission: RolloutSubmission) -> SubmitResult:
-        """Admit a rollout iff it is fresh and bound to its lease; raises StaleRolloutError, TaskCancelled,
-        BadRollout, NotTaskHolder (the last two change nothing)."""
+    def _values(self, submission: RolloutSubmission, known_reasons: set[str]) -> dict[str, Any]:
+        """SUBMIT_ROLLOUT's arguments; raises BadRollout for a key that is not the task's."""
         store = self.store
         expected_key = bucket_keys.rollout_key(store.run, submission.task_id)
         if submission.key != expected_key:
@@ -71,25 +68,34 @@ class RolloutIntake:
             "version": submission.version,
             "group_ids": submission.group_ids,
         }
+        return {
+            "now_ms": store.clock_ms(),
+            "max_staleness": self.config.max_staleness,
+            "record_ttl_s": store.record_ttl_s,
+            "task_id": submission.task_id,
+            "worker_id": submission.worker_id,
+            "version": submission.version,
+            "ref_json": json.dumps(ref, separators=(",", ":")),
+            "admitted_json": json.dumps(submission.group_ids),
+            "rejected_json": json.dumps(self._rejected(submission, known_reasons)),
+            "omitted_reason": OMITTED_GROUP_REASON,
+            "track": track_flag(self.config),
+            "sha256": submission.sha256,
+            "lease_id": submission.lease_id or "",
+        }
+
+    def submit(self, submission: RolloutSubmission) -> SubmitResult:
+        """Admit a rollout iff it is fresh and bound to its lease; raises StaleRolloutError, TaskCancelled,
+        BadRollout, NotTaskHolder (the last two change nothing)."""
+        store = self.store
+        # the usual case, no rejected group: no round trip for the known reasons
+        known = set(store.redis.hkeys(store.keys.rejected_reasons)) if submission.rejected_groups else set()
+        values = self._values(submission, known)
         try:
-            reply = store.scripts.submit_rollout(
-                now_ms=store.clock_ms(),
-                max_staleness=self.config.max_staleness,
-                record_ttl_s=store.record_ttl_s,
-                task_id=submission.task_id,
-                worker_id=submission.worker_id,
-                version=submission.version,
-                ref_json=json.dumps(ref, separators=(",", ":")),
-                admitted_json=json.dumps(submission.group_ids),
-                rejected_json=json.dumps(self._rejected(submission)),
-                omitted_reason=OMITTED_GROUP_REASON,
-                track=track_flag(self.config),
-                sha256=submission.sha256,
-                lease_id=submission.lease_id or "",
-            )
+            reply = store.scripts.submit_rollout(**values)
         except RolloutTooStale as stale:
             self.snapshots.write_through(store.mark_changed())
-            raise StaleRolloutError(submission.version, stale.current, self.config.max_staleness) from None
+            raise self._stale(submission, stale) from None
         except UnknownTask:
             raise
         except TaskCancelled:
@@ -101,3 +107,25 @@ class RolloutIntake:
         # covers every submit that arrived while the previous one was being written.
         self.snapshots.write_through(change)
         return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")
+
+    async def submit_on_loop(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
+        """``submit`` on an event loop: its scripts on ``scripts``' asyncio client, and the wait for durability
+        on the group commit without a thread per caller (``SnapshotWriter.write_through_on_loop``)."""
+        store = self.store
+        known = set(await scripts.redis.hkeys(store.keys.rejected_reasons)) if submission.rejected_groups else set()
+        values = self._values(submission, known)
+        try:
+            reply = await scripts.submit_rollout(**values)
+        except RolloutTooStale as stale:
+            await self.snapshots.write_through_on_loop(store.mark_changed())
+            raise self._stale(submission, stale) from None
+        except UnknownTask:
+            raise
+        except TaskCancelled:
+            store.mark_changed()
+            raise
+        await self.snapshots.write_through_on_loop(store.mark_changed())
+        return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")
+
+    def _stale(self, submission: RolloutSubmission, stale: RolloutTooStale) -> StaleRolloutError:
+        return StaleRolloutError(submission.version, stale.current, self.config.max_staleness)

@@ -32,7 +32,6 @@ Three classes, top down, each handed what it uses (nothing calls back up):
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -76,17 +75,16 @@ from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, Waiti
 from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.rebuild import restore_state
-from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, RunKeys, halted_reason
+from proxy.coordinator.redis_store import RECORD_TTL_S, LoopScripts, RedisStore, RunKeys, halted_reason
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.scripts import (
-    AsyncBoundScript,
     NotTaskHolder,
-    ScriptReply,
     SnapshotFailed,
     StateMissing,
 )
 from proxy.coordinator.snapshot import ProxyFence, SnapshotWriter
 from proxy.coordinator.steps import StepFailures, Steps, StepSending, Versions
+from proxy.coordinator.workers import Workers
 
 MAX_TASKS_PER_TICK = 256
 
@@ -464,12 +462,10 @@ class Coordinator:
         self.pacer.leased(task_id)
         return grant
 
-    async def lease_on_loop(
-        self, worker_id: str, task_id: str, incarnation: str, script: AsyncBoundScript
-    ) -> LeaseGrant:
-        """``lease`` through ``script`` (GRANT_LEASE on the caller's asyncio client). Raises StateMissing
-        without rebuilding: the caller hands the request to the route, which rebuilds and leases."""
-        grant = await self.leases.grant_on_loop(worker_id, task_id, incarnation, script)
+    async def lease_on_loop(self, worker_id: str, task_id: str, incarnation: str, scripts: LoopScripts) -> LeaseGrant:
+        """``lease`` through ``scripts`` (the caller's asyncio client). Raises StateMissing without rebuilding:
+        the caller hands the request to the route, which rebuilds and leases (so do the other ``_on_loop``)."""
+        grant = await self.leases.grant_on_loop(worker_id, task_id, incarnation, scripts.grant_lease)
         self.pacer.leased(task_id)
         return grant
 
@@ -477,9 +473,8 @@ class Coordinator:
     def renew(self, lease_id: str) -> LeaseGrant:
         return self.leases.renew(lease_id)
 
-    async def renew_on_loop(self, lease_id: str, script: AsyncBoundScript) -> LeaseGrant:
-        """``renew`` through ``script`` (RENEW_LEASE); StateMissing as ``lease_on_loop``."""
-        return await self.leases.renew_on_loop(lease_id, script)
+    async def renew_on_loop(self, lease_id: str, scripts: LoopScripts) -> LeaseGrant:
+        return await self.leases.renew_on_loop(lease_id, scripts.renew_lease)
 
     @_rebuilding
     def release(self, lease_id: str) -> bool:
@@ -498,6 +493,20 @@ class Coordinator:
             if release is not None:
                 # Admitted, stale or refused: the worker is done with the version either way.
                 self.leases.release(release)
+        self.pacer.submitted(submission.task_id, submission.worker_id)
+        return result
+
+    async def submit_on_loop(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
+        """``submit`` through ``scripts``, durable on the group commit before it returns, as ``submit``."""
+        release = submission.lease_id
+        try:
+            result = await self.rollouts.submit_on_loop(submission, scripts)
+        except NotTaskHolder:
+            release = None  # the lease may be another worker's: a refused submission changes nothing
+            raise
+        finally:
+            if release is not None:
+                await self.leases.release_on_loop(release, scripts.release_lease)
         self.pacer.submitted(submission.task_id, submission.worker_id)
         return result
 
@@ -558,10 +567,10 @@ class Coordinator:
         incarnation's work the next ``tick()`` ends."""
         return self.heartbeats.heartbeat(report)
 
-    async def heartbeat_on_loop(self, report: HeartbeatRequest, record: AsyncBoundScript) -> bool:
-        """``heartbeat`` through ``record`` (RECORD_HEARTBEAT on the caller's asyncio client). A heartbeat needs no
-        run state (the script touches only the worker records), so there is nothing to rebuild first."""
-        return await self.heartbeats.heartbeat_on_loop(report, record)
+    async def heartbeat_on_loop(self, report: HeartbeatRequest, scripts: LoopScripts) -> bool:
+        """``heartbeat`` through ``scripts`` (the caller's asyncio client). A heartbeat needs no run state (the
+        script touches only the worker records), so there is nothing to rebuild first."""
+        return await self.heartbeats.heartbeat_on_loop(report, scripts)
 
     @_rebuilding
     def version_info(self, version: int) -> VersionInfo:
@@ -612,82 +621,7 @@ class Coordinator:
         return group_record(self.store, group_id)
 
 
-# ---- views of the state: /v1/status, /v1/run, /v1/workers; worker heartbeats ----
-log = structlog.get_logger()
-
-WORKER_FORGET_S = 3600.0
-"""A worker silent this long disappears from ``/v1/workers``."""
-
-
-class Workers:
-    """The heartbeats of one run's workers."""
-
-    def __init__(self, store: RedisStore, alive_s: float) -> None:
-        self.store = store
-        self.alive_s = alive_s
-
-    def heartbeat(self, report: HeartbeatRequest) -> bool:
-        """Record ``report``; True if it is the first of a new incarnation of a known worker id (restarted)."""
-        return self._restarted(report, self.store.scripts.record_heartbeat(**self._record(report)))
-
-    async def heartbeat_on_loop(self, report: HeartbeatRequest, record: AsyncBoundScript) -> bool:
-        """``heartbeat`` with ``record``, RECORD_HEARTBEAT bound to an asyncio client."""
-        return self._restarted(report, await record(**self._record(report)))
-
-    def _record(self, report: HeartbeatRequest) -> dict[str, Any]:
-        return {
-            # Redis TIME at most once a second (RedisClock): on the event loop too, one short round trip.
-            "now_ms": self.store.clock_ms(),
-            "worker_id": report.worker_id,
-            "report_json": report.model_dump_json(),
-            "forget_after_ms": int(WORKER_FORGET_S * 1000),
-            # Not the run's record TTL (days): a worker id heard from once, or made up, is gone in an hour.
-            "record_ttl_s": int(WORKER_FORGET_S),
-            "role": report.role,
-            "incarnation": report.incarnation or "",
-        }
-
-    def _restarted(self, report: HeartbeatRequest, reply: ScriptReply) -> bool:
-        restarted = reply["restarted"] == 1
-        if restarted:
-            log.warning(
-                "proxy.worker_restarted",
-                worker_id=report.worker_id,
-                role=report.role,
-                incarnation=report.incarnation,
-                leases_ended=reply["leases_ended"],
-            )
-        return restarted
-
-    def alive_count(self, role: str) -> int:
-        """Workers of ``role`` heard from within ``alive_s`` (one ZCOUNT)."""
-        store = self.store
-        key = store.keys.workers_optimize if role == "optimize" else store.keys.workers_generate
-        return int(store.redis.zcount(key, store.clock_ms() - int(self.alive_s * 1000), "+inf"))
-
-    def list(self) -> list[WorkerRecord]:
-        """Every worker heard from within ``WORKER_FORGET_S``, with its last report."""
-        store = self.store
-        now = store.clock_ms()
-        ids = store.redis.zrange(store.keys.workers, 0, -1)
-        pipe = store.redis.pipeline(transaction=False)
-        for worker_id in ids:
-            pipe.hmget(store.keys.worker(worker_id), ["report", "last_seen_ms", "incarnation", "restarts"])
-        out = []
-        for report, last_seen, incarnation, restarts in pipe.execute():
-            if report is None:
-                continue
-            seen = int(last_seen)
-            out.append(
-                WorkerRecord(
-                    **{**json.loads(report), "incarnation": incarnation},
-                    restarts=int(restarts or 0),
-                    last_seen=seen / 1000.0,
-                    alive=now - seen <= self.alive_s * 1000,
-                )
-            )
-        return out
-
+# ---- views of the state: /v1/status, /v1/run ----
 
 def run_info(store: RedisStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
     """What ``/v1/run`` tells a worker: the run's inputs with their digests, so it can verify what it reads."""

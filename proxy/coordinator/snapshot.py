@@ -39,6 +39,7 @@ before the put, and the snapshot records the epoch, so a proxy never regresses a
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,6 +456,15 @@ class _Write:
         self.error: SnapshotFailed | None = None
 
 
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # its caller went away
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 class SnapshotWriter:
     """Writes the snapshot and its log with group commit: one put makes every change marked before it durable.
 
@@ -506,6 +517,10 @@ class SnapshotWriter:
         self.monotonic: Callable[[], float] = time.monotonic  # tests move it on
         self._checked_at = 0.0  # when the snapshot's ETag was last read or written
         self._epoch = -1  # the fencing epoch of this writer's last compaction
+        # Callers on an event loop (``write_through_on_loop``): (change number, their future, its loop), answered
+        # by the write that covers them; a pump thread writes while any wait (no thread waits per caller).
+        self._loop_waiters: list[tuple[int, asyncio.Future[None], asyncio.AbstractEventLoop]] = []
+        self._pumping = False
 
     def write(self, *, force: bool = False) -> bool:
         """Make every change marked so far durable in ``runs/<run>/proxy/snapshot.json``; True if this call
@@ -556,8 +571,47 @@ class SnapshotWriter:
                 mine.done = True
                 self._running = None
                 self._cond.notify_all()
+                self._answer_loop_waiters(mine)
         self._collect_log()  # after the callers are answered: what a compaction covers is no longer needed
         return written
+
+    async def write_through_on_loop(self, target: int) -> None:
+        """``write_through`` for a caller on an event loop: returns once change number ``target`` is durable,
+        raises ``SnapshotFailed`` as it does. The puts run in one pump thread while anyone waits."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._durable >= target:
+                return
+            self._loop_waiters.append((target, future, loop))
+            start, self._pumping = not self._pumping, True
+        if start:
+            threading.Thread(target=self._pump, name="snapshot-pump", daemon=True).start()
+        await future
+
+    def _pump(self) -> None:
+        """Write until no caller on a loop waits (each put covers every one that waited before it read)."""
+        while True:
+            with self._cond:
+                if not self._loop_waiters:
+                    self._pumping = False
+                    return
+                target = max(target for target, _, _ in self._loop_waiters)
+            try:
+                self.write_through(target)
+            except Exception:  # answered to the waiters it covered (``_answer_loop_waiters``); the rest go on
+                log.debug("proxy.snapshot_pump_write_failed", exc_info=True)
+
+    def _answer_loop_waiters(self, write: _Write) -> None:
+        """Answer the loop callers ``write`` covered (under ``_cond``): its error, or durable."""
+        waiting = []
+        for target, future, loop in self._loop_waiters:
+            if target <= write.covers:
+                with suppress(RuntimeError):  # its loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(_settle, future, write.error)
+            else:
+                waiting.append((target, future, loop))
+        self._loop_waiters = waiting
 
     def _put(self) -> bool:
         """Put what changed since the last put (a segment, or the whole snapshot when a compaction is due); False

@@ -16,7 +16,8 @@ from redis import Redis
 from proxy.api.app import PLACEHOLDER_TOKENS, ProxyStartupError, check_can_serve, create_app, serve
 from proxy.api.edge import OPEN_PATHS
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
-from proxy.coordinator.service import WORKER_FORGET_S, Coordinator
+from proxy.coordinator.service import Coordinator
+from proxy.coordinator.workers import WORKER_FORGET_S
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.paths import REPO_ROOT
 from tests.support.proxy_harness import start_run

@@ -14,12 +14,21 @@ from fastapi import FastAPI
 
 from asyncgrpo.protocol.schemas import LeaseGrant
 from proxy.api.app import create_app
-from proxy.api.loop_routes import HEARTBEAT_PATH, LATEST_PATH, LEASES_PATH, RENEW_PATH, LoopAnswers, LoopRoutes
+from proxy.api.loop_routes import (
+    HEARTBEAT_PATH,
+    LATEST_PATH,
+    LEASES_PATH,
+    RENEW_PATH,
+    ROLLOUTS_PATH,
+    LoopAnswers,
+    LoopRoutes,
+)
 from proxy.coordinator.service import Coordinator
+from proxy.coordinator.snapshot import load_snapshot
 from tests.integration.test_proxy_metrics import first_use
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.fixtures_redis import free_port
-from tests.support.proxy_harness import ManualClock, leased_versions, start_run
+from tests.support.proxy_harness import ManualClock, advance_version, leased_versions, start_run, submission
 
 AUTH = {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
 BEAT = {"worker_id": "gen-1", "role": "generate", "hostname": "h", "pid": 7, "state": "idle", "incarnation": "a1"}
@@ -186,7 +195,8 @@ def test_a_lease_on_the_loop_answers_as_the_route_does(coord: Coordinator, redis
 
 
 def refused_requests(coord: Coordinator) -> list[tuple[str, str, bytes, dict[str, str]]]:
-    """(what, path, body, headers): refusals and requests off the loop's path, each answered by the route."""
+    """(what, path, body, headers): refusals (answered on the loop as the route answers them) and requests off
+    the loop's path (answered by the route)."""
     task_id = coord.dispatcher.generate[0]["task_id"]
     plain = {"Authorization": f"Bearer {API_TOKEN}"}
     lease = json.dumps(lease_body(task_id)).encode()
@@ -204,6 +214,10 @@ def refused_requests(coord: Coordinator) -> list[tuple[str, str, bytes, dict[str
     ]
 
 
+REFUSED_ON_THE_LOOP = {"unknown task", "lost lease"}
+"""The refusals above that the loop answers itself: the others are off its path."""
+
+
 @pytest.mark.parametrize("index", range(10))
 def test_refusals_and_requests_off_the_path_are_answered_by_the_route(
     coord: Coordinator, redis_url: str, index: int
@@ -216,8 +230,10 @@ def test_refusals_and_requests_off_the_path_are_answered_by_the_route(
             answer = client.post(path, content=body, headers=headers)
             answers.append((answer.status_code, answer.json()))
             assert sum(loop_answers.served.values()) == 0, what
+            refused_here = sum(loop_answers.refused.values())
     assert answers[0] == answers[1], what
     assert answers[0][0] != 200, what
+    assert refused_here == (1 if what in REFUSED_ON_THE_LOOP else 0), what
 
 
 def test_a_lease_the_loop_cannot_grant_is_granted_by_the_route(coord: Coordinator) -> None:
@@ -248,6 +264,99 @@ def test_a_lease_after_redis_lost_its_state_is_answered_after_a_rebuild(coord: C
         assert client.post(LEASES_PATH, json=lease_body(fresh), headers=AUTH).status_code == 200
         assert answers.served[LEASES_PATH] == 1
     assert leased_versions(coord, fresh, "gen-1") == {0}
+
+
+# ---- submits ----
+
+
+def submit_body(coord: Coordinator, task: dict, lease_id: str | None, **fields: object) -> bytes:
+    body = json.loads(submission(coord, task, coord.current_version(), lease=False).model_dump_json())
+    return json.dumps({**body, "lease_id": lease_id, **fields}).encode()
+
+
+def test_a_submit_is_admitted_on_the_event_loop_and_durable_before_its_answer(
+    coord: Coordinator, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start_run(coord)
+    task = coord.dispatcher.generate[0]
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("the request reached the route")
+
+    monkeypatch.setattr(coord, "submit", refuse)
+    with proxy(coord, redis_url) as (client, answers):
+        lease_id = client.post(LEASES_PATH, json=lease_body(task["task_id"]), headers=AUTH).json()["lease_id"]
+        answer = client.post(ROLLOUTS_PATH, content=submit_body(coord, task, lease_id), headers=AUTH)
+        assert (answer.status_code, answer.json()) == (200, {"status": "admitted"})
+        # Right after the answer: the bucket's snapshot and log hold it as buffered.
+        buffered = {item["task_id"] for item in load_snapshot(coord.bucket, coord.run)["buffer"]}
+        assert task["task_id"] in buffered
+        assert answers.served[ROLLOUTS_PATH] == 1
+        assert not coord.redis.exists(coord.keys.lease(lease_id)), "the submission released its lease"
+        again = client.post(ROLLOUTS_PATH, content=submit_body(coord, task, lease_id), headers=AUTH)
+        assert (again.status_code, again.json()) == (200, {"status": "duplicate"})
+    assert coord.status().counters["rollouts_admitted"] == 1
+    assert ROLLOUTS_PATH in timed_routes(coord)
+
+
+def test_submits_on_the_loop_answer_as_the_route_does(coord: Coordinator, redis_url: str, clock: ManualClock) -> None:
+    """Admitted, duplicate, refused as another worker's or for a wrong key, stale, and cancelled: each answer
+    (and what it counts) is the route's."""
+    start_run(coord)
+    tasks = coord.dispatcher.generate[:4]
+    late = {loop: tasks[2 + loop] for loop in (False, True)}
+    for task in late.values():
+        coord.lease("gen-1", task["task_id"])  # on v0, submitted once v2 is out: stale
+    submitted = {task["task_id"] for task in late.values()}
+    answers: dict[bool, list[tuple[int, str]]] = {}
+    for loop in (False, True):
+        task = tasks[loop]
+        with proxy(coord, redis_url, loop=loop) as (client, loop_answers):
+            lease_id = client.post(LEASES_PATH, json=lease_body(task["task_id"]), headers=AUTH).json()["lease_id"]
+            bodies = [
+                submit_body(coord, task, lease_id, key="runs/r1/rollouts/elsewhere.bin"),
+                submit_body(coord, task, None, worker_id="gen-9"),
+                submit_body(coord, task, lease_id),
+                submit_body(coord, task, lease_id),
+            ]
+            replies = [client.post(ROLLOUTS_PATH, content=body, headers=AUTH) for body in bodies]
+            answers[loop] = [(r.status_code, r.text.replace(task["task_id"], "<task>")) for r in replies]
+            assert loop_answers.served[ROLLOUTS_PATH] == (2 if loop else 0)
+            assert loop_answers.refused[ROLLOUTS_PATH] == (2 if loop else 0)
+        submitted.add(task["task_id"])
+    assert answers[False] == answers[True]
+    assert [status for status, _ in answers[True]] == [400, 409, 200, 200]
+
+    advance_version(coord, submitted)
+    advance_version(coord, submitted)
+    late_answers: dict[bool, list[tuple[int, str]]] = {loop: [] for loop in (False, True)}
+    for loop in (False, True):
+        with proxy(coord, redis_url, loop=loop) as (client, _):
+            stale = json.loads(submission(coord, late[loop], 0, lease=False).model_dump_json())
+            reply = client.post(ROLLOUTS_PATH, json=stale, headers=AUTH)
+            late_answers[loop].append((reply.status_code, reply.text.replace(late[loop]["task_id"], "<task>")))
+    clock.advance(coord.config.async_.generate_task_timeout_s + 1)
+    coord.tick()  # every task in flight timed out: cancelled
+    cancelled = next(t for t in coord.dispatcher.generate if t["task_id"] not in submitted)
+    for loop in (False, True):
+        with proxy(coord, redis_url, loop=loop) as (client, _):
+            gone = client.post(ROLLOUTS_PATH, content=submit_body(coord, cancelled, None), headers=AUTH)
+            late_answers[loop].append((gone.status_code, gone.json()["error"]))
+    assert late_answers[False] == late_answers[True]
+    assert [status for status, _ in late_answers[True]] == [409, 410]
+    assert coord.status().counters["rollouts_stale"] == 2
+
+
+def test_a_submit_the_loop_cannot_make_is_made_by_the_route(coord: Coordinator) -> None:
+    """Nothing listens on the loop client's port: the route admits it, through the coordinator's own client."""
+    start_run(coord)
+    task = coord.dispatcher.generate[0]
+    lease_id = coord.lease("gen-1", task["task_id"]).lease_id
+    with proxy(coord, f"redis://127.0.0.1:{free_port()}/0") as (client, answers):
+        answer = client.post(ROLLOUTS_PATH, content=submit_body(coord, task, lease_id), headers=AUTH)
+        assert (answer.status_code, answer.json()) == (200, {"status": "admitted"}), answer.text
+        assert answers.served[ROLLOUTS_PATH] == 0
+    assert coord.status().counters["rollouts_admitted"] == 1
 
 
 # ---- the long poll ----

@@ -7,10 +7,12 @@ bucket holds then: "admitted" still means durable.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
@@ -21,7 +23,7 @@ from proxy.api.app import create_app
 from proxy.coordinator.scripts import SnapshotFailed
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot
-from tests.support.fixtures_coordinator import API_TOKEN
+from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import (
     ManualClock,
     file_bucket,
@@ -32,6 +34,7 @@ from tests.support.proxy_harness import (
 )
 
 SUBMITS = 32
+JSON_AUTH = {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
 
 
 class SnapshotPuts:
@@ -204,4 +207,107 @@ def test_a_lone_submit_writes_before_it_returns(busy: tuple[Coordinator, Snapsho
     before = puts.puts
     assert coord.submit(submission(coord, task, 0)).status == "admitted"
     assert puts.puts == before + 1
+    assert task["task_id"] in buffered_task_ids(puts.inner, coord.run)
+
+
+# ---- callers on an event loop (submits answered by proxy.api.loop_routes) ----
+
+
+def test_waiters_on_a_loop_share_puts_with_threads_and_each_outcome_is_theirs(
+    busy: tuple[Coordinator, SnapshotPuts],
+) -> None:
+    """A write running in a thread covers the loop's waiters that came before it read the counter; the pump
+    writes for the later ones. A failed put fails exactly the waiters it covered."""
+    coord, puts = busy
+    writer = coord.snapshots
+    puts.hold = threading.Event()
+    puts.entered.clear()
+    covered = coord.store.mark_changed()
+    leader_outcome: list[object] = []
+
+    def lead() -> None:
+        try:
+            leader_outcome.append(writer.write_through(covered))
+        except SnapshotFailed as error:
+            leader_outcome.append(error)
+
+    leader = threading.Thread(target=lead)
+    leader.start()
+    assert puts.entered.wait(timeout=10)  # the thread's write read the counter: `covered` is in it
+
+    async def waiters() -> list[object]:
+        async def one(change: int) -> object:
+            try:
+                await writer.write_through_on_loop(change)
+            except SnapshotFailed as error:
+                return error
+            return "durable"
+
+        early = asyncio.ensure_future(one(covered))
+        await asyncio.sleep(0.05)
+        assert not early.done(), "it waits for the running write"
+        late = asyncio.ensure_future(one(coord.store.mark_changed()))  # after that write read the counter
+        await asyncio.sleep(0.05)
+        puts.fail = True
+        puts.hold.set()  # type: ignore[union-attr]
+        first = await early
+        puts.fail = False
+        return [first, await late]
+
+    before = writer.writes
+    first, second = asyncio.run(waiters())
+    leader.join(timeout=10)
+    assert isinstance(first, SnapshotFailed), "the failed put covered it"
+    assert leader_outcome == [first], "the thread that wrote it got the same error"
+    assert second == "durable", "the pump wrote again for the waiter that came after the failed put read"
+    assert writer.writes == before + 1
+    puts.hold = None
+
+
+def test_concurrent_submits_on_the_loop_share_puts_and_each_is_durable_on_return(
+    busy: tuple[Coordinator, SnapshotPuts], redis_url: str
+) -> None:
+    coord, puts = busy
+    puts.delay_s = 0.05
+    tasks = list(coord.dispatcher.generate)
+    bodies = {task["task_id"]: submission(coord, task, 0).model_dump_json() for task in tasks}
+    app = create_app(coord, API_TOKEN, run_loop=False, redis_url=redis_url)
+    durable: list[str] = []
+    with served(app) as url:
+
+        async def submit_all() -> list[int]:
+            async with httpx.AsyncClient(base_url=url, headers=JSON_AUTH, timeout=60) as client:
+
+                async def one(task_id: str) -> int:
+                    reply = await client.post("/v1/rollouts", content=bodies[task_id])
+                    if task_id in buffered_task_ids(puts.inner, coord.run):  # right after the answer
+                        durable.append(task_id)
+                    return reply.status_code
+
+                return await asyncio.gather(*(one(task_id) for task_id in bodies))
+
+        before = puts.puts
+        statuses = asyncio.run(submit_all())
+        assert app.state.loop_answers.served["/v1/rollouts"] == SUBMITS
+    assert statuses == [200] * SUBMITS
+    assert sorted(durable) == sorted(bodies)
+    assert puts.puts - before <= SUBMITS // 4, f"{puts.puts - before} snapshot puts for {SUBMITS} submits"
+
+
+def test_a_failed_put_is_answered_unavailable_on_the_loop(
+    busy: tuple[Coordinator, SnapshotPuts], redis_url: str
+) -> None:
+    coord, puts = busy
+    puts.fail = True
+    task = coord.dispatcher.generate[0]
+    body = submission(coord, task, 0).model_dump_json()
+    app = create_app(coord, API_TOKEN, run_loop=False, redis_url=redis_url)
+    with served(app) as url, httpx.Client(base_url=url, headers=JSON_AUTH, timeout=30) as client:
+        reply = client.post("/v1/rollouts", content=body)
+        assert (reply.status_code, reply.json()["error"]) == (503, "unavailable"), reply.text
+        assert app.state.loop_answers.refused["/v1/rollouts"] == 1
+        assert task["task_id"] not in buffered_task_ids(puts.inner, coord.run)
+        puts.fail = False
+        reply = client.post("/v1/rollouts", content=body)  # the worker retries
+        assert (reply.status_code, reply.json()) == (200, {"status": "duplicate"})
     assert task["task_id"] in buffered_task_ids(puts.inner, coord.run)
