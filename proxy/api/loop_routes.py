@@ -59,6 +59,7 @@ LOOP_REDIS_CONNECTIONS = 64
 """Connections of the event loop's Redis client: its calls are one short script each, never a bucket put."""
 LOOP_REDIS_WAIT_S = 20.0
 """How long a call waits for one of them before it fails (and the route answers instead)."""
+LOOP_REDIS_CONNECT_S = 5.0
 
 _RENEW = re.compile(r"/v1/leases/([^/]+)/renew")
 _ID = re.compile(ID_PATTERN)
@@ -99,7 +100,14 @@ class LoopAnswers:
 
     async def start(self, redis_url: str) -> None:
         self._pool = BlockingConnectionPool.from_url(
-            redis_url, decode_responses=True, max_connections=LOOP_REDIS_CONNECTIONS, timeout=LOOP_REDIS_WAIT_S
+            redis_url,
+            decode_responses=True,
+            max_connections=LOOP_REDIS_CONNECTIONS,
+            timeout=LOOP_REDIS_WAIT_S,
+            # Each call is bounded by its script (ASYNC_CALL_TIMEOUT_S) instead: a socket timeout makes redis-py
+            # write every command through asyncio.wait_for, a task each.
+            socket_timeout=None,
+            socket_connect_timeout=LOOP_REDIS_CONNECT_S,
         )
         self._scripts = self.coordinator.store.bind_loop(AsyncRedis(connection_pool=self._pool))
 
@@ -183,7 +191,7 @@ class LoopRoutes:
         except (PassOn, ValidationError):
             await self.app(scope, replay(messages, receive), send)  # the route's answer, or its 422
             return
-        except (StateMissing, RedisError) as error:
+        except (StateMissing, RedisError, TimeoutError) as error:
             # Nothing changed (no state), or maybe something did and its reply was lost: the route runs the
             # request again through the coordinator's own client, rebuilding a lost state first, as a worker's
             # retry would (every request here may be repeated: a repeated submit is answered as a duplicate).

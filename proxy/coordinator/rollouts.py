@@ -14,6 +14,7 @@ to anyone: those answers already make the worker drop its work.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -23,7 +24,7 @@ from asyncgrpo.protocol.schemas import RolloutSubmission, StaleRolloutError, Sub
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.leases import track_flag
 from proxy.coordinator.redis_store import LoopScripts, RedisStore
-from proxy.coordinator.scripts import BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
+from proxy.coordinator.scripts import ASYNC_CALL_TIMEOUT_S, BadRollout, RolloutTooStale, TaskCancelled, UnknownTask
 from proxy.coordinator.snapshot import SnapshotWriter
 
 MAX_REJECT_REASONS = 32
@@ -112,7 +113,10 @@ class RolloutIntake:
         """``submit`` on an event loop: its scripts on ``scripts``' asyncio client, and the wait for durability
         on the group commit without a thread per caller (``SnapshotWriter.write_through_on_loop``)."""
         store = self.store
-        known = set(await scripts.redis.hkeys(store.keys.rejected_reasons)) if submission.rejected_groups else set()
+        known: set[str] = set()
+        if submission.rejected_groups:
+            async with asyncio.timeout(ASYNC_CALL_TIMEOUT_S):  # the loop's client has no socket timeout
+                known = set(await scripts.redis.hkeys(store.keys.rejected_reasons))
         values = self._values(submission, known)
         try:
             reply = await scripts.submit_rollout(**values)

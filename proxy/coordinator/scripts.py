@@ -49,6 +49,7 @@ key prefix (``ARGV[1]``) and the keys; the answer is a ``ScriptReply`` with the 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -62,6 +63,7 @@ from typing import Any
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 # ---- refusals: one exception per non-OK code ----
@@ -451,11 +453,23 @@ class BoundScript:
         return self.script.answer(reply, values, self._run)
 
 
+ASYNC_CALL_TIMEOUT_S = 5.0
+"""How long a script on an asyncio client waits for its reply before it fails with Redis's ``TimeoutError``."""
+
+
 class AsyncBoundScript(BoundScript):
-    """The same on an asyncio Redis client, for requests answered on the event loop: ``await script(...)``."""
+    """The same on an asyncio Redis client, for requests answered on the event loop: ``await script(...)``.
+
+    The client should have no socket timeout of its own (``socket_timeout=None``): redis-py then writes through
+    ``asyncio.wait_for``, a task per command (3 % of the proxy's CPU at 1,000 workers). The reply is bounded
+    here instead, with one timer and no task."""
 
     async def __call__(self, **values: Any) -> ScriptReply:  # type: ignore[override]
-        reply = await self._registered(keys=self._keys, args=[self._prefix, *self.script.args(values)])
+        try:
+            async with asyncio.timeout(ASYNC_CALL_TIMEOUT_S):
+                reply = await self._registered(keys=self._keys, args=[self._prefix, *self.script.args(values)])
+        except TimeoutError as error:  # redis-py dropped the connection it was using; the pool makes another
+            raise RedisTimeoutError(f"{self.script.name}: no reply from Redis in {ASYNC_CALL_TIMEOUT_S} s") from error
         return self.script.answer(reply, values, self._run)
 
 

@@ -5,6 +5,8 @@ them, and every request off that path (or refused) answered by the route, alike.
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,6 +25,7 @@ from proxy.api.loop_routes import (
     LoopAnswers,
     LoopRoutes,
 )
+from proxy.coordinator.scripts import ASYNC_CALL_TIMEOUT_S
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot
 from tests.integration.test_proxy_metrics import first_use
@@ -81,6 +84,24 @@ def test_a_heartbeat_is_recorded_on_the_event_loop(
         if sample.name.endswith("_count")
     }
     assert "/v1/workers/heartbeat" in samples, "timed under the route's label, as the route's answers are"
+
+
+def test_a_heartbeat_the_loop_gets_no_reply_for_is_recorded_by_the_route(coord: Coordinator) -> None:
+    """The loop's client reaches something that never answers (a hung Redis): after ASYNC_CALL_TIMEOUT_S, the
+    default, the route answers through the coordinator's own client."""
+    start_run(coord)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        with proxy(coord, url) as (client, answers):
+            started = time.monotonic()
+            answer = client.post("/v1/workers/heartbeat", json=BEAT, headers=AUTH)
+            waited = time.monotonic() - started
+            assert (answer.status_code, answer.json()) == (200, {"ok": True})
+            assert answers.served[HEARTBEAT_PATH] == 0
+    assert ASYNC_CALL_TIMEOUT_S <= waited < ASYNC_CALL_TIMEOUT_S + 10
+    assert [record.worker_id for record in coord.workers()] == ["gen-1"]
 
 
 def beat(worker_id: str, **fields: object) -> bytes:
