@@ -1,7 +1,9 @@
 """The coordinator: a run's live state in Redis, changed only by the Lua scripts of ``proxy.coordinator.scripts``.
 
 One ``Coordinator`` serves one run. The HTTP layer (``proxy.api.app``) calls its request methods
-(``lease``, ``renew``, ``release``, ``submit``, ``get_step``, ``publish``, ``heartbeat``); a background loop
+(``lease``, ``renew``, ``release``, ``submit``, ``get_step``, ``publish``, ``heartbeat``; the fleet's requests
+also as ``*_on_loop``, awaited on the event loop with ``LoopScripts`` by ``proxy.api.loop_routes``, which hands a
+request that found no state to the route: only the synchronous methods rebuild it); a background loop
 calls ``tick()`` which expires leases and lost tasks, claims a step, keeps the generate queue fed, re-sends
 timed-out steps, writes the snapshot and garbage-collects old versions and rollout objects past their
 retention. Tests call ``tick()`` directly and pass their own clock (milliseconds), so no test sleeps.
