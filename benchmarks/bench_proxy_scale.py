@@ -24,7 +24,8 @@ Prints cycles/s, p50/p95/p99 of each request kind, snapshot writes/s against sub
 ``/metrics``), the proxy's and Redis's CPU time per cycle (the figure least disturbed by other load on a
 shared machine: cycles/s on N free cores is at most about N / that), and one JSON line at the end. Asserts
 nothing. Client-side latencies include any wait for a CPU in the load generator; the proxy's own view of each
-request is the ``seconds`` of its ``proxy.request`` log lines (``--proxy-log``).
+request is the ``seconds`` of its ``proxy.request`` log lines (``--proxy-log``; those of heartbeats, renewals and
+long polls only with ``ASYNCGRPO_LOG_LEVEL=DEBUG``).
 """
 
 from __future__ import annotations

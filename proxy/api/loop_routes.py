@@ -60,6 +60,7 @@ LOOP_REDIS_CONNECTIONS = 64
 LOOP_REDIS_WAIT_S = 20.0
 """How long a call waits for one of them before it fails (and the route answers instead)."""
 LOOP_REDIS_CONNECT_S = 5.0
+"""How long the client waits for a new connection (it has no socket timeout: ``ASYNC_CALL_TIMEOUT_S`` bounds calls)."""
 
 _RENEW = re.compile(r"/v1/leases/([^/]+)/renew")
 _ID = re.compile(ID_PATTERN)
