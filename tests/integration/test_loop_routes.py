@@ -54,6 +54,16 @@ def proxy(
         yield client, app.state.loop_answers
 
 
+def timed_routes(coord: Coordinator) -> set[str]:
+    return {
+        sample.labels["route"]
+        for metric in coord.metrics.registry.collect()
+        if metric.name == "asyncgrpo_http_request_seconds"
+        for sample in metric.samples
+        if sample.name.endswith("_count")
+    }
+
+
 def the_route_must_not_answer(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_: object) -> bool:
         raise AssertionError("the heartbeat reached the route")
@@ -76,14 +86,7 @@ def test_a_heartbeat_is_recorded_on_the_event_loop(
         # a new incarnation under the same id is a restart, as through the route
         client.post("/v1/workers/heartbeat", json={**BEAT, "incarnation": "b2"}, headers=AUTH)
         assert coord.workers()[0].restarts == 1
-    samples = {
-        sample.labels["route"]
-        for metric in coord.metrics.registry.collect()
-        if metric.name == "asyncgrpo_http_request_seconds"
-        for sample in metric.samples
-        if sample.name.endswith("_count")
-    }
-    assert "/v1/workers/heartbeat" in samples, "timed under the route's label, as the route's answers are"
+    assert HEARTBEAT_PATH in timed_routes(coord), "timed under the route's label, as the route's answers are"
 
 
 def test_a_heartbeat_the_loop_gets_no_reply_for_is_recorded_by_the_route(coord: Coordinator) -> None:
@@ -154,16 +157,6 @@ def test_a_heartbeat_the_loop_cannot_record_is_recorded_by_the_route(coord: Coor
 
 
 # ---- leases and renewals ----
-
-
-def timed_routes(coord: Coordinator) -> set[str]:
-    return {
-        sample.labels["route"]
-        for metric in coord.metrics.registry.collect()
-        if metric.name == "asyncgrpo_http_request_seconds"
-        for sample in metric.samples
-        if sample.name.endswith("_count")
-    }
 
 
 def lease_body(task_id: str, worker_id: str = "gen-1", **fields: object) -> dict[str, object]:
