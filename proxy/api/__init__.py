@@ -6,9 +6,9 @@ Modules:
                  (leadership)
     edge         what every request passes: bearer-token auth, the body limit, timing and logging (plain
                  ASGI); which coordinator refusal is which error code, the error body and its handlers
-    loop_routes  the fleet's requests (heartbeats, leases, renewals, the long poll) answered on the event loop
-                 with an asyncio Redis client (plain ASGI, inside `edge`); anything off that path, and any
-                 refusal, goes on to its route
+    loop_routes  the fleet's requests (heartbeats, leases, renewals, submits, the long poll) answered on the
+                 event loop with an asyncio Redis client (plain ASGI, inside `edge`), refusals with the routes'
+                 own answers; anything off that path, a missing state or a failed Redis call goes to its route
     openapi      `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
     settings     the proxy's environment variables
     version_watch  `GET /v1/versions/latest`, the new-version long poll: its waiters, the one watcher that

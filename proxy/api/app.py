@@ -48,7 +48,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import anyio.to_thread
 import structlog
@@ -105,10 +105,6 @@ from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import FenceLost, LeadershipHeld, ProxyFence, snapshot_epoch
 from proxy.tracking.forwarder import start_forwarding
-
-if TYPE_CHECKING:
-    pass
-
 
 log = structlog.get_logger()
 
