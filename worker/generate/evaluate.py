@@ -13,7 +13,6 @@ without replacement from n sampled ones (c of them correct) is correct, ``1 - C(
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from math import comb
@@ -47,7 +46,6 @@ class EvaluateResult:
     prompts_failed: int = 0
     chunks_left: int | None = None
     reward_mean: float | None = None
-    seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -58,7 +56,6 @@ class EvaluateResult:
             "prompts_failed": self.prompts_failed,
             "chunks_left": self.chunks_left,
             "reward_mean": self.reward_mean,
-            "seconds": round(self.seconds, 4),
         }
 
 
@@ -78,7 +75,6 @@ def run_evaluate_task(
     """Evaluate the version the proxy leases for ``task_id`` on its slice of ``eval_prompts`` (``reward_models``: the
     worker's, when the eval rewards include one; ``agent``: its tool process, for an [agent] run, whose eval
     prompts are conversations too)."""
-    started = time.perf_counter()
     try:
         grant = client.eval_lease(task_id, worker_id)
     except Cancelled as error:
@@ -170,7 +166,6 @@ def run_evaluate_task(
         prompts_failed=summary.prompts_failed,
         chunks_left=answer.chunks_left,
         reward_mean=reward_mean,
-        seconds=time.perf_counter() - started,
     )
 
 

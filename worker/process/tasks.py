@@ -295,7 +295,9 @@ def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, An
         started = time.perf_counter()
         with _task_scope(role, runtime, task_name):
             summary = body(runtime)
-        log.info(f"{role}.task_done", seconds=round(time.perf_counter() - started, 4), **summary)
+        # The task's wall time is this line's own field: a summary never overrides it, and a name shared with a
+        # summary must not turn a finished task into a failure here, after its result was stored.
+        log.info(f"{role}.task_done", **{**summary, "seconds": round(time.perf_counter() - started, 4)})
         return summary
 
 
@@ -352,7 +354,9 @@ def evaluate(**payload: Any) -> dict[str, Any]:
         )
         return result.summary()
 
-    return _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
+    summary = _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
+    worker_metrics.observe_evaluate_task(summary["status"])
+    return summary
 
 
 def _generation_parts(
