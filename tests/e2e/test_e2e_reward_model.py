@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.cli.local_cluster import LocalCluster
 from tests.support.e2e_harness import assert_run_invariants, records_of, version_reached, wait_for
 from tests.support.fixtures_s3 import open_env_bucket
 from worker.algo.rollout import decode_rollout
+from worker.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +49,8 @@ def test_reward_model_scores_reach_rollouts_and_step_records(
     key = sorted(bucket.list(bucket_keys.rollouts_prefix(cluster.run)))[0]
     rollout = decode_rollout(bucket.get(key))
     assert rollout.samples
-    policy_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model_dir)
+    policy_tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer = load_tokenizer(tiny_reward_model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     for sample in rollout.samples:
         completion = policy_tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)

@@ -57,6 +57,7 @@ from worker.generate.backend import (
     check_continuations,
     check_sampling_arguments,
 )
+from worker.model.tokenizer import load_tokenizer
 
 log = structlog.get_logger()
 
@@ -231,7 +232,9 @@ class VLLMBackend:
         started = time.perf_counter()
         self.llm = LLM(**arguments)
         self.engine_start_s = time.perf_counter() - started
-        self._tokenizer = self.llm.get_tokenizer()
+        # The tokenizer as saved (worker.model.tokenizer), not the engine's AutoTokenizer pick: prompts and agent
+        # turns are tokenized here and sent as token ids, so the two backends feed the same tokens.
+        self._tokenizer = load_tokenizer(base)
         if self._tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {base!r} has no EOS token; completions could never stop")
         self._adapters: dict[str, _LoadedAdapter] = {}

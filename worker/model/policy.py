@@ -20,10 +20,11 @@ import structlog
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncgrpo.run.config import LoraConfig, OptimizerConfig
 from worker.model.tiny_model import resolve_base_model
+from worker.model.tokenizer import load_tokenizer
 
 log = structlog.get_logger()
 
@@ -117,7 +118,7 @@ class Policy:
         path = resolve_base_model(base, cache_dir)
         torch_device = resolve_device(device)
         check_attn_implementation(attn_implementation, torch_device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {base!r} has no EOS token; completions could never stop")
         chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}

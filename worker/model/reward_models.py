@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from worker.model.tokenizer import load_tokenizer
+
 if TYPE_CHECKING:
     import torch
 
@@ -90,10 +92,10 @@ def _transformers(reward: RewardModelSpec) -> Any:
 
 
 def _load_tokenizer(reward: RewardModelSpec) -> Any:
-    transformers = _transformers(reward)
+    _transformers(reward)  # a clear error where transformers is not installed
     source, revision = _tokenizer_source(reward)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source, revision=revision)
+        tokenizer = load_tokenizer(source, revision=revision)
     except Exception as error:  # a missing folder, a bad file, no network: all the same to the user
         raise RewardModelError(
             f"{_where(reward)}: cannot load its tokenizer from {source!r} ({type(error).__name__}: {error}); fix "

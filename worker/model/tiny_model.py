@@ -7,8 +7,10 @@ scratch on a CPU in seconds, which is what the tests and the local demo rely on.
 
 The tokenizer carries a ChatML-style chat template (``TINY_CHAT_TEMPLATE``) so that runs with
 ``dataset.chat_template = true`` can be tested end to end offline. Its markers are outside the toy alphabet
-and tokenize to ``<unk>``: the vocabulary, the weights and the toy task (which uses no template) are those
-of the template-less model.
+and tokenize to ``<unk>``, as any character outside it does (never dropped): the vocabulary, the weights and the
+toy task (which uses no template) are those of the template-less model. Workers load the tokenizer as it is
+saved here (``worker.model.tokenizer``); transformers' ``AutoTokenizer`` would rebuild another one from the
+vocabulary (``Qwen2Tokenizer``, which drops unknown characters).
 
 ``model.base = "tiny"`` in a run config means: build this model once into the local cache
 (``$ASYNCGRPO_CACHE/tiny-model-r2-seed0``, default ``~/.cache/asyncgrpo``) and load it from there.
@@ -40,8 +42,7 @@ log = structlog.get_logger()
 TINY_BASE_NAME = "tiny"
 EOS_TOKEN = "<eos>"
 PAD_TOKEN = "<pad>"
-# Declared so that AutoTokenizer (which picks Qwen2Tokenizer from the config) does not add its own
-# '<|endoftext|>' unknown token beyond the model's vocabulary. Prompts never contain unknown characters.
+# Every character outside the vocabulary (a chat template's markers, a tool's error message) becomes this token.
 UNK_TOKEN = "<unk>"
 # Written last by build_tiny_model: a cache folder without it is an interrupted build.
 _COMPLETE_MARKER = "TINY_MODEL_COMPLETE"

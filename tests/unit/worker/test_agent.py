@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from asyncgrpo.run.agent_config import AgentConfig
 from asyncgrpo.run.config import RunConfig
@@ -33,6 +32,7 @@ from worker.generate.backend import Completion, chat_messages
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
+from worker.model.tokenizer import load_tokenizer
 from worker.optimize.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -62,7 +62,7 @@ def toy_run() -> RunConfig:
 @pytest.fixture(scope="module")
 def toy_agent(agent_model_dir: Path, toy_run: RunConfig) -> Iterator[AgentRun]:
     assert toy_run.agent is not None
-    agent = AgentRun.start(toy_run.agent, AutoTokenizer.from_pretrained(agent_model_dir))
+    agent = AgentRun.start(toy_run.agent, load_tokenizer(agent_model_dir))
     yield agent
     agent.close()
 
@@ -73,21 +73,21 @@ def toy_agent(agent_model_dir: Path, toy_run: RunConfig) -> Iterator[AgentRun]:
 def test_the_toy_template_renders_tools_and_the_plain_tiny_one_is_refused(
     agent_model_dir: Path, tiny_model_dir: Path
 ) -> None:
-    check_chat_template(AutoTokenizer.from_pretrained(agent_model_dir), "hermes")
+    check_chat_template(load_tokenizer(agent_model_dir), "hermes")
     with pytest.raises(AgentSetupError, match="drops the tool call"):
-        check_chat_template(AutoTokenizer.from_pretrained(tiny_model_dir), "hermes")
+        check_chat_template(load_tokenizer(tiny_model_dir), "hermes")
     with pytest.raises(AgentSetupError, match="no response template"):
-        check_chat_template(AutoTokenizer.from_pretrained(agent_model_dir), "tokenizer")
+        check_chat_template(load_tokenizer(agent_model_dir), "tokenizer")
 
 
 def test_a_tool_answer_is_the_template_text_after_the_turn_s_eos(agent_model_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(agent_model_dir)
+    tokenizer = load_tokenizer(agent_model_dir)
     ids = tool_answer_ids(tokenizer, [{"role": "tool", "name": "reveal", "content": "7"}], tokenizer.eos_token_id)
     assert tokenizer.convert_ids_to_tokens(ids) == ["<tool>", "7", "<assistant>"]
 
 
 def test_hermes_calls_are_read_in_order_and_a_broken_one_is_an_error(agent_model_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(agent_model_dir)
+    tokenizer = load_tokenizer(agent_model_dir)
     calls = [
         '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
         '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}\n</tool_call>',
@@ -192,7 +192,7 @@ def _call(name: str, arguments: str = "{}") -> str:
 
 @pytest.fixture
 def scripted_tokenizer(agent_model_dir: Path) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(agent_model_dir)
+    tokenizer = load_tokenizer(agent_model_dir)
     tokenizer.add_tokens(
         [
             _call("add", '{"a": 2, "b": 3}'),

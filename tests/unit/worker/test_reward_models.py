@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from asyncgrpo.run.config import ConfigError, RewardConfig, RunConfig, load_run_config, parse_run_config
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.model.reward_models import RewardModelError, RewardModels, check_reward_model
+from worker.model.tokenizer import load_tokenizer
 
 PROMPTS = ["7=", "3=", "0=", "7=", "12=", "5="]
 COMPLETIONS = ["7777", "3", "", "71717171717", "1212", "5=5=5=5=5=5=55"]
@@ -22,7 +23,7 @@ COMPLETIONS = ["7777", "3", "", "71717171717", "1212", "5=5=5=5=5=5=55"]
 
 @functools.cache
 def _loaded(folder: Path) -> tuple[object, object]:
-    return AutoTokenizer.from_pretrained(folder), AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    return load_tokenizer(folder), AutoModelForSequenceClassification.from_pretrained(folder).eval()
 
 
 def _direct(folder: Path, text: str, max_length: int | None = None) -> float:
@@ -55,7 +56,7 @@ def test_chat_template_scores_the_reward_tokenizers_template(tiny_reward_model_d
     models = RewardModels.load([reward], "cpu", "float32")
     chats = [[{"role": "system", "content": "s"}, {"role": "user", "content": p}] for p in PROMPTS]
     scores = models.score(reward, ["ignored"] * len(PROMPTS), chats, COMPLETIONS)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model_dir)
+    tokenizer = load_tokenizer(tiny_reward_model_dir)
     texts = [
         tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": c}], tokenize=False)
         for chat, c in zip(chats, COMPLETIONS, strict=True)
