@@ -58,6 +58,16 @@ class AgentConfig(BaseModel):
         description="Seconds one tool call may run; past it the tool process is killed and restarted, and the "
         "model sees an error observation (a counted tool failure).",
     )
+    tool_processes: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Tool processes per generate worker, when there are environments: a task's group i runs its "
+        "conversations in process i mod n, so a tool that hangs past tool_timeout_s or kills its process takes "
+        "only the environments of the groups in that process with it (those groups are rejected as "
+        "environment_lost; the others are submitted). Unset: one per group of a task (async.groups_per_task), "
+        "a fault then costs one group. Standalone tools hold no state: with them alone, one process.",
+    )
     max_turn_tokens: int | None = Field(
         None,
         ge=1,

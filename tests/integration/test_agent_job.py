@@ -1,8 +1,9 @@
 """The generate and evaluate jobs of an [agent] run with real parts (the tiny agent model, a real tool process,
 FileBucket, the adapter cache) and recording stand-ins for the proxy: the rollout holds each conversation with its
 mask and its own prompt, the header holds turns and tool calls, each environment's reward is a reward named after
-it, a group whose environment fails to start is rejected with the reason while the task goes on, and an
-evaluation runs the same conversations. ``run create``'s checks of tools, templates and environment names."""
+it, a group whose environment fails to start is rejected with the reason while the task goes on, a tool process
+that dies takes only the groups it held with it, and an evaluation runs the same conversations. ``run create``'s
+checks of tools, templates and environment names."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from asyncgrpo.run.config import ConfigError, RunConfig
 from asyncgrpo.run.creation import create_run
 from tests.integration.test_generate_job import RecordingProxy
 from worker.algo.rollout import decode_rollout
-from worker.generate.agent import AgentRun, AgentSetupError, check_agent_of
+from worker.generate.agent import AgentRun, AgentSetupError, check_agent_of, tool_process_count
 from worker.generate.evaluate import run_evaluate_task
-from worker.generate.job import AdapterCache, run_generate_task
+from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
 from worker.generate.tool_process import ToolSetupError
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
@@ -86,25 +87,38 @@ def agent(backend: TransformersBackend) -> Iterator[AgentRun]:
     run.close()
 
 
-def test_an_agent_task_writes_conversations_with_masks_stats_and_environment_rewards(
-    bucket_with_v0: tuple[Bucket, str], backend: TransformersBackend, agent: AgentRun, tmp_path: Path
-) -> None:
+def run_agent_task(
+    bucket_with_v0: tuple[Bucket, str],
+    backend: TransformersBackend,
+    agent: AgentRun,
+    config: RunConfig,
+    prompts: list[dict[str, str]],
+    cache: Path,
+) -> tuple[GenerateResult, RecordingProxy]:
+    """One generate task over every prompt, against a recording proxy that leases version 0."""
     bucket, manifest_sha = bucket_with_v0
     proxy = RecordingProxy(manifest_sha256=manifest_sha)
-    groups = [GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in range(len(PROMPTS))]
     result = run_generate_task(
         run=RUN,
         task_id=TASK,
-        groups=groups,
-        config=agent_config(),
-        prompts=PROMPTS,
+        groups=[GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in range(len(prompts))],
+        config=config,
+        prompts=prompts,
         bucket=bucket,
         client=proxy,
         backend=backend,
-        adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
+        adapter_cache=AdapterCache(bucket, RUN, cache, capacity=2),
         worker_id="gen-1",
         agent=agent,
     )
+    return result, proxy
+
+
+def test_an_agent_task_writes_conversations_with_masks_stats_and_environment_rewards(
+    bucket_with_v0: tuple[Bucket, str], backend: TransformersBackend, agent: AgentRun, tmp_path: Path
+) -> None:
+    bucket = bucket_with_v0[0]
+    result, proxy = run_agent_task(bucket_with_v0, backend, agent, agent_config(), PROMPTS, tmp_path / "cache")
     assert result.status == "admitted"
     submitted = proxy.submissions[0]
     assert [rejected.group_id for rejected in submitted.rejected_groups] == [f"{TASK}.1"]
@@ -141,6 +155,48 @@ def test_an_agent_task_writes_conversations_with_masks_stats_and_environment_rew
     # The task's tokens are the model's, as the trainer counts them.
     train_samples, _ = build_train_samples([rollout], agent_config().loss)
     assert result.tokens == sum(s.model_tokens for s in train_samples) > 0
+
+
+CRASH_PROMPTS = [
+    {"prompt": "?=", "answer": "4", "environment": "count"},
+    {"prompt": "?=", "answer": "2", "environment": "count"},
+    {"prompt": "?=", "answer": "9", "environment": "digit"},
+    {"prompt": "crash", "answer": "3", "environment": "count"},  # Counter.reset kills its tool process
+]
+LOST_BY_PROCESSES = {
+    # One process a group (the default): the crash takes only its own group.
+    None: {3: "environment_error"},
+    # Two: group 1 lives in group 3's process (i mod 2), started before the crash, and is lost with it.
+    2: {1: "environment_lost", 3: "environment_error"},
+    # One process for the task (what every [agent] worker held before): every group started before is lost.
+    1: {0: "environment_lost", 1: "environment_lost", 2: "environment_lost", 3: "environment_error"},
+}
+
+
+@pytest.mark.parametrize("processes", list(LOST_BY_PROCESSES), ids=["one-per-group", "two", "one"])
+def test_a_dead_tool_process_costs_only_the_groups_it_held(
+    bucket_with_v0: tuple[Bucket, str], backend: TransformersBackend, tmp_path: Path, processes: int | None
+) -> None:
+    base = agent_config()
+    assert base.agent is not None
+    config = base.model_copy(update={"agent": base.agent.model_copy(update={"tool_processes": processes})})
+    assert config.agent is not None
+    count = tool_process_count(config.agent, len(CRASH_PROMPTS))
+    assert count == (processes or len(CRASH_PROMPTS))
+    agent = AgentRun.start(config.agent, backend.tokenizer, count)
+    try:
+        result, proxy = run_agent_task(bucket_with_v0, backend, agent, config, CRASH_PROMPTS, tmp_path / "cache")
+    finally:
+        agent.close()
+    lost = LOST_BY_PROCESSES[processes]
+    assert result.status == "admitted" and len(proxy.submissions) == 1  # the task itself is never lost
+    rejected = {item.group_id: item.reason for item in proxy.submissions[0].rejected_groups}
+    assert rejected == {f"{TASK}.{group}": reason for group, reason in lost.items()}
+    if len(lost) < len(CRASH_PROMPTS):
+        rollout = decode_rollout(bucket_with_v0[0].get(proxy.submissions[0].key))
+        kept = [group for group in range(len(CRASH_PROMPTS)) if group not in lost]
+        assert [group.prompt_index for group in rollout.groups] == kept
+        assert len(rollout.samples) == 4 * len(kept)
 
 
 def test_run_create_refuses_a_prompt_naming_an_unknown_environment_and_stores_nothing(tmp_path: Path) -> None:

@@ -90,7 +90,8 @@ def undocumented(x: int) -> str:
 class Counter:
     """A count to bring to the answer with increments; the reward is 1.0 when it gets there.
 
-    ``reset`` raises for the prompt ``"explode"``; ``get_reward`` returns text for the answer ``"not a number"``.
+    ``reset`` raises for the prompt ``"explode"`` and kills its tool process for ``"crash"``; ``get_reward``
+    returns text for the answer ``"not a number"``.
     """
 
     created = 0  # instances constructed in this process: pooling reuses them
@@ -105,6 +106,8 @@ class Counter:
     def reset(self, prompt: str, answer: str | None = None) -> str:
         if prompt == "explode":
             raise RuntimeError("cannot reset")
+        if prompt == "crash":
+            os._exit(3)
         self.resets += 1
         self.count = 0
         self.target = answer

@@ -18,8 +18,13 @@ truncated (``"length"``), so ``loss.mask_truncated_completions`` treats it as TR
 
 Tool faults stay local: a call that cannot be parsed, names no tool, raises, returns no text, hangs past
 ``agent.tool_timeout_s`` or kills the tool process is an error observation the model reads, and a counted
-failure; the task goes on. The environment's ``reset`` text is appended to the last user message of the
-conversation's prompt; its ``get_reward`` (when it has one) is read once the conversation ends.
+failure; the task goes on. A worker of a run with environments holds several tool processes
+(``agent.tool_processes``, by default one per group of a task), and group i of a task keeps its conversations in
+process i mod n: a process killed by a timeout or a crash takes only those groups' environment instances with it,
+so only those groups are rejected (``environment_lost``), and the rest of the task is submitted.
+
+The environment's ``reset`` text is appended to the last user message of the conversation's prompt; its
+``get_reward`` (when it has one) is read once the conversation ends.
 
 The tool-call formats (``agent.tool_call_format``): ``hermes``, ``<tool_call>{"name": ..., "arguments": ...}
 </tool_call>`` anywhere in the turn, as Qwen2.5/Qwen3/Hermes chat templates write them; ``tokenizer``, the
@@ -171,6 +176,7 @@ class AgentPrompt:
 @dataclass
 class Conversation:
     key: str  # the tool process's name for it
+    tools: ToolProcess  # the process its environment instance (if any) lives in: its group's
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -206,33 +212,52 @@ class AgentGroup:
     failure: str | None = None
 
 
+def tool_process_count(config: AgentConfig, groups_per_task: int) -> int:
+    """How many tool processes a generate worker holds: ``agent.tool_processes``, by default one per group of a
+    task; one where there is no environment (standalone tools hold no state a dead process could lose)."""
+    if not config.environments:
+        return 1
+    return config.tool_processes or groups_per_task
+
+
 @dataclass
 class AgentRun:
-    """What a generate worker holds for an [agent] run: its config, its tool process and the tools' schemas
-    per environment."""
+    """What a generate worker holds for an [agent] run: its config, its tool processes (a task's group i talks
+    to ``processes[i % len(processes)]``) and the tools' schemas per environment."""
 
     config: AgentConfig
-    tools: ToolProcess
+    processes: list[ToolProcess]
     schemas: dict[str | None, list[dict]]
 
     @classmethod
-    def start(cls, config: AgentConfig, tokenizer: Any) -> AgentRun:
-        """Check the template, start the tool process and read the schemas (raises ToolSetupError or
-        AgentSetupError naming the field)."""
+    def start(cls, config: AgentConfig, tokenizer: Any, processes: int = 1) -> AgentRun:
+        """Check the template, start the first tool process and read the schemas (raises ToolSetupError or
+        AgentSetupError naming the field); the other ``processes - 1`` start their children at first use."""
+        if processes < 1:
+            raise ValueError(f"an agent run needs at least one tool process, not {processes}")
         check_chat_template(tokenizer, config.tool_call_format)
-        tools = ToolProcess(config.tools, config.environments or None, config.tool_timeout_s)
+        first = ToolProcess(config.tools, config.environments or None, config.tool_timeout_s)
         try:
-            schemas = tools.describe()
+            schemas = first.describe()
         except BaseException:
-            tools.close()
+            first.close()
             raise
-        return cls(config=config, tools=tools, schemas=schemas)
+        pool = [first, *(first.sibling() for _ in range(processes - 1))]
+        return cls(config=config, processes=pool, schemas=schemas)
+
+    def tools_for(self, group: int) -> ToolProcess:
+        """The tool process that holds the conversations of a task's group ``group``."""
+        return self.processes[group % len(self.processes)]
+
+    def has_reward(self, environment: str | None) -> bool:
+        return self.processes[0].has_reward(environment)
 
     def schemas_for(self, environment: str | None) -> list[dict]:
         return self.schemas.get(environment, self.schemas.get(None, []))
 
     def close(self) -> None:
-        self.tools.close()
+        for process in self.processes:
+            process.close()
 
 
 def run_conversations(
@@ -257,17 +282,18 @@ def run_conversations(
     try:
         started = time.perf_counter()
         for group, prompt in enumerate(prompts):
+            tools = agent.tools_for(group)
             for sample in range(samples_per_prompt):
                 key = f"{task_id}/{group}/{sample}"
                 try:
-                    reset = agent.tools.start(key, prompt.environment, prompt.prompt, prompt.answer)
+                    reset = tools.start(key, prompt.environment, prompt.prompt, prompt.answer)
                 except EnvironmentFailed as error:
-                    failures.setdefault(group, _failure_reason(key, error))
-                    agent.tools.end(key)
-                    continue
+                    failures[group] = _failure_reason(key, error)
+                    tools.end(key)
+                    break  # the group is rejected: its other conversations need not start (nor fail again)
                 text = prompt_text(tokenizer, prompt.messages, agent.schemas_for(prompt.environment), reset)
                 ids = backend.tokenize([text], add_special_tokens=False)[0]
-                conversations.append((group, Conversation(key=key, prompt_ids=ids)))
+                conversations.append((group, Conversation(key=key, tools=tools, prompt_ids=ids)))
         tools_s += time.perf_counter() - started
         live = [c for g, c in conversations if g not in failures]
         turn = 0
@@ -296,7 +322,7 @@ def run_conversations(
         # conversation names: end every conversation it started (the tool process tolerates unknown ones).
         for _, conversation in conversations:
             with contextlib.suppress(Exception):
-                agent.tools.end(conversation.key)
+                conversation.tools.end(conversation.key)
         raise
     return groups, tools_s
 
@@ -325,7 +351,7 @@ def _take_turn(
         return
     messages: list[Message] = []
     for call in calls:
-        answer = _call(agent.tools, conversation.key, call)
+        answer = _call(conversation.tools, conversation.key, call)
         conversation.tool_calls += 1
         conversation.tool_failures += int(answer.failed)
         messages.append({"role": "tool", "name": str(call.get("name", "unknown")), "content": answer.text})
@@ -367,10 +393,10 @@ def _finish(
         reward = None
         if group not in failures:
             try:
-                reward = agent.tools.reward(conversation.key)
+                reward = conversation.tools.reward(conversation.key)
             except EnvironmentFailed as error:
                 failures[group] = _failure_reason(conversation.key, error)
-        agent.tools.end(conversation.key)
+        conversation.tools.end(conversation.key)
         by_group[group].append(
             AgentCompletion(
                 token_ids=conversation.tokens,
@@ -398,7 +424,7 @@ def _finish(
 def environment_rewards(agent: AgentRun) -> list[ScoredReward]:
     """The rewards the environments own (``get_reward``): one per factory, named after it, weight 1, as TRL."""
     names = {
-        path.rpartition(":")[2] for name, path in agent.config.environments.items() if agent.tools.has_reward(name)
+        path.rpartition(":")[2] for name, path in agent.config.environments.items() if agent.has_reward(name)
     }
     return [ScoredReward(name=name) for name in sorted(names)]
 
@@ -493,13 +519,12 @@ def check_agent_of(config_path: str | Path) -> None:
     if config.agent is None:
         return  # the base install (no transformers) creates runs without [agent]
     try:
-        from transformers import AutoTokenizer
-
         from worker.model.tiny_model import resolve_base_model
+        from worker.model.tokenizer import load_tokenizer
     except ImportError as error:
         raise ConfigError(
             f"[agent] is checked against the model's chat template, which needs transformers ({error}); "
             "pip install 'asyncgrpo[train]' where you run `run create`"
         ) from error
-    tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(config.model.base))
+    tokenizer = load_tokenizer(resolve_base_model(config.model.base))
     AgentRun.start(config.agent, tokenizer).close()

@@ -1,4 +1,4 @@
-"""Agent tools and environments, run in one long-lived child process per worker.
+"""Agent tools and environments, run in a long-lived child process (one or several per worker: ``sibling``).
 
 The contract is TRL's. A *tool* is a typed Python function with a Google-style docstring, named
 ``package.module:function``; what the model sees of it is ``transformers.utils.get_json_schema(function)``.
@@ -407,6 +407,16 @@ class ToolProcess:
         self._schemas: dict[str | None, list[dict[str, Any]]] | None = None
         self._rewards: dict[str | None, bool] = {}
         self._conversations: dict[str, _Conversation] = {}
+
+    def sibling(self) -> ToolProcess:
+        """Another tool process for the same tools and environments, described by this one's probe: its child
+        starts at its first request, probing nothing again. Instances never cross between the two, so a fault in
+        one costs the other's conversations nothing."""
+        with self._lock:
+            schemas = copy.deepcopy(self._described())
+            other = ToolProcess(self.tools, self.environments, self.timeout_s, self.start_timeout_s)
+            other._schemas, other._rewards = schemas, dict(self._rewards)
+            return other
 
     @property
     def pid(self) -> int | None:

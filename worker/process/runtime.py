@@ -87,7 +87,7 @@ class WorkerRuntime:
     backend_run: str | None = None
     reward_models: RewardModels | None = None  # on generate workers: the run's reward models, loaded once
     reward_models_run: str | None = None
-    agent: AgentRun | None = None  # on generate workers of an [agent] run: its tool process and tool schemas
+    agent: AgentRun | None = None  # on generate workers of an [agent] run: its tool processes and tool schemas
     agent_run: str | None = None
     adapter_caches: dict[str, AdapterCache] = field(default_factory=dict)
     trainer: Trainer | None = None  # on optimize workers
@@ -151,18 +151,20 @@ class WorkerRuntime:
         return self.reward_models
 
     def run_agent(self, context: RunContext) -> AgentRun | None:
-        """The [agent] run's tool process (started once, its tools imported and described there) after a check of
-        the chat template; None for a run without [agent]. Raises ToolSetupError or AgentSetupError, which stop
+        """The [agent] run's tool processes (started once: the first imports and describes the tools), after a
+        check of the chat template; None for a run without [agent]. Raises ToolSetupError or AgentSetupError, which stop
         the worker (``worker.process.tasks``)."""
         config = context.config.agent
         if config is None:
             return None
         if self.agent is None or self.agent_run != context.run:
-            from worker.generate.agent import AgentRun
+            from worker.generate.agent import AgentRun, tool_process_count
 
             if self.agent is not None:
                 self.agent.close()
-            self.agent = AgentRun.start(config, self.generation_backend(context).tokenizer)
+            tokenizer = self.generation_backend(context).tokenizer
+            processes = tool_process_count(config, context.config.async_.groups_per_task)
+            self.agent = AgentRun.start(config, tokenizer, processes)
             self.agent_run = context.run
         return self.agent
 
