@@ -12,9 +12,11 @@ Modules:
     vllm_backend          the vLLM backend (in its own environment)
     settings              the generate side's settings (backend override, vLLM engine args, prefetch)
     agent                 agent rollouts: conversations advanced turn by turn from token ids, tool calls parsed
-                          and answered, the mask of the model's tokens, budgets; the template checks
+                          and answered, the mask of the model's tokens, budgets; the template checks; a tool
+                          process per group of a task, so a dead one costs only its groups
     toy_agent             the toy agent task's environment (a digit hidden behind a reveal() tool)
     calculator            a built-in agent tool: calculate(expression), safe arithmetic parsed with ast
     tool_process          agent tools and environments (TRL's contract) in a child process: schemas, pooled
-                          environment instances, timeouts and crashes as failed tool answers
+                          environment instances, timeouts and crashes as failed tool answers; siblings that
+                          share one probe
 """

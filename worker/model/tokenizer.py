@@ -18,17 +18,11 @@ from typing import Any
 GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
-def saved_tokenizer_class(source: str | Path, revision: str | None = None) -> str | None:
-    """The ``tokenizer_class`` in ``source``'s tokenizer_config.json (a folder or a hub id); None if it names none."""
-    from transformers.models.auto.tokenization_auto import get_tokenizer_config
-
-    return get_tokenizer_config(source, revision=revision).get("tokenizer_class")
-
-
 def load_tokenizer(source: str | Path, revision: str | None = None) -> Any:
     """The tokenizer of ``source`` (a folder or a hub id) as it was saved (see the module docstring)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-    if saved_tokenizer_class(source, revision) in GENERIC_TOKENIZER_CLASSES:
+    if get_tokenizer_config(source, revision=revision).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(source, revision=revision)
     return AutoTokenizer.from_pretrained(source, revision=revision)
