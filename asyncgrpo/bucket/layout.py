@@ -58,6 +58,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncgrpo.bucket.backends import Bucket, ObjectExists, ObjectNotFound
+from asyncgrpo.protocol.schemas import ID_PATTERN, RUN_NAME, RUN_NAME_RULE
 
 MANIFEST_NAME = "MANIFEST.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -69,8 +70,7 @@ STEP_RECORD_NAME = "step_record.json"
 ADAPTER_FILE_NAMES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
 """The files of a version a generate worker needs (a plain PEFT adapter folder); the rest is the trainer's."""
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_TASK_ID = re.compile(ID_PATTERN)
 _VERSION_DIR = re.compile(r"/adapters/v(\d{8})/$")
 _ATTEMPT = re.compile(r"^[a-z0-9]{1,32}$")
 _EVAL_KEY = re.compile(r"/evals/v(\d{8})\.json$")
@@ -82,11 +82,8 @@ class InvalidKeyPart(ValueError):
 
 
 def check_run_name(run: str) -> str:
-    if not _RUN_NAME.fullmatch(run):  # fullmatch: "$" would let a trailing newline in
-        raise InvalidKeyPart(
-            f"run name {run!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', starting with a "
-            "letter or digit"
-        )
+    if not RUN_NAME.fullmatch(run):  # fullmatch: "$" would let a trailing newline in
+        raise InvalidKeyPart(f"run name {run!r} is not allowed: {RUN_NAME_RULE}")
     return run
 
 

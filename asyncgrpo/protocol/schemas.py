@@ -393,25 +393,31 @@ class FleetView(_Response):
     tasks_per_version: int
 
 
-class StatusResponse(_Response):
-    run: str
+class RunCounts(_Response):
+    """The run's state as counts: what ``/v1/status`` answers and ``/metrics`` exports alike (the proxy's
+    ``StateGauges`` adds the live leases' count to it)."""
+
     current_version: int
     final_version: int
     """The run ends when current_version reaches it (optimizer.total_steps / async.publish_every)."""
-    finished: bool
     step_inflight: int | None
     epoch: int
-    epoch_pos: int
     groups_buffered: int
     groups_inflight: int
     groups_requeued: int
     tasks_inflight: int
     counters: dict[str, int]
     rejected_by_reason: dict[str, int]
-    leases: list[LeaseRecord]
     workers_alive_by_role: dict[str, int]
     halted: str | None = None
     """Why the run's steps are halted (an operator must act), or None."""
+
+
+class StatusResponse(RunCounts):
+    run: str
+    finished: bool
+    epoch_pos: int
+    leases: list[LeaseRecord]
     evals_pending: int = 0
     """Versions due for evaluation whose record is not written yet (0 without ``[eval]``)."""
     eval_latest: EvalSummary | None = None
@@ -559,19 +565,17 @@ REPAIR_TASK_NAME = "asyncgrpo.repair_version"
 QUEUE_PREFIX = "asyncgrpo"
 SEPARATOR = ":"
 ROLES = ("generate", "optimize")
-# The run names ``asyncgrpo.bucket.layout.check_run_name`` accepts (that layer is above this one): none
-# holds the separator, a comma (``celery worker --queues`` splits on it) or a space.
+# Every run name, in queue names and bucket keys alike (``asyncgrpo.bucket.layout.check_run_name``): none
+# holds the separator, a comma (``celery worker --queues`` splits on it), a slash or a space.
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RUN_NAME_RULE = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 _WORKER_ID = re.compile(ID_PATTERN)
 
 
 def check_queue_run(run: str) -> str:
     """``run`` if it can be part of a queue name, else ValueError saying which names are allowed."""
     if not RUN_NAME.fullmatch(run):  # fullmatch: no trailing newline slips through
-        raise ValueError(
-            f"run name {run!r} cannot name a queue: use 1-64 letters, digits, '.', '_' or '-', starting with a "
-            "letter or digit"
-        )
+        raise ValueError(f"run name {run!r} cannot name a queue: {RUN_NAME_RULE}")
     return run
 
 

@@ -18,10 +18,11 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from pydantic import ConfigDict
 from redis.exceptions import RedisError
 
 from asyncgrpo.protocol.errors import ERROR_CODES
-from asyncgrpo.protocol.schemas import EvalSummary, FleetView, StatusResponse
+from asyncgrpo.protocol.schemas import EvalSummary, FleetView, RunCounts, StatusResponse
 
 log = structlog.get_logger()
 
@@ -105,43 +106,19 @@ BUFFER_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 36
 FIRST_USE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-@dataclass(frozen=True)
-class StateGauges:
+class StateGauges(RunCounts):
     """What ``/metrics`` reads from Redis at each scrape: counts only, so a scrape costs the same with 10 or
     10,000 leases and workers (``proxy.coordinator.service.gauges`` reads it in one transaction)."""
 
-    current_version: int
-    final_version: int
-    step_inflight: int | None
-    epoch: int
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     leases_active: int
-    groups_buffered: int
-    groups_inflight: int
-    groups_requeued: int
-    tasks_inflight: int
-    counters: dict[str, int]
-    rejected_by_reason: dict[str, int]
-    workers_alive_by_role: dict[str, int]
-    halted: str | None = None  # proxy.coordinator.steps
 
     @classmethod
     def from_status(cls, status: StatusResponse) -> StateGauges:
         """The gauges of a full ``/v1/status`` answer (tests and tools that have one)."""
-        return cls(
-            current_version=status.current_version,
-            final_version=status.final_version,
-            step_inflight=status.step_inflight,
-            epoch=status.epoch,
-            leases_active=len(status.leases),
-            groups_buffered=status.groups_buffered,
-            groups_inflight=status.groups_inflight,
-            groups_requeued=status.groups_requeued,
-            tasks_inflight=status.tasks_inflight,
-            counters=status.counters,
-            rejected_by_reason=status.rejected_by_reason,
-            workers_alive_by_role=status.workers_alive_by_role,
-            halted=status.halted,
-        )
+        counts = {name: getattr(status, name) for name in RunCounts.model_fields}
+        return cls(leases_active=len(status.leases), **counts)
 
 
 @dataclass(frozen=True)
