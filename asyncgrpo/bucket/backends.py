@@ -497,12 +497,6 @@ class S3Bucket(Bucket):
         with self._translate(key, "delete"):
             self.client.delete_object(Bucket=self.bucket, Key=self._full(key))
 
-    def delete_prefix(self, prefix: str) -> int:
-        check_prefix(prefix)
-        keys = self.list(prefix)
-        self.delete_keys(keys)
-        return len(keys)
-
     def delete_keys(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = keys[start : start + 1000]
