@@ -1,9 +1,11 @@
-"""Print README's reference tables (Markdown) from the pydantic models themselves.
+"""Write docs/configuration.md's reference tables (Markdown) from the pydantic models themselves.
 
-README's "Run config" table is this script's output, and its "Environment variables" table the output of
-``--env`` (from the settings classes); tests/unit/project/test_readme.py fails when either differs.
-    python scripts/config_reference.py
-    python scripts/config_reference.py --env
+Its "Run config" table is ``reference()`` (from ``RunConfig``), its "Environment variables" table
+``env_reference()`` (from the settings classes), each between its pair of markers;
+tests/unit/project/test_readme.py fails when either differs.
+    python scripts/config_reference.py --write   # regenerate both tables in docs/configuration.md
+    python scripts/config_reference.py --check   # exit 1 when either table is not current
+    python scripts/config_reference.py [--env]   # print one table
 """
 
 from __future__ import annotations
@@ -105,5 +107,47 @@ def env_reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+# Each generated table sits between its two markers in DOC; the text around them is written by hand.
+TABLES = {"config-reference": reference, "env-reference": env_reference}
+
+
+def _span(text: str, name: str) -> tuple[int, int]:
+    """Where the table called ``name`` starts and ends in ``text`` (between its markers)."""
+    start_marker, end_marker = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    start = text.index(start_marker) + len(start_marker)
+    return start, text.index(end_marker, start)
+
+
+def current_table(text: str, name: str) -> str:
+    start, end = _span(text, name)
+    return text[start:end]
+
+
+def with_tables(text: str) -> str:
+    """``text`` with every generated table replaced by what the models say now."""
+    for name, table in TABLES.items():
+        start, end = _span(text, name)
+        text = text[:start] + table() + text[end:]
+    return text
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write"]:
+        DOC.write_text(with_tables(DOC.read_text()))
+        return 0
+    if argv == ["--check"]:
+        text = DOC.read_text()
+        stale = [name for name, table in TABLES.items() if current_table(text, name) != table()]
+        if stale:
+            sys.stderr.write(
+                f"{DOC.name}: {', '.join(stale)} out of date; run python3 scripts/config_reference.py --write\n"
+            )
+            return 1
+        return 0
+    sys.stdout.write(env_reference() if argv == ["--env"] else reference())
+    return 0
+
+
 if __name__ == "__main__":
-    sys.stdout.write(env_reference() if sys.argv[1:] == ["--env"] else reference())
+    sys.exit(main(sys.argv[1:]))

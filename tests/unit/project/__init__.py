@@ -1,1 +1,1 @@
-"""Checks of the repository itself: the package maps, README's tables, the deploy files."""
+"""Checks of the repository itself: the package maps, README and docs/ (tables, links, paths), the deploy files."""
