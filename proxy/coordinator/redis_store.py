@@ -40,7 +40,8 @@ Fixed keys:
   live workers of a role with one ZCOUNT
 - ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
   from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
-- ``proxy_lease`` string (JSON, with a TTL): the one live proxy of the run and its fencing epoch
+- ``proxy_lease`` string (JSON, with a TTL; ``RunKeys.proxy_leadership``): the proxy's leadership, the one live
+  proxy of the run and its fencing epoch
 - ``proxy_epoch`` counter: the last fencing epoch handed out (``proxy.coordinator.snapshot``)
 - ``prompt_attempts`` hash: prompt index -> failed attempts of its group since it last ran to a submission
   (and ``reason:<index>`` -> the last failure its worker reported); at ``async.max_group_attempts`` the
@@ -215,7 +216,8 @@ class RunKeys:
         return self.prefix + "rollout_retention"
 
     @property
-    def proxy_lease(self) -> str:
+    def proxy_leadership(self) -> str:
+        # The key keeps its first name: a running deployment holds it, and a renamed one would let two proxies lead.
         return self.prefix + "proxy_lease"
 
     @property

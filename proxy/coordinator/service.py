@@ -84,7 +84,7 @@ from proxy.coordinator.scripts import (
     SnapshotFailed,
     StateMissing,
 )
-from proxy.coordinator.snapshot import ProxyFence, SnapshotWriter
+from proxy.coordinator.snapshot import Leadership, SnapshotWriter
 from proxy.coordinator.steps import StepFailures, Steps, StepSending, Versions
 from proxy.coordinator.workers import Workers
 
@@ -96,20 +96,20 @@ class StateRestorer:
     (a script answered NO_STATE). Only the holder of the proxy's leadership rebuilds."""
 
     def __init__(
-        self, store: RedisStore, bucket: Bucket, config: RunConfig, fence: ProxyFence | None, retention: Retention
+        self, store: RedisStore, bucket: Bucket, config: RunConfig, leadership: Leadership | None, retention: Retention
     ) -> None:
         self.store = store
         self.bucket = bucket
         self.config = config
-        self.fence = fence
+        self.leadership = leadership
         self.retention = retention
 
     def ensure(self) -> str:
         """'present', or else 'fresh'/'rebuilt' from the bucket."""
         if self.store.has_state():
             return "present"
-        if self.fence is not None:
-            self.fence.confirm()  # only the lease holder rebuilds (after a FLUSHALL: a new, higher epoch)
+        if self.leadership is not None:
+            self.leadership.confirm()  # only the leader rebuilds (after a FLUSHALL: a new, higher epoch)
         outcome = restore_state(self.store, self.bucket, self.config)
         self.store.mark_changed()
         self.retention.forget_last_gc()
@@ -150,7 +150,6 @@ class TickReport:
                 self.evals_sent,
             )
         )
-
 
 
 class Housekeeping:
@@ -249,9 +248,7 @@ class Housekeeping:
         try:
             # Before GC, so a version that just became due is protected; sent only while a generate worker
             # is alive (they run the evaluate tasks), or every attempt would time out unconsumed.
-            report.evals_sent = self.evals.tick(
-                dispatcher, self.heartbeats.alive_s, send=self._generate_consumed()
-            )
+            report.evals_sent = self.evals.tick(dispatcher, self.heartbeats.alive_s, send=self._generate_consumed())
         except (BucketError, OSError) as error:
             log.warning("proxy.eval_tick_failed", error=str(error))
         try:
@@ -307,6 +304,7 @@ def _rebuilding(method: Callable[Concatenate[Coordinator, P], T]) -> Callable[Co
 
     return entry
 
+
 class Coordinator:
     """The state operations of one run. ``redis`` must be created with ``decode_responses=True``."""
 
@@ -325,15 +323,15 @@ class Coordinator:
         metrics: ProxyMetrics | None = None,
         worker_alive_s: float = 15.0,
         record_ttl_s: int = RECORD_TTL_S,
-        fence: ProxyFence | None = None,
+        leadership: Leadership | None = None,
         require_generate_worker: bool = True,
         num_eval_prompts: int = 0,
     ) -> None:
-        """``fence``: the run's proxy lease (``proxy.coordinator.snapshot``), None unfenced (tests).
+        """``leadership``: the run's leadership (``proxy.coordinator.snapshot``), None unfenced (tests).
         ``require_generate_worker``: dispatch generate tasks only while a generate worker is alive by its
         heartbeats (tests that never send heartbeats turn it off). ``num_eval_prompts``: the run's held-out
         prompts (``[eval]``; 0: no evaluation)."""
-        self.fence = fence
+        self.leadership = leadership
         self.store = RedisStore(redis, run, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
         if num_prompts < 1:
             raise ValueError(f"the run has {num_prompts} prompts; it needs at least one")
@@ -346,7 +344,7 @@ class Coordinator:
         self.prompts_sha256 = prompts_sha256
         self.metrics = metrics or ProxyMetrics()
         self.snapshots = SnapshotWriter(
-            self.store, bucket, self.metrics.snapshot_writes.inc, fence, on_written=self.metrics.snapshot_written
+            self.store, bucket, self.metrics.snapshot_writes.inc, leadership, on_written=self.metrics.snapshot_written
         )
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.pacer = InflightPacer(config.async_, self.store.clock_ms)
@@ -365,7 +363,7 @@ class Coordinator:
             self.store, config.async_, bucket, self.snapshots, protected=self.evals.protected_versions
         )
         self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
-        self.restorer = StateRestorer(self.store, bucket, config, fence, self.retention)
+        self.restorer = StateRestorer(self.store, bucket, config, leadership, self.retention)
         self.housekeeping = Housekeeping(
             store=self.store,
             config=config,
@@ -624,6 +622,7 @@ class Coordinator:
 
 
 # ---- views of the state: /v1/status, /v1/run ----
+
 
 def run_info(store: RedisStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
     """What ``/v1/run`` tells a worker: the run's inputs with their digests, so it can verify what it reads."""
