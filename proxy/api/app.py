@@ -10,7 +10,7 @@ coordinator refusal is which code (``REFUSAL_CODES``); a stale refusal also carr
 Each refusal is counted in ``asyncgrpo_http_errors_total{error=<code>}``.
 
 The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app's lifespan, every
-``tick_s`` seconds and right after each submit and publish. The evaluate tasks' routes
+``tick_s`` seconds and right after each submit and publish. The eval tasks' routes
 (``POST /v1/evals/{task_id}/lease`` and ``.../result``) are installed by ``install_eval_routes``.
 
 ``GET /v1/versions/latest``, the generate workers' long poll for new versions: ``proxy.api.version_watch``.
@@ -308,7 +308,7 @@ class LeadershipGuard:
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
-# ---- the evaluate tasks' routes, and the app ----
+# ---- the eval tasks' routes, and the app ----
 
 
 def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[], None]) -> None:

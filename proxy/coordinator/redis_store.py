@@ -51,11 +51,11 @@ Fixed keys:
   ``<tracker>:step`` -> the last step record sent, ``<tracker>:eval:<version>`` -> when that eval was sent
   (unix seconds; a rebuild writes its own time); the snapshot carries it, compacted to the cursor and the
   sorted versions per tracker (``tracking_step_field`` / ``tracking_eval_field`` name the fields)
-- ``evals``      hash ([eval], ``proxy.coordinator.evaluations``): ``cursor`` (the next version to consider),
+- ``evals``      hash ([eval], ``proxy.coordinator.evals``): ``cursor`` (the next version to consider),
   ``latest`` (JSON of the newest eval summary) and ``latest_version``; per due version not yet recorded
-  ``v:<version>`` (JSON: chunks left, task ids); per evaluate task in flight ``t:<task_id>`` (JSON: version,
+  ``v:<version>`` (JSON: chunks left, task ids); per eval task in flight ``t:<task_id>`` (JSON: version,
   prompt range, attempts, worker) and, once its result came, ``s:<task_id>`` (its chunk summary)
-- ``evals_inflight`` sorted set: evaluate task id -> deadline (ms)
+- ``evals_inflight`` sorted set: eval task id -> deadline (ms)
 - ``log``        hash ([the snapshot log](``proxy.coordinator.snapshot_log``)): ``seq`` (the last log sequence
   number handed out) and ``through`` (the number the last compaction covers; absent until the first compaction
   since the state was built, so a rebuilt state is compacted before any segment is written)

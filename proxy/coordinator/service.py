@@ -25,7 +25,7 @@ Three classes, top down, each handed what it uses (nothing calls back up):
 - ``Housekeeping`` is the round ``tick()`` runs: it rebuilds an empty Redis, expires leases and lost tasks,
   takes back the tasks of dead generate workers, repairs a missing step record and re-checks a halt, claims a
   step, keeps the generate queue fed (only while a generate worker is alive and the bucket takes snapshots),
-  writes the snapshot before sending anything, sends or re-sends the step in flight, sends due evaluations,
+  writes the snapshot before sending anything, sends or re-sends the step in flight, sends due evals,
   and collects old versions and rollouts.
 - ``StateRestorer`` makes sure Redis holds the run's state (``rebuild.restore_state``), fenced by the proxy's
   leadership.
@@ -72,7 +72,7 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.evaluations import Evaluations
+from proxy.coordinator.evals import Evals
 from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
 from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
@@ -167,7 +167,7 @@ class Housekeeping:
         sending: StepSending,
         step_failures: StepFailures,
         versions: Versions,
-        evals: Evaluations,
+        evals: Evals,
         heartbeats: Workers,
         pacer: InflightPacer,
         accounting: WaitingAccount,
@@ -247,7 +247,7 @@ class Housekeeping:
             self.pacer.step_sent(report.step_sent)
         try:
             # Before GC, so a version that just became due is protected; sent only while a generate worker
-            # is alive (they run the evaluate tasks), or every attempt would time out unconsumed.
+            # is alive (they run the eval tasks), or every attempt would time out unconsumed.
             report.evals_sent = self.evals.tick(dispatcher, self.heartbeats.alive_s, send=self._generate_consumed())
         except (BucketError, OSError) as error:
             log.warning("proxy.eval_tick_failed", error=str(error))
@@ -358,7 +358,7 @@ class Coordinator:
             self.store, config.async_, bucket, self.snapshots, self.metrics, self.versions, config.final_version
         )
         self.step_failures = StepFailures(self.store, config.async_, self.sending, self.versions)
-        self.evals = Evaluations(self.store, config, bucket, num_eval_prompts)
+        self.evals = Evals(self.store, config, bucket, num_eval_prompts)
         self.retention = Retention(
             self.store, config.async_, bucket, self.snapshots, protected=self.evals.protected_versions
         )
@@ -534,7 +534,7 @@ class Coordinator:
     @_rebuilding
     def report_task_failure(self, task_id: str, report: TaskFailureReport) -> TaskFailureResult:
         """A worker's generate task failed for good: cancel it now and count the attempt (invariant 9). An
-        evaluate task is sent again at the next tick instead of at its deadline."""
+        eval task is sent again at the next tick instead of at its deadline."""
         if self.evals.fail(task_id, report.worker_id):
             log.warning(
                 "proxy.eval_failure_reported", task_id=task_id, worker_id=report.worker_id, reason=report.reason
@@ -553,12 +553,12 @@ class Coordinator:
 
     @_rebuilding
     def eval_lease(self, worker_id: str, task_id: str, incarnation: str = "") -> EvalLeaseGrant:
-        """Lease the version of an evaluate task (``evaluations``); raises EvalEnded if it is not in flight."""
+        """Lease the version of an eval task (``evals``); raises EvalEnded if it is not in flight."""
         return self.evals.lease(worker_id, task_id, incarnation)
 
     @_rebuilding
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
-        """Keep an evaluate task's summary and release its lease; raises EvalEnded if it is not in flight."""
+        """Keep an eval task's summary and release its lease; raises EvalEnded if it is not in flight."""
         return self.evals.result(task_id, request)
 
     @_rebuilding

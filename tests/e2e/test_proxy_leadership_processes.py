@@ -126,7 +126,9 @@ def test_standby_takes_over_when_the_live_proxy_dies(bucket_url: str, redis_url:
         _stop(first, *([standby] if standby else []))
 
 
-def test_proxy_whose_leadership_is_taken_stops_and_exits_non_zero(bucket_url: str, redis_url: str, tmp_path: Path) -> None:
+def test_proxy_whose_leadership_is_taken_stops_and_exits_non_zero(
+    bucket_url: str, redis_url: str, tmp_path: Path
+) -> None:
     env = _env(bucket_url, redis_url)
     redis = Redis.from_url(redis_url, decode_responses=True)
     first, url, log = _start(tmp_path, "first", env)

@@ -89,7 +89,9 @@ def test_standby_waits_for_the_leadership_then_takes_a_higher_epoch(redis_client
         first.confirm()
 
 
-def test_snapshot_write_refused_after_losing_the_leadership(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
+def test_snapshot_write_refused_after_losing_the_leadership(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
     coord = leading(redis_client, bucket, clock)
     coord.tick()
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 1
