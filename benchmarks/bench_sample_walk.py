@@ -344,7 +344,7 @@ def trace_one_sample(workdir: Path, redis_url: str) -> Walk:
     from proxy.coordinator.dispatch import CeleryDispatcher
     from proxy.coordinator.scripts import BoundScript
     from proxy.coordinator.service import Coordinator
-    from proxy.coordinator.snapshot import ProxyFence
+    from proxy.coordinator.snapshot import Leadership
     from worker.process.heartbeat import Heartbeat
     from worker.process.runtime import AdapterPrefetcher, get_runtime
 
@@ -380,14 +380,14 @@ def trace_one_sample(workdir: Path, redis_url: str) -> Walk:
     bucket = open_bucket(bucket_url)
     create_run(write_run_config(workdir / "run.toml"), RUN, bucket)
     rds = redis.Redis.from_url(redis_url, decode_responses=True)
-    fence = ProxyFence(rds, RUN)
-    fence.acquire()
+    leadership = Leadership(rds, RUN)
+    leadership.acquire()
     dispatcher = KeepingDispatcher(redis_url)
     coordinator = Coordinator.from_bucket(
-        rds, bucket, RUN, dispatcher, fence=fence, require_generate_worker=True, worker_alive_s=600
+        rds, bucket, RUN, dispatcher, leadership=leadership, require_generate_worker=True, worker_alive_s=600
     )
     coordinator.ensure_state()
-    app = create_app(coordinator, TOKEN, run_loop=False, stop_on_lost_lease=lambda: None)
+    app = create_app(coordinator, TOKEN, run_loop=False, stop_on_lost_leadership=lambda: None)
 
     try:
         with TestClient(app, base_url=BASE_URL) as http:

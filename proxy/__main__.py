@@ -27,7 +27,7 @@ from proxy.api.settings import ProxySettings
 @click.option(
     "--standby",
     is_flag=True,
-    help="If another proxy holds the run, wait and take over when its lease lapses [default: ASYNCGRPO_PROXY_STANDBY].",
+    help="If another proxy holds the run, wait and take over once it lapses [default: ASYNCGRPO_PROXY_STANDBY].",
 )
 def main(run_name: str | None, host: str | None, port: int | None, insecure_loopback: bool, standby: bool) -> None:
     """Run the coordinator of RUN (HTTP API, dispatch, GC)."""

@@ -144,8 +144,19 @@ class LocalCluster:
         self.proxy_url = f"http://127.0.0.1:{port}"
         child = self._spawn(
             "proxy",
-            [sys.executable, "-m", "asyncgrpo.cli.main", "proxy", "--run", self.run, "--host", "127.0.0.1", "--port",
-             str(port), "--standby"],  # a restarted proxy waits for the lease of the one it replaces
+            [
+                sys.executable,
+                "-m",
+                "asyncgrpo.cli.main",
+                "proxy",
+                "--run",
+                self.run,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--standby",
+            ],  # a restarted proxy waits for the leadership of the one it replaces
             env=self.env(),
         )
         self._wait_until(self._proxy_healthy, 30.0, "proxy", child)

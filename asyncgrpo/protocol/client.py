@@ -255,10 +255,10 @@ class ProxyClient:
     # ---- evaluation during training ([eval]) ----
 
     def eval_lease(self, task_id: str, worker_id: str) -> EvalLeaseGrant:
-        """Lease the version of evaluate task ``task_id``; raises Cancelled when its evaluation is over."""
+        """Lease the version of eval task ``task_id``; raises Cancelled when its evaluation is over."""
         request = EvalLeaseRequest(worker_id=worker_id, incarnation=process_incarnation())
         return EvalLeaseGrant.model_validate(self._request("POST", f"/v1/evals/{task_id}/lease", request))
 
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
-        """Post an evaluate task's summary (its lease is released); raises Cancelled when it is not wanted."""
+        """Post an eval task's summary (its lease is released); raises Cancelled when it is not wanted."""
         return EvalResultAnswer.model_validate(self._request("POST", f"/v1/evals/{task_id}/result", request))

@@ -1,4 +1,4 @@
-"""The messages of evaluation during training (``[eval]``): the evaluate task, its lease and its result.
+"""The messages of evaluation during training (``[eval]``): the eval task, its lease and its result.
 
 The proxy sends one ``asyncgrpo.evaluate`` task per chunk of at most ``eval.max_prompts_per_task`` held-out
 prompts of a due version. A generate worker leases that version (``POST /v1/evals/{task_id}/lease``), samples
@@ -31,10 +31,10 @@ EXAMPLE_CHARS = 2000
 """An example's prompt and completion are cut to this many characters by the worker."""
 
 
-class EvaluateTaskMessage(_Request):
+class EvalTaskMessage(_Request):
     """Kwargs of ``asyncgrpo.evaluate``: evaluate ``version`` on the eval prompts ``prompt_start`` to
-    ``prompt_start + prompt_count - 1``. Sent by the proxy (``proxy.coordinator.evaluations``) to the run's
-    generate queue, validated by ``worker.process.tasks.evaluate``."""
+    ``prompt_start + prompt_count - 1``. Sent by the proxy (``proxy.coordinator.evals``) to the run's
+    generate queue, validated by ``worker.process.tasks.eval_version``."""
 
     run: str
     task_id: Id
@@ -71,7 +71,7 @@ class EvalExample(_Request):
 
 
 class EvalChunkSummary(_Request):
-    """What one evaluate task measured, as sums over its prompts and completions (merged by the proxy)."""
+    """What one eval task measured, as sums over its prompts and completions (merged by the proxy)."""
 
     prompts: Count
     """Prompts scored (prompts too long, empty or whose reward failed are in ``prompts_failed``)."""
@@ -133,6 +133,6 @@ __all__ = [
     "EvalLeaseRequest",
     "EvalResultAnswer",
     "EvalResultRequest",
-    "EvaluateTaskMessage",
+    "EvalTaskMessage",
     "merge_chunks",
 ]

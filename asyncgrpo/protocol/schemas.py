@@ -557,8 +557,9 @@ def check_fresh(current: int, sample_version: int, max_staleness: int) -> None:
 
 GENERATE_TASK_NAME = "asyncgrpo.generate"
 OPTIMIZE_TASK_NAME = "asyncgrpo.optimize"
-EVALUATE_TASK_NAME = "asyncgrpo.evaluate"
-"""Sent to the run's generate queue: evaluate one version on a chunk of the held-out prompts."""
+EVAL_TASK_NAME = "asyncgrpo.evaluate"
+"""Sent to the run's generate queue: evaluate one version on a chunk of the held-out prompts. The name keeps its
+first spelling (the code says "eval"): tasks already queued under it must still run."""
 REPAIR_TASK_NAME = "asyncgrpo.repair_version"
 """Sent only to a worker's own queue: put a corrupted object of a version back from the holder's memory."""
 

@@ -6,7 +6,8 @@ section (``LogSettings``, ``StorageSettings``, ``CacheSettings``), so a bad valu
 not break it. These settings modules are the only code that reads the environment; README's environment
 table is generated from their classes (``python scripts/config_reference.py --env``, kept equal by a test).
 
-A variable's name is ``ASYNCGRPO_`` + the field name in capitals; an empty value counts as unset. A bad value
+A variable's name is ``ASYNCGRPO_`` + the field name in capitals (a renamed field also reads its former variable,
+named in its ``AliasChoices``: ``variables``); an empty value counts as unset. A bad value
 raises ``SettingsError``, whose message names the variable, the value, what is wrong and what to set.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -55,12 +56,26 @@ def shown_default(info: FieldInfo) -> str:
     return "unset" if info.default is None else str(info.default)
 
 
+def variables(cls: type[BaseSettings]) -> dict[str, FieldInfo]:
+    """Every environment variable ``cls`` reads, with its field: ``env_name`` of each field, or the variables its
+    ``AliasChoices`` names (a renamed setting that still reads its former variable)."""
+    read: dict[str, FieldInfo] = {}
+    for field, info in cls.model_fields.items():
+        alias = info.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias] if isinstance(alias, str) else []
+        for choice in choices or [env_name(field)]:
+            read[str(choice).upper()] = info
+    return read
+
+
 def _explain(cls: type[BaseSettings], error: ValidationError) -> str:
     lines = []
+    read = variables(cls)
     for item in error.errors():
         field = str(item["loc"][0]) if item["loc"] else ""
-        info = cls.model_fields.get(field)
-        name = env_name(field)
+        # pydantic names the field, or for an aliased one the variable it read.
+        name = field.upper() if field.upper() in read else env_name(field)
+        info = read.get(name)
         message = item["msg"].removeprefix("Value error, ")
         if info is None:
             lines.append(f"{name}: {message}")

@@ -410,7 +410,6 @@ class LossConfig(_Section):
         "seeded random choice. 1.0 rescores every such sequence.",
     )
 
-
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _bool_scale_rewards(cls, value: object) -> object:
@@ -580,7 +579,7 @@ class EvalConfig(_Section):
     )
     examples: int = Field(4, ge=0, le=64, description="Example completions kept in each eval record.")
     max_prompts_per_task: int = Field(
-        64, ge=1, le=4096, description="Eval prompts per evaluate task: a larger set is split over several workers."
+        64, ge=1, le=4096, description="Eval prompts per eval task: a larger set is split over several workers."
     )
 
     @field_validator("rewards")

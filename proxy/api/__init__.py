@@ -1,7 +1,7 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app          routes (the evaluate tasks' too), the tick loop, `serve()` and what it checks before anything
+    app          routes (the eval tasks' too), the tick loop, `serve()` and what it checks before anything
                  listens (the token, Redis eviction, conditional writes, leadership) and keeps while serving
                  (leadership)
     edge         what every request passes: bearer-token auth, the body limit, timing and logging (plain

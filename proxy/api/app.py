@@ -10,7 +10,7 @@ coordinator refusal is which code (``REFUSAL_CODES``); a stale refusal also carr
 Each refusal is counted in ``asyncgrpo_http_errors_total{error=<code>}``.
 
 The housekeeping loop (``Coordinator.tick``) runs as an asyncio task of the app's lifespan, every
-``tick_s`` seconds and right after each submit and publish. The evaluate tasks' routes
+``tick_s`` seconds and right after each submit and publish. The eval tasks' routes
 (``POST /v1/evals/{task_id}/lease`` and ``.../result``) are installed by ``install_eval_routes``.
 
 ``GET /v1/versions/latest``, the generate workers' long poll for new versions: ``proxy.api.version_watch``.
@@ -28,10 +28,10 @@ setting allows it (see docs/operations.md):
 - The bucket must honour conditional writes: a throwaway key under the run's prefix is put twice with
   ``if_absent`` and swapped twice with ``put_if_match`` on one ETag; each second put must be refused
   (``ASYNCGRPO_ALLOW_UNCONDITIONAL_BUCKET=1`` starts anyway).
-- The run's proxy lease (``proxy.coordinator.snapshot``): taken with an epoch above the snapshot's; held
+- The run's leadership (``proxy.coordinator.snapshot``): taken with an epoch above the snapshot's; held
   by another proxy, start-up is refused, or a stand-by waits for it.
 
-Once serving, ``keep_leadership`` renews the lease every third of its TTL. A proxy that finds it taken stops
+Once serving, ``keep_leadership`` renews the leadership every third of its TTL. A proxy that finds it taken stops
 coordinating at once: state-changing requests are refused (503), and the process stops itself (SIGTERM to
 itself, then ``serve`` exits non-zero) so that systemd restarts it, as a stand-by if so configured.
 """
@@ -103,13 +103,14 @@ from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.api.version_watch import install_version_watch, releasing_server
 from proxy.coordinator.service import Coordinator
-from proxy.coordinator.snapshot import FenceLost, LeadershipHeld, ProxyFence, snapshot_epoch
+from proxy.coordinator.snapshot import Leadership, LeadershipHeld, LeadershipLost, snapshot_epoch
 from proxy.tracking.forwarder import start_forwarding
 
 log = structlog.get_logger()
 
 
 # ---- start-up: the token, Redis, the bucket, leadership ----
+
 
 class ProxyStartupError(Exception):
     """The proxy cannot start as configured; the message says what to change."""
@@ -214,7 +215,7 @@ def check_conditional_writes(bucket: Bucket, run: str, *, allow: bool) -> bool:
             bucket.put_if_match(key, b"probe swapped twice", etag)
             ignored.append(
                 f"a put of {key} with If-Match on an ETag it no longer had succeeded: a proxy paused "
-                "past its lease could overwrite its successor's snapshot"
+                "past its leadership's TTL could overwrite its successor's snapshot"
             )
     finally:
         bucket.delete(key)
@@ -230,75 +231,75 @@ def check_conditional_writes(bucket: Bucket, run: str, *, allow: bool) -> bool:
 
 
 def take_leadership(
-    fence: ProxyFence, bucket: Bucket, *, standby: bool, sleep: Callable[[float], object] = time.sleep
+    leadership: Leadership, bucket: Bucket, *, standby: bool, sleep: Callable[[float], object] = time.sleep
 ) -> int:
-    """Take the run's proxy lease with an epoch above the bucket snapshot's; returns the epoch. Held by
+    """Take the run's leadership with an epoch above the bucket snapshot's; returns the epoch. Held by
     another proxy: refuse (``ProxyStartupError``), or with ``standby`` wait until it lapses."""
     with contextlib.suppress(ObjectNotFound):
-        fence.raise_floor(snapshot_epoch(bucket.get(bucket_keys.proxy_snapshot_key(fence.run))))
+        leadership.raise_floor(snapshot_epoch(bucket.get(bucket_keys.proxy_snapshot_key(leadership.run))))
     announced = False
     while True:
         try:
-            return fence.acquire()
+            return leadership.acquire()
         except LeadershipHeld as error:
             if not standby:
                 raise ProxyStartupError(str(error)) from error
             if not announced:
-                log.warning("proxy.standby_waiting", run=fence.run, holder=error.holder.describe())
+                log.warning("proxy.standby_waiting", run=leadership.run, holder=error.holder.describe())
                 announced = True
-        sleep(fence.renew_every_s)
+        sleep(leadership.renew_every_s)
 
 
-async def keep_leadership(fence: ProxyFence, stop: Callable[[], object]) -> None:
-    """Renew the lease every third of its TTL until it is lost; then call ``stop`` once and return."""
+async def keep_leadership(leadership: Leadership, stop: Callable[[], object]) -> None:
+    """Renew the leadership every third of its TTL until it is lost; then call ``stop`` once and return."""
     while True:
         try:
-            await asyncio.to_thread(fence.confirm)
-        except FenceLost as error:
-            log.critical("proxy.stopping_lease_lost", run=fence.run, error=str(error))
+            await asyncio.to_thread(leadership.confirm)
+        except LeadershipLost as error:
+            log.critical("proxy.stopping_leadership_lost", run=leadership.run, error=str(error))
             stop()
             return
-        except RedisError as error:  # Redis away: nobody else can take the lease either; retry
-            log.warning("proxy.lease_renew_failed", run=fence.run, error=str(error))
-        await asyncio.sleep(fence.renew_every_s)
+        except RedisError as error:  # Redis away: nobody else can take the leadership either; retry
+            log.warning("proxy.leadership_renew_failed", run=leadership.run, error=str(error))
+        await asyncio.sleep(leadership.renew_every_s)
 
 
 def stop_this_process() -> None:
-    """Ask uvicorn to shut down as on SIGTERM; ``serve`` then exits non-zero since the lease is lost."""
+    """Ask uvicorn to shut down as on SIGTERM; ``serve`` then exits non-zero since the leadership is lost."""
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def start_checks(redis: Redis, bucket: Bucket, run: str, settings: ProxySettings, *, standby: bool) -> ProxyFence:
-    """Every start-up check, then the run's lease (waiting for it if ``standby``); raises
+def start_checks(redis: Redis, bucket: Bucket, run: str, settings: ProxySettings, *, standby: bool) -> Leadership:
+    """Every start-up check, then the run's leadership (waiting for it if ``standby``); raises
     ``ProxyStartupError`` with what to change."""
     check_eviction_policy(redis, allow=settings.allow_redis_eviction)
     check_conditional_writes(bucket, run, allow=settings.allow_unconditional_bucket)
-    fence = ProxyFence(redis, run, ttl_s=settings.proxy_lease_ttl_s)
-    take_leadership(fence, bucket, standby=standby or settings.proxy_standby)
-    return fence
+    leadership = Leadership(redis, run, ttl_s=settings.proxy_leadership_ttl_s)
+    take_leadership(leadership, bucket, standby=standby or settings.proxy_standby)
+    return leadership
 
 
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 class LeadershipGuard:
-    """An ASGI middleware: once the lease is lost, every state-changing request is refused (``refuse``).
+    """An ASGI middleware: once the leadership is lost, every state-changing request is refused (``refuse``).
 
     Plain ASGI rather than ``@app.middleware("http")``, whose wrapper runs each request through extra tasks
     and a streamed response: at a thousand workers that was 7 % of the proxy's CPU
     (``benchmarks/bench_fleet.py --py-spy``)."""
 
-    def __init__(self, app: ASGIApp, *, fence: ProxyFence | None, refuse: Callable[[str], Response]) -> None:
+    def __init__(self, app: ASGIApp, *, leadership: Leadership | None, refuse: Callable[[str], Response]) -> None:
         self.app = app
-        self.fence = fence
+        self.leadership = leadership
         self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        fence = self.fence
+        leadership = self.leadership
         # Only the methods of state-changing routes: any other one is routed on, to be answered 405 or 404.
-        lost = fence.lost if fence is not None else None
+        lost = leadership.lost if leadership is not None else None
         if lost is not None and scope["type"] == "http" and scope["method"] in CHANGING_METHODS:
-            refusal = self.refuse(f"this proxy lost the run's lease to {lost.describe()}; retry shortly")
+            refusal = self.refuse(f"this proxy lost the run's leadership to {lost.describe()}; retry shortly")
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -307,7 +308,8 @@ class LeadershipGuard:
 TaskId = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
-# ---- the evaluate tasks' routes, and the app ----
+# ---- the eval tasks' routes, and the app ----
+
 
 def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[], None]) -> None:
     """Add the two routes, and the eval gauges when the run evaluates. ``poke``: run a housekeeping round
@@ -326,7 +328,6 @@ def install_eval_routes(app: FastAPI, coordinator: Coordinator, poke: Callable[[
             return coordinator.eval_result(task_id, request)
         finally:
             poke()
-
 
 
 LeaseId = Annotated[str, Path(pattern=ID_PATTERN)]
@@ -359,21 +360,21 @@ def create_app(
     *,
     tick_s: float = 0.25,
     run_loop: bool = True,
-    stop_on_lost_lease: Callable[[], object] = stop_this_process,
+    stop_on_lost_leadership: Callable[[], object] = stop_this_process,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_need_token: bool = False,
     redis_url: str | None = None,
 ) -> FastAPI:
     """The API of one run. ``token=None`` disables auth (only ``serve`` on loopback may do that).
-    ``run_loop=False`` leaves ``tick()`` to the caller (tests). With a ``coordinator.fence``, the lease is
-    renewed in the background and ``stop_on_lost_lease`` is called once it is lost. ``max_body_bytes`` and
+    ``run_loop=False`` leaves ``tick()`` to the caller (tests). With a ``coordinator.leadership``, it is
+    renewed in the background and ``stop_on_lost_leadership`` is called once it is lost. ``max_body_bytes`` and
     ``metrics_need_token``: ``ProxySettings``. ``redis_url`` (the coordinator's Redis): heartbeats are answered
     on the event loop with an asyncio client of it (``proxy.api.loop_routes``)."""
     wake = asyncio.Event()
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     async def housekeeping() -> None:
-        while coordinator.fence is None or coordinator.fence.lost is None:
+        while coordinator.leadership is None or coordinator.leadership.lost is None:
             try:
                 await asyncio.to_thread(coordinator.tick)
             except Exception:  # the loop must outlive any one failed round; it is logged, not passed
@@ -389,8 +390,8 @@ def create_app(
         # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         tasks = [asyncio.create_task(housekeeping())] if run_loop else []
-        if coordinator.fence is not None:  # one live proxy per run (proxy.api.app)
-            tasks.append(asyncio.create_task(keep_leadership(coordinator.fence, stop_on_lost_lease)))
+        if coordinator.leadership is not None:  # one live proxy per run (proxy.api.app)
+            tasks.append(asyncio.create_task(keep_leadership(coordinator.leadership, stop_on_lost_leadership)))
         if redis_url is not None:
             await loop_answers.start(redis_url)
         try:
@@ -448,7 +449,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         open_paths=open_paths,
     )
-    app.add_middleware(LeadershipGuard, fence=coordinator.fence, refuse=unavailable)
+    app.add_middleware(LeadershipGuard, leadership=coordinator.leadership, refuse=unavailable)
 
     install_error_handlers(app, metrics)
 
@@ -580,7 +581,7 @@ def serve(
     bucket = open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url)
     redis = proxy_redis(settings.redis_url)
     try:
-        fence = start_checks(redis, bucket, run_name, settings, standby=standby)
+        leadership = start_checks(redis, bucket, run_name, settings, standby=standby)
     except ProxyStartupError as error:
         raise SystemExit(f"asyncgrpo proxy: {error}") from error
     coordinator = Coordinator.from_bucket(
@@ -589,7 +590,7 @@ def serve(
         run_name,
         CeleryDispatcher(settings.redis_url),
         worker_alive_s=settings.worker_alive_s,
-        fence=fence,
+        leadership=leadership,
         require_generate_worker=True,
     )
     outcome = coordinator.ensure_state()
@@ -601,7 +602,7 @@ def serve(
         state=outcome,
         current_version=coordinator.current_version(),
         auth="off (loopback)" if not token else "bearer",
-        proxy_epoch=fence.epoch,
+        proxy_epoch=leadership.epoch,
     )
     app = create_app(
         coordinator,
@@ -618,7 +619,7 @@ def serve(
         redis=redis,
         bucket=bucket,
         registry=coordinator.metrics.registry,
-        keep_going=lambda: fence.lost is None,
+        keep_going=lambda: leadership.lost is None,
         on_progress=coordinator.store.mark_changed,  # the next tick snapshots it: it survives an empty Redis
     )
     # access_log off: the middleware already logs one line per request (proxy.request), with its duration.
@@ -633,8 +634,6 @@ def serve(
     )
     releasing_server(config, app.state.version_watch).run()
     tracking.stop()
-    if fence.lost is not None:  # non-zero, so that systemd restarts it (as a stand-by if so configured)
-        raise SystemExit(f"asyncgrpo proxy: lost the lease of run {run_name!r} to {fence.lost.describe()}")
-    fence.release()  # a clean stop: a stand-by takes over at once
-
-
+    if leadership.lost is not None:  # non-zero, so that systemd restarts it (as a stand-by if so configured)
+        raise SystemExit(f"asyncgrpo proxy: lost the leadership of run {run_name!r} to {leadership.lost.describe()}")
+    leadership.release()  # a clean stop: a stand-by takes over at once

@@ -6,9 +6,9 @@ bucket; only where to find things and how to serve them is set here.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
-from asyncgrpo.protocol.settings import CommonSettings
+from asyncgrpo.protocol.settings import CommonSettings, env_name
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -39,12 +39,18 @@ class ProxySettings(CommonSettings):
     `ASYNCGRPO_HEARTBEAT_S`); the task or step of a worker silent this long is re-sent at once."""
 
     proxy_standby: bool = False
-    """Start as a stand-by: if another proxy holds the run's lease, wait and take over when it lapses, instead
+    """Start as a stand-by: if another proxy holds the run's leadership, wait and take over when it lapses, instead
     of refusing to start (also `asyncgrpo proxy --standby`)."""
 
-    proxy_lease_ttl_s: float = Field(6.0, ge=1.0, le=600.0)
-    """Seconds the proxy's lease on its run lives unless renewed (renewed every third of it); a stand-by takes
-    over this long after the live proxy stops."""
+    proxy_leadership_ttl_s: float = Field(
+        6.0,
+        ge=1.0,
+        le=600.0,
+        # The variable's first name (before "lease" was kept for the workers' leases) still works: unit files have it.
+        validation_alias=AliasChoices(env_name("proxy_leadership_ttl_s"), env_name("proxy_lease_ttl_s")),
+    )
+    """Seconds the proxy's leadership of its run lives unless renewed (renewed every third of it); a stand-by
+    takes over this long after the live proxy stops. The former name `ASYNCGRPO_PROXY_LEASE_TTL_S` is read too."""
 
     allow_redis_eviction: bool = False
     """Start even if Redis's `maxmemory-policy` is not `noeviction` (evicted state keys lose admitted work)."""

@@ -2,7 +2,7 @@
 
 Read it top down; an import-linter contract keeps this order (nothing calls up it):
 `service` (the facade the HTTP app calls, the round it runs, the views it answers) > the seams (leases and
-retention, generate tasks, rollouts, steps and versions, evaluations, snapshot and leadership, rebuild,
+retention, generate tasks, rollouts, steps and versions, evals, snapshot and leadership, rebuild,
 workers) >
 `redis_store` > `scripts` > metrics, dispatch.
 
@@ -13,7 +13,7 @@ notes each change for the snapshot log (`snapshot_log`). Four writes are Redis c
 atomic on their own and outside any invariant: a lease's first-use time (`leases`, HSETNX, not in the snapshot),
 the corrupt-object check a halt waits on (`steps`) and the trackers' progress (`proxy.tracking.forwarder`), both
 a field of a logged hash written with its note in one transaction (`redis_store.write_logged_field`), and an
-evaluate task's failure report (`evaluations`, ZADD XX, not in the snapshot). The proxy's leadership lease
+eval task's failure report (`evals`, ZADD XX, not in the snapshot). The proxy's leadership
 (`snapshot`) runs two inline scripts of its own: it guards the state, it is not part of it.
 
 Modules:
@@ -26,9 +26,9 @@ Modules:
     rollouts        admit a rollout iff fresh enough; rejection reasons as bounded labels
     steps           claim a step, serve its batch, send and re-send it, its holder and failure reports, publish
                     (CAS) its version; published versions: recorded sha, step record, corruption repair
-    evaluations     `[eval]`: due versions, evaluate tasks, their leases, re-sends and records; GC protection
+    evals           `[eval]`: due versions, eval tasks, their leases, re-sends and records; GC protection
     snapshot        the snapshot document, its group-commit writer (log segments, and compactions) and reader
-                    (the snapshot with its log applied); leadership: one live proxy per run, its lease in Redis
+                    (the snapshot with its log applied); leadership: one live proxy per run, its key in Redis
                     and the fencing epoch every snapshot and segment put carries
     snapshot_log    what a log segment holds (the writes `call()` in `prelude.lua` notes), how segments replay
                     onto the snapshot document, and when the writer compacts

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import structlog
 
-from asyncgrpo.protocol.evals import EvaluateTaskMessage
+from asyncgrpo.protocol.evals import EvalTaskMessage
 from asyncgrpo.protocol.schemas import (
-    EVALUATE_TASK_NAME,
+    EVAL_TASK_NAME,
     GENERATE_TASK_NAME,
     OPTIMIZE_TASK_NAME,
     REPAIR_TASK_NAME,
@@ -55,8 +55,8 @@ class Dispatcher(Protocol):
         ``expires_s``: a copy not started within this many seconds (e.g. redelivered late) is dropped unrun."""
         ...
 
-    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
-        """An evaluate task to the run's generate queue (``proxy.coordinator.evaluations``)."""
+    def send_eval(self, message: EvalTaskMessage) -> None:
+        """An eval task to the run's generate queue (``proxy.coordinator.evals``)."""
         ...
 
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
@@ -124,10 +124,10 @@ class CeleryDispatcher:
         kwargs = message.model_dump(mode="json")
         self._send(OPTIMIZE_TASK_NAME, queue or optimize_queue(message.run), task_id, kwargs, expires_s)
 
-    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
+    def send_eval(self, message: EvalTaskMessage) -> None:
         # No broker expiry: a copy that runs late is refused at its lease, and the proxy re-sends it anyway.
         kwargs = message.model_dump(mode="json")
-        self._send(EVALUATE_TASK_NAME, generate_queue(message.run), message.task_id, kwargs)
+        self._send(EVAL_TASK_NAME, generate_queue(message.run), message.task_id, kwargs)
 
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
         task_id = f"repair-{message.run}-{message.version}-{uuid.uuid4().hex[:8]}"

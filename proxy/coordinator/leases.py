@@ -191,7 +191,7 @@ class Retention:
         snapshots: SnapshotWriter,
         protected: Callable[[], set[int]] | None = None,
     ) -> None:
-        """``protected``: versions kept like leased ones (those awaiting their evaluation, ``evaluations``)."""
+        """``protected``: versions kept like leased ones (those awaiting their evaluation, ``evals``)."""
         self.store = store
         self.protected = protected or set
         self.config = async_config

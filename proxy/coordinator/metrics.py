@@ -70,9 +70,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Versions in the bucket a rebuild did not adopt (another batch, or a gap); inspect them.",
     ),
     "rollouts_deleted": ("asyncgrpo_rollouts_deleted", "Rollout objects deleted by retention."),
-    "eval_tasks_sent": ("asyncgrpo_eval_tasks_sent", "Evaluate tasks created ([eval]), one per prompt chunk."),
-    "eval_tasks_resent": ("asyncgrpo_eval_tasks_resent", "Evaluate tasks sent again (timed out, worker lost)."),
-    "eval_tasks_done": ("asyncgrpo_eval_tasks_done", "Evaluate task results recorded."),
+    "eval_tasks_sent": ("asyncgrpo_eval_tasks_sent", "Eval tasks created ([eval]), one per prompt chunk."),
+    "eval_tasks_resent": ("asyncgrpo_eval_tasks_resent", "Eval tasks sent again (timed out, worker lost)."),
+    "eval_tasks_done": ("asyncgrpo_eval_tasks_done", "Eval task results recorded."),
     "eval_versions_done": ("asyncgrpo_eval_versions_done", "Versions whose eval record was written."),
     "eval_versions_failed": (
         "asyncgrpo_eval_versions_failed",
@@ -395,7 +395,7 @@ class ProxyMetrics:
         self.registry.register(self._collector)
 
     def watch_evals(self, read: Callable[[], tuple[int, EvalSummary | None]]) -> None:
-        """Expose the evaluations (``[eval]``): versions pending, and the newest one's rewards and pass@k."""
+        """Expose the evals (``[eval]``): versions pending, and the newest one's rewards and pass@k."""
         if self._eval_collector is not None:
             self.registry.unregister(self._eval_collector)
         self._eval_collector = _EvalCollector(read)

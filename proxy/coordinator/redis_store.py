@@ -40,7 +40,8 @@ Fixed keys:
   live workers of a role with one ZCOUNT
 - ``rollout_retention`` sorted set: task id -> the version after which its rollout object may be deleted
   from the bucket (trained, stale, rejected or cancelled; never a buffered or claimed one)
-- ``proxy_lease`` string (JSON, with a TTL): the one live proxy of the run and its fencing epoch
+- ``proxy_lease`` string (JSON, with a TTL; ``RunKeys.proxy_leadership``): the proxy's leadership, the one live
+  proxy of the run and its fencing epoch
 - ``proxy_epoch`` counter: the last fencing epoch handed out (``proxy.coordinator.snapshot``)
 - ``prompt_attempts`` hash: prompt index -> failed attempts of its group since it last ran to a submission
   (and ``reason:<index>`` -> the last failure its worker reported); at ``async.max_group_attempts`` the
@@ -50,11 +51,11 @@ Fixed keys:
   ``<tracker>:step`` -> the last step record sent, ``<tracker>:eval:<version>`` -> when that eval was sent
   (unix seconds; a rebuild writes its own time); the snapshot carries it, compacted to the cursor and the
   sorted versions per tracker (``tracking_step_field`` / ``tracking_eval_field`` name the fields)
-- ``evals``      hash ([eval], ``proxy.coordinator.evaluations``): ``cursor`` (the next version to consider),
+- ``evals``      hash ([eval], ``proxy.coordinator.evals``): ``cursor`` (the next version to consider),
   ``latest`` (JSON of the newest eval summary) and ``latest_version``; per due version not yet recorded
-  ``v:<version>`` (JSON: chunks left, task ids); per evaluate task in flight ``t:<task_id>`` (JSON: version,
+  ``v:<version>`` (JSON: chunks left, task ids); per eval task in flight ``t:<task_id>`` (JSON: version,
   prompt range, attempts, worker) and, once its result came, ``s:<task_id>`` (its chunk summary)
-- ``evals_inflight`` sorted set: evaluate task id -> deadline (ms)
+- ``evals_inflight`` sorted set: eval task id -> deadline (ms)
 - ``log``        hash ([the snapshot log](``proxy.coordinator.snapshot_log``)): ``seq`` (the last log sequence
   number handed out) and ``through`` (the number the last compaction covers; absent until the first compaction
   since the state was built, so a rebuilt state is compacted before any segment is written)
@@ -215,7 +216,8 @@ class RunKeys:
         return self.prefix + "rollout_retention"
 
     @property
-    def proxy_lease(self) -> str:
+    def proxy_leadership(self) -> str:
+        # The key keeps its first name: a running deployment holds it, and a renamed one would let two proxies lead.
         return self.prefix + "proxy_lease"
 
     @property

@@ -97,7 +97,7 @@ class TaskEnded(TaskCancelled):
 
 
 class EvalEnded(TaskCancelled):
-    """An evaluate task whose version is evaluated already or was given up (or an unknown one): the worker
+    """An eval task whose version is evaluated already or was given up (or an unknown one): the worker
     drops it."""
 
 
@@ -485,7 +485,7 @@ _LEASE_FIELDS = ("version", "manifest_sha256", "expires_ms")
 
 _EVAL_ENDED = Refusal(
     EvalEnded,
-    "evaluate task {task_id} is not in flight (its version is evaluated already or was given up, or the task "
+    "eval task {task_id} is not in flight (its version is evaluated already or was given up, or the task "
     "is unknown): drop it",
 )
 
@@ -628,7 +628,7 @@ FORGET_ROLLOUTS = LuaScript(
 )
 
 
-# ---- evaluations (``evaluations``) ----
+# ---- evals (``evals``) ----
 
 SCHEDULE_EVAL = LuaScript(
     name="schedule_eval",
@@ -644,7 +644,7 @@ FINISH_EVAL_CHUNK = LuaScript(
     name="finish_eval_chunk",
     errors={
         "EVAL_ENDED": _EVAL_ENDED,
-        "NOT_HOLDER": Refusal(NotTaskHolder, "result of evaluate task {task_id} from {worker_id} refused: {message}"),
+        "NOT_HOLDER": Refusal(NotTaskHolder, "result of eval task {task_id} from {worker_id} refused: {message}"),
     },
 )
 

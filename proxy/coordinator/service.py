@@ -25,7 +25,7 @@ Three classes, top down, each handed what it uses (nothing calls back up):
 - ``Housekeeping`` is the round ``tick()`` runs: it rebuilds an empty Redis, expires leases and lost tasks,
   takes back the tasks of dead generate workers, repairs a missing step record and re-checks a halt, claims a
   step, keeps the generate queue fed (only while a generate worker is alive and the bucket takes snapshots),
-  writes the snapshot before sending anything, sends or re-sends the step in flight, sends due evaluations,
+  writes the snapshot before sending anything, sends or re-sends the step in flight, sends due evals,
   and collects old versions and rollouts.
 - ``StateRestorer`` makes sure Redis holds the run's state (``rebuild.restore_state``), fenced by the proxy's
   leadership.
@@ -72,7 +72,7 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
-from proxy.coordinator.evaluations import Evaluations
+from proxy.coordinator.evals import Evals
 from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
 from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
@@ -84,7 +84,7 @@ from proxy.coordinator.scripts import (
     SnapshotFailed,
     StateMissing,
 )
-from proxy.coordinator.snapshot import ProxyFence, SnapshotWriter
+from proxy.coordinator.snapshot import Leadership, SnapshotWriter
 from proxy.coordinator.steps import StepFailures, Steps, StepSending, Versions
 from proxy.coordinator.workers import Workers
 
@@ -96,20 +96,20 @@ class StateRestorer:
     (a script answered NO_STATE). Only the holder of the proxy's leadership rebuilds."""
 
     def __init__(
-        self, store: RedisStore, bucket: Bucket, config: RunConfig, fence: ProxyFence | None, retention: Retention
+        self, store: RedisStore, bucket: Bucket, config: RunConfig, leadership: Leadership | None, retention: Retention
     ) -> None:
         self.store = store
         self.bucket = bucket
         self.config = config
-        self.fence = fence
+        self.leadership = leadership
         self.retention = retention
 
     def ensure(self) -> str:
         """'present', or else 'fresh'/'rebuilt' from the bucket."""
         if self.store.has_state():
             return "present"
-        if self.fence is not None:
-            self.fence.confirm()  # only the lease holder rebuilds (after a FLUSHALL: a new, higher epoch)
+        if self.leadership is not None:
+            self.leadership.confirm()  # only the leader rebuilds (after a FLUSHALL: a new, higher epoch)
         outcome = restore_state(self.store, self.bucket, self.config)
         self.store.mark_changed()
         self.retention.forget_last_gc()
@@ -152,7 +152,6 @@ class TickReport:
         )
 
 
-
 class Housekeeping:
     """``tick()`` over the parts of one run's coordinator, handed in by ``Coordinator`` (``service``)."""
 
@@ -168,7 +167,7 @@ class Housekeeping:
         sending: StepSending,
         step_failures: StepFailures,
         versions: Versions,
-        evals: Evaluations,
+        evals: Evals,
         heartbeats: Workers,
         pacer: InflightPacer,
         accounting: WaitingAccount,
@@ -248,10 +247,8 @@ class Housekeeping:
             self.pacer.step_sent(report.step_sent)
         try:
             # Before GC, so a version that just became due is protected; sent only while a generate worker
-            # is alive (they run the evaluate tasks), or every attempt would time out unconsumed.
-            report.evals_sent = self.evals.tick(
-                dispatcher, self.heartbeats.alive_s, send=self._generate_consumed()
-            )
+            # is alive (they run the eval tasks), or every attempt would time out unconsumed.
+            report.evals_sent = self.evals.tick(dispatcher, self.heartbeats.alive_s, send=self._generate_consumed())
         except (BucketError, OSError) as error:
             log.warning("proxy.eval_tick_failed", error=str(error))
         try:
@@ -307,6 +304,7 @@ def _rebuilding(method: Callable[Concatenate[Coordinator, P], T]) -> Callable[Co
 
     return entry
 
+
 class Coordinator:
     """The state operations of one run. ``redis`` must be created with ``decode_responses=True``."""
 
@@ -325,15 +323,15 @@ class Coordinator:
         metrics: ProxyMetrics | None = None,
         worker_alive_s: float = 15.0,
         record_ttl_s: int = RECORD_TTL_S,
-        fence: ProxyFence | None = None,
+        leadership: Leadership | None = None,
         require_generate_worker: bool = True,
         num_eval_prompts: int = 0,
     ) -> None:
-        """``fence``: the run's proxy lease (``proxy.coordinator.snapshot``), None unfenced (tests).
+        """``leadership``: the run's leadership (``proxy.coordinator.snapshot``), None unfenced (tests).
         ``require_generate_worker``: dispatch generate tasks only while a generate worker is alive by its
         heartbeats (tests that never send heartbeats turn it off). ``num_eval_prompts``: the run's held-out
         prompts (``[eval]``; 0: no evaluation)."""
-        self.fence = fence
+        self.leadership = leadership
         self.store = RedisStore(redis, run, clock_ms=clock_ms, record_ttl_s=record_ttl_s)
         if num_prompts < 1:
             raise ValueError(f"the run has {num_prompts} prompts; it needs at least one")
@@ -346,7 +344,7 @@ class Coordinator:
         self.prompts_sha256 = prompts_sha256
         self.metrics = metrics or ProxyMetrics()
         self.snapshots = SnapshotWriter(
-            self.store, bucket, self.metrics.snapshot_writes.inc, fence, on_written=self.metrics.snapshot_written
+            self.store, bucket, self.metrics.snapshot_writes.inc, leadership, on_written=self.metrics.snapshot_written
         )
         self.leases = Leases(self.store, config.async_, self.metrics)
         self.pacer = InflightPacer(config.async_, self.store.clock_ms)
@@ -360,12 +358,12 @@ class Coordinator:
             self.store, config.async_, bucket, self.snapshots, self.metrics, self.versions, config.final_version
         )
         self.step_failures = StepFailures(self.store, config.async_, self.sending, self.versions)
-        self.evals = Evaluations(self.store, config, bucket, num_eval_prompts)
+        self.evals = Evals(self.store, config, bucket, num_eval_prompts)
         self.retention = Retention(
             self.store, config.async_, bucket, self.snapshots, protected=self.evals.protected_versions
         )
         self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
-        self.restorer = StateRestorer(self.store, bucket, config, fence, self.retention)
+        self.restorer = StateRestorer(self.store, bucket, config, leadership, self.retention)
         self.housekeeping = Housekeeping(
             store=self.store,
             config=config,
@@ -536,7 +534,7 @@ class Coordinator:
     @_rebuilding
     def report_task_failure(self, task_id: str, report: TaskFailureReport) -> TaskFailureResult:
         """A worker's generate task failed for good: cancel it now and count the attempt (invariant 9). An
-        evaluate task is sent again at the next tick instead of at its deadline."""
+        eval task is sent again at the next tick instead of at its deadline."""
         if self.evals.fail(task_id, report.worker_id):
             log.warning(
                 "proxy.eval_failure_reported", task_id=task_id, worker_id=report.worker_id, reason=report.reason
@@ -555,12 +553,12 @@ class Coordinator:
 
     @_rebuilding
     def eval_lease(self, worker_id: str, task_id: str, incarnation: str = "") -> EvalLeaseGrant:
-        """Lease the version of an evaluate task (``evaluations``); raises EvalEnded if it is not in flight."""
+        """Lease the version of an eval task (``evals``); raises EvalEnded if it is not in flight."""
         return self.evals.lease(worker_id, task_id, incarnation)
 
     @_rebuilding
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
-        """Keep an evaluate task's summary and release its lease; raises EvalEnded if it is not in flight."""
+        """Keep an eval task's summary and release its lease; raises EvalEnded if it is not in flight."""
         return self.evals.result(task_id, request)
 
     @_rebuilding
@@ -624,6 +622,7 @@ class Coordinator:
 
 
 # ---- views of the state: /v1/status, /v1/run ----
+
 
 def run_info(store: RedisStore, *, num_prompts: int, config_sha256: str, prompts_sha256: str) -> RunInfo:
     """What ``/v1/run`` tells a worker: the run's inputs with their digests, so it can verify what it reads."""

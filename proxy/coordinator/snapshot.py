@@ -15,26 +15,26 @@ Writes are group commits (``SnapshotWriter``): every change that arrives while a
 durable by the next one, so the bucket's put latency bounds each answer's wait, not the submit rate.
 
 Fencing: the document records the writing proxy's epoch
-(``proxy_epoch``). A put happens only right after the proxy confirmed its lease in Redis, and only over the
+(``proxy_epoch``). A put happens only right after the proxy confirmed its leadership in Redis, and only over the
 snapshot this writer last wrote or read (``If-Match`` on its ETag; ``If-None-Match: *`` where there was none).
-So a proxy paused between its confirm and its put (past its lease) can never write once its successor has, and
-a writer whose put is refused reads the snapshot back: a higher epoch there fences it. The document ends with
+So a proxy paused between its confirm and its put (past its leadership's TTL) can never write once its successor
+has, and a writer whose put is refused reads the snapshot back: a higher epoch there fences it. The document ends with
 ``"sha256"``, the sha256 of every byte before that field; the reader verifies it and refuses a mismatch with
 an error naming the key.
 
-Leadership (``ProxyFence``): one live proxy per run, a lease in Redis that carries a fencing epoch (invariant 6).
+Leadership (``Leadership``): one live proxy per run, a key in Redis that carries a fencing epoch (invariant 6).
+It is the proxy's own, never to be mixed up with the task leases and version leases of generate workers.
 
-Leadership is the proxy's own lease, never to be mixed up with the version leases of generate workers.
+The leadership is one key per run (``RunKeys.proxy_leadership``; its Redis name is still ``proxy_lease``, which
+running deployments hold), set with a TTL of a few seconds and renewed by the proxy's loop well within it. Its
+value names the holder (host, pid, since when) and the fencing **epoch**: a Redis ``INCR`` counter, never below
+the epoch of the snapshot in the bucket (an emptied Redis does not reset it). A second proxy finds the leadership
+held and refuses to start (or, stand-by, waits until it lapses); a proxy that finds its leadership taken by
+another stops coordinating (``lost``). A proxy whose leadership simply vanished (Redis flushed, or the key expired
+while nobody else took it) takes it again with a new, higher epoch and goes on.
 
-The lease is one key per run (``RunKeys.proxy_lease``), set with a TTL of a few seconds and renewed by the
-proxy's loop well within it. Its value names the holder (host, pid, since when) and the fencing **epoch**: a
-Redis ``INCR`` counter, never below the epoch of the snapshot in the bucket (an emptied Redis does not reset
-it). A second proxy finds the lease held and refuses to start (or, stand-by, waits until it lapses); a proxy
-that finds its lease taken by another stops coordinating (``lost``). A proxy whose lease simply vanished (Redis
-flushed, or the key expired while nobody else took it) takes it again with a new, higher epoch and goes on.
-
-Every snapshot put is preceded by ``confirm()``: the lease is checked (and renewed) atomically in Redis right
-before the put, and the snapshot records the epoch, so a proxy never regresses a newer proxy's snapshot.
+Every snapshot put is preceded by ``confirm()``: the leadership is checked (and renewed) atomically in Redis
+right before the put, and the snapshot records the epoch, so a proxy never regresses a newer proxy's snapshot.
 """
 
 from __future__ import annotations
@@ -66,17 +66,17 @@ from proxy.coordinator.snapshot_log import CompactionPolicy, Replay
 # ---- leadership: one live proxy per run, and its fencing epoch ----
 log = structlog.get_logger()
 
-DEFAULT_LEASE_TTL_S = 6.0
+DEFAULT_LEADERSHIP_TTL_S = 6.0
 
-# KEYS[1] lease  KEYS[2] epoch counter
+# KEYS[1] leadership  KEYS[2] epoch counter
 # ARGV[1] holder id  ARGV[2] holder JSON (host, pid, since_ms; no epoch)  ARGV[3] ttl ms  ARGV[4] floor epoch
-# returns {"RENEWED", lease_json} (ours, TTL renewed) | {"ACQUIRED", lease_json} (was free: a new epoch, above
-#   both the counter and the floor) | {"HELD", lease_json} (another holder; nothing changed)
+# returns {"RENEWED", leader_json} (ours, TTL renewed) | {"ACQUIRED", leader_json} (was free: a new epoch, above
+#   both the counter and the floor) | {"HELD", leader_json} (another holder; nothing changed)
 ACQUIRE_LUA = """
 local current = redis.call('GET', KEYS[1])
 if current then
-  local lease = cjson.decode(current)
-  if lease['holder'] ~= ARGV[1] then return {'HELD', current} end
+  local leader = cjson.decode(current)
+  if leader['holder'] ~= ARGV[1] then return {'HELD', current} end
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {'RENEWED', current}
 end
@@ -86,16 +86,16 @@ if epoch <= floor then
   epoch = floor + 1
   redis.call('SET', KEYS[2], epoch)
 end
-local lease = cjson.decode(ARGV[2])
-lease['holder'] = ARGV[1]
-lease['epoch'] = epoch
-local encoded = cjson.encode(lease)
+local leader = cjson.decode(ARGV[2])
+leader['holder'] = ARGV[1]
+leader['epoch'] = epoch
+local encoded = cjson.encode(leader)
 redis.call('SET', KEYS[1], encoded, 'PX', ARGV[3])
 return {'ACQUIRED', encoded}
 """
 
-# KEYS[1] lease  ARGV[1] holder id
-# returns 1 if the lease was ours and is now deleted, else 0
+# KEYS[1] leadership  ARGV[1] holder id
+# returns 1 if the leadership was ours and is now deleted, else 0
 RELEASE_LUA = """
 local current = redis.call('GET', KEYS[1])
 if current and cjson.decode(current)['holder'] == ARGV[1] then
@@ -108,7 +108,7 @@ return 0
 
 @dataclass(frozen=True)
 class Leader:
-    """Who holds a run's proxy lease, as stored in Redis."""
+    """Who holds a run's leadership, as stored in Redis."""
 
     holder: str
     epoch: int
@@ -127,28 +127,28 @@ class Leader:
 
 
 class LeadershipHeld(CoordinatorError):
-    """Another live proxy holds the run's lease; ``holder`` says who."""
+    """Another live proxy holds the run's leadership; ``holder`` says who."""
 
     def __init__(self, run: str, holder: Leader) -> None:
         super().__init__(
             f"run {run!r} is already coordinated by another proxy: {holder.describe()}. Stop that proxy first, "
             "or start this one as a stand-by (--standby or ASYNCGRPO_PROXY_STANDBY=1) to take over when its "
-            "lease lapses"
+            "leadership lapses"
         )
         self.holder = holder
 
 
-class FenceLost(SnapshotFailed):
-    """This proxy no longer holds the run's lease (another proxy took over); it must stop coordinating."""
+class LeadershipLost(SnapshotFailed):
+    """This proxy no longer holds the run's leadership (another proxy took over); it must stop coordinating."""
 
 
-class ProxyFence:
-    """This proxy's lease on one run: acquire, renew (``confirm``), release; ``epoch`` is its fencing token.
+class Leadership:
+    """This proxy's leadership of one run: acquire, renew (``confirm``), release; ``epoch`` is its fencing token.
 
     ``lost`` turns true (and stays true) once another holder is seen; every later ``confirm`` raises.
     """
 
-    def __init__(self, redis: Redis, run: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+    def __init__(self, redis: Redis, run: str, *, ttl_s: float = DEFAULT_LEADERSHIP_TTL_S) -> None:
         self.redis = redis
         self.run = run
         self.keys = RunKeys(run)
@@ -159,7 +159,7 @@ class ProxyFence:
         self._release = redis.register_script(RELEASE_LUA)
         self._lock = threading.Lock()
         self.epoch = 0
-        """The epoch of the lease this proxy holds (0 before the first ``acquire``)."""
+        """The epoch of the leadership this proxy holds (0 before the first ``acquire``)."""
         self.floor = 0
         """The highest epoch known from elsewhere (the bucket's snapshot); a new epoch is always above it."""
         self.lost: Leader | None = None
@@ -175,60 +175,63 @@ class ProxyFence:
             self.floor = max(self.floor, epoch)
 
     def holder(self) -> Leader | None:
-        encoded = self.redis.get(self.keys.proxy_lease)
+        encoded = self.redis.get(self.keys.proxy_leadership)
         return None if encoded is None else Leader.parse(encoded)
 
     def acquire(self) -> int:
-        """Take or renew the lease; returns the epoch. Raises ``LeadershipHeld`` if another proxy holds it
-        (and ``FenceLost`` if this proxy held it before: it was taken over)."""
+        """Take or renew the leadership; returns the epoch. Raises ``LeadershipHeld`` if another proxy holds it
+        (and ``LeadershipLost`` if this proxy held it before: it was taken over)."""
         with self._lock:
             if self.lost is not None:
-                raise FenceLost(self._lost_message(self.lost))
+                raise LeadershipLost(self._lost_message(self.lost))
             info = json.dumps({**self._info, "since_ms": int(time.time() * 1000)})
             floor = max(self.floor, self.epoch)
             code, encoded = self._acquire(
-                keys=[self.keys.proxy_lease, self.keys.proxy_epoch], args=[self.holder_id, info, self.ttl_ms, floor]
+                keys=[self.keys.proxy_leadership, self.keys.proxy_epoch],
+                args=[self.holder_id, info, self.ttl_ms, floor],
             )
-            lease = Leader.parse(encoded)
+            leader = Leader.parse(encoded)
             if code == "HELD":
                 if self.epoch:
-                    self.lost = lease
-                    log.critical("proxy.lease_lost", run=self.run, epoch=self.epoch, taken_by=lease.describe())
-                    raise FenceLost(self._lost_message(lease))
-                raise LeadershipHeld(self.run, lease)
+                    self.lost = leader
+                    log.critical("proxy.leadership_lost", run=self.run, epoch=self.epoch, taken_by=leader.describe())
+                    raise LeadershipLost(self._lost_message(leader))
+                raise LeadershipHeld(self.run, leader)
             if code == "ACQUIRED":
                 self.acquisitions += 1
-                log.warning("proxy.lease_acquired", run=self.run, epoch=lease.epoch, previous_epoch=self.epoch or None)
-            self.epoch = lease.epoch
+                log.warning(
+                    "proxy.leadership_acquired", run=self.run, epoch=leader.epoch, previous_epoch=self.epoch or None
+                )
+            self.epoch = leader.epoch
             return self.epoch
 
     def confirm(self) -> int:
         """Right before a state-changing write to the bucket: still ours (renewed or re-taken after a flush)?
-        Returns the epoch; raises ``FenceLost`` if another proxy holds the lease."""
+        Returns the epoch; raises ``LeadershipLost`` if another proxy holds the leadership."""
         try:
             return self.acquire()
         except LeadershipHeld as error:
             # Never held (acquire was skipped): treat as lost all the same; someone else coordinates the run.
             self.lost = error.holder
-            raise FenceLost(self._lost_message(error.holder)) from error
+            raise LeadershipLost(self._lost_message(error.holder)) from error
 
     def check_taken(self) -> None:
-        """Raise ``FenceLost`` if another proxy holds the lease now (a script found this epoch's lease gone)."""
+        """Raise ``LeadershipLost`` if another proxy holds the leadership now (a script found this epoch's gone)."""
         holder = self.holder()
         if holder is not None and holder.holder != self.holder_id:
             self.lost = self.lost or holder
-            raise FenceLost(self._lost_message(holder))
+            raise LeadershipLost(self._lost_message(holder))
 
     def release(self) -> bool:
-        """Give the lease up (clean shutdown), so a stand-by takes over at once; True if it was ours."""
+        """Give the leadership up (clean shutdown), so a stand-by takes over at once; True if it was ours."""
         if self.lost is not None:
             return False
-        return bool(self._release(keys=[self.keys.proxy_lease], args=[self.holder_id]))
+        return bool(self._release(keys=[self.keys.proxy_leadership], args=[self.holder_id]))
 
     def _lost_message(self, holder: Leader) -> str:
         return (
-            f"this proxy (epoch {self.epoch}) lost the lease of run {self.run!r} to {holder.describe()}; it stops "
-            "coordinating (restart it with --standby to wait for the lease)"
+            f"this proxy (epoch {self.epoch}) lost the leadership of run {self.run!r} to {holder.describe()}; it stops "
+            "coordinating (restart it with --standby to wait for the leadership)"
         )
 
 
@@ -262,7 +265,7 @@ def read_state_json(store: RedisStore) -> bytes | None:
 
 def _read_state_json(store: RedisStore, epoch: int, *, compact: bool) -> tuple[bytes | None, int] | None:
     """The sealed document and the log number it covers (0 unless ``compact``: see ``snapshot_json.lua``); None
-    if Redis holds no state; ``(None, epoch)`` where a compaction finds the lease not held at ``epoch``."""
+    if Redis holds no state; ``(None, epoch)`` where a compaction finds the leadership not held at ``epoch``."""
     header = json.dumps(
         {"format": SNAPSHOT_FORMAT, "run": store.run, "proxy_epoch": epoch, "written_at_ms": store.clock_ms()}
     )
@@ -488,13 +491,13 @@ class SnapshotWriter:
         store: RedisStore,
         bucket: Bucket,
         on_put: Callable[[], object] = lambda: None,
-        fence: ProxyFence | None = None,
+        leadership: Leadership | None = None,
         policy: CompactionPolicy | None = None,
         on_written: Callable[[bool, int], object] = lambda compaction, size: None,
     ) -> None:
         self.store = store
         self.bucket = bucket
-        self.fence = fence  # None: unfenced (tests of one coordinator); the server always passes one
+        self.leadership = leadership  # None: unfenced (tests of one coordinator); the server always passes one
         self.on_put = on_put  # counts the puts (the proxy's asyncgrpo_snapshot_writes_total)
         self.policy = policy or CompactionPolicy()
         self.on_written = on_written  # each put that landed: (a compaction?, its bytes), for the metrics
@@ -618,11 +621,11 @@ class SnapshotWriter:
         if Redis holds no state (nothing to write)."""
         key = bucket_keys.proxy_snapshot_key(self.store.run)
         try:
-            epoch = 0 if self.fence is None else self.fence.confirm()
+            epoch = 0 if self.leadership is None else self.leadership.confirm()
             if not self._seen:
                 self._see(key, epoch)
             # A new epoch compacts first, so the snapshot always carries the epoch of every segment after it
-            # (the floor a new lease starts above, ``take_leadership``).
+            # (the floor a new leadership starts above, ``take_leadership``).
             compact = (
                 self._must_compact
                 or epoch != self._epoch
@@ -646,7 +649,7 @@ class SnapshotWriter:
 
     def _snapshot_replaced(self, key: str, epoch: int) -> bool:
         """Whether the snapshot is no longer the one this writer put (then a compaction is due); raises
-        ``FenceLost`` if a proxy of a higher epoch wrote it."""
+        ``LeadershipLost`` if a proxy of a higher epoch wrote it."""
         self._checked_at = self.monotonic()
         try:
             _, etag = self.bucket.get_tagged(key)
@@ -658,10 +661,10 @@ class SnapshotWriter:
         return True
 
     def _fenced(self, what: str, epoch: int) -> SnapshotFailed:
-        """A script found the lease not held at ``epoch``: ``FenceLost`` if another proxy holds it now."""
-        if self.fence is not None:
-            self.fence.check_taken()
-        return SnapshotFailed(f"the lease of run {self.store.run!r} moved on from epoch {epoch} before its {what}")
+        """A script found the leadership not held at ``epoch``: ``LeadershipLost`` if another proxy holds it now."""
+        if self.leadership is not None:
+            self.leadership.check_taken()
+        return SnapshotFailed(f"the leadership of run {self.store.run!r} moved on from epoch {epoch} before its {what}")
 
     def _append(self, epoch: int) -> bool | None:
         """Put the next log segment; None where a compaction must be put instead (none since the state was built,
@@ -679,16 +682,16 @@ class SnapshotWriter:
         if reply.code == "FENCED":
             raise self._fenced("log segment", epoch)
         key, data = bucket_keys.proxy_log_key(run, reply["seq"]), seal(reply["segment"].encode())
-        if self.fence is not None:
-            self.fence.confirm()  # atomically in Redis, as close to the put as it gets
+        if self.leadership is not None:
+            self.leadership.confirm()  # atomically in Redis, as close to the put as it gets
         try:
             self.bucket.put_if_match(key, data, None)
         except ObjectChanged:
             # A segment of this number exists: a proxy of a higher epoch (on another Redis) fences this one;
             # otherwise it is this proxy's own from before a rebuild. A compaction covers it either way.
             theirs = snapshot_epoch(self.bucket.get(key))
-            if self.fence is not None and theirs > epoch:
-                raise FenceLost(
+            if self.leadership is not None and theirs > epoch:
+                raise LeadershipLost(
                     f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
                     f"coordinates run {run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); this one stops"
                 ) from None
@@ -708,12 +711,12 @@ class SnapshotWriter:
         data, through = read
         if data is None:
             raise self._fenced("compaction", epoch)
-        if self.fence is not None:
-            self.fence.confirm()  # atomically in Redis, as close to the put as it gets
+        if self.leadership is not None:
+            self.leadership.confirm()  # atomically in Redis, as close to the put as it gets
         try:
             self._etag = self.bucket.put_if_match(key, data, self._etag)
         except ObjectChanged:
-            # Written by someone else since: a proxy of a higher epoch fences this one (FenceLost). A lower
+            # Written by someone else since: a proxy of a higher epoch fences this one (LeadershipLost). A lower
             # or equal epoch is a late put of a deposed proxy (or of this one, its answer lost) that this
             # proxy's Redis state already holds, or an operator's edit: put over it, once.
             self._see(key, epoch)
@@ -751,11 +754,11 @@ class SnapshotWriter:
             self._seen, self._etag = True, None
             return
         theirs = snapshot_epoch(data)
-        if self.fence is not None:
-            self.fence.raise_floor(theirs)
+        if self.leadership is not None:
+            self.leadership.raise_floor(theirs)
             if theirs > epoch:
-                self.fence.lost = self.fence.lost or Leader("?", theirs, "unknown (seen in the bucket)", 0, 0)
-                raise FenceLost(
+                self.leadership.lost = self.leadership.lost or Leader("?", theirs, "unknown (seen in the bucket)", 0, 0)
+                raise LeadershipLost(
                     f"{key} was written by a proxy of epoch {theirs}, above this proxy's {epoch}: another proxy "
                     f"coordinates run {self.store.run!r} (check ASYNCGRPO_REDIS_URL: both must share one Redis); "
                     "this one stops coordinating"

@@ -10,7 +10,7 @@ version holds several optimizer updates, logged as ``asyncgrpo/optimizer_steps``
 Progress is kept in Redis (``RunKeys.tracking``: ``<tracker>:step`` the last step sent, ``<tracker>:eval:<v>``
 each eval sent), so a restarted or stand-by proxy goes on where the last one stopped and sends nothing twice
 (a record is marked sent right after the tracker accepted it; a proxy killed in between sends it again). Only
-the proxy holding the run's lease forwards: the threads stop once it is lost.
+the proxy holding the run's leadership forwards: the threads stop once it is lost.
 
 The progress survives an empty Redis: each advance calls ``on_progress`` (the server's: the coordinator's
 ``store.mark_changed``), so the next housekeeping tick (``tick_s``) puts it in the snapshot, and a rebuild

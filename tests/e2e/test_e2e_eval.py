@@ -1,7 +1,7 @@
 """Evaluation during training end to end (``[eval]``): real proxy, real generate and optimize workers on the tiny
 model, a real bucket. A short run (4 steps) with ``every_versions = 2`` writes eval records for exactly the
 versions 0, 2 and 4; the newest shows on the proxy's ``/metrics``, in ``asyncgrpo status`` and in
-``asyncgrpo plot``, no eval completion reaches a step, and every evaluate task ends on its worker as recorded,
+``asyncgrpo plot``, no eval completion reaches a step, and every eval task ends on its worker as recorded,
 none reported as failed."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_eval_records_for_due_versions_reach_metrics_status_and_plot(
     # result stored, then the task line's log call raised: the proxy was told the task failed and sent it again).
     def outcomes() -> dict[str, float]:
         scrapes = [scrape(port) for port in ports]
-        name = "asyncgrpo_evaluate_tasks_total"
+        name = "asyncgrpo_eval_tasks_total"
         return {
             status: sum(metric_value(text, f'{name}{{status="{status}"}}') for text in scrapes)
             for status in ("recorded", "failed")
@@ -77,7 +77,7 @@ def test_eval_records_for_due_versions_reach_metrics_status_and_plot(
         counted = outcomes()
         return counted if sum(counted.values()) >= 6 else None
 
-    ended = wait_for(all_ended, 30, "six evaluate tasks ended on the workers", cluster)
+    ended = wait_for(all_ended, 30, "six eval tasks ended on the workers", cluster)
     assert ended == {"recorded": 6, "failed": 0}, ended
     assert status["eval_latest"]["metrics"]["reward"] == pytest.approx(evals[-1].metrics["reward"])
 

@@ -218,7 +218,7 @@ def test_run_create_refuses_a_prompt_naming_an_unknown_environment_and_stores_no
 
 @dataclass
 class RecordingEvalProxy:
-    """Stands in for ProxyClient on an evaluate task: leases version 0 over all the eval prompts."""
+    """Stands in for ProxyClient on an eval task: leases version 0 over all the eval prompts."""
 
     manifest_sha256: str
     prompts: int

@@ -3,7 +3,7 @@
 The proxy is fuzzed in each state an operator meets: ``before_v0`` (run created, the init step claimed, no
 worker and no version yet), ``mid_run`` (leases, buffered rollouts and a started step in flight, workers
 heard from), ``finished`` (the final version published) and ``standby`` (a stand-by proxy that took the
-mid-run state over when the live one's lease lapsed). Before this, only a proxy at version 0 was fuzzed, and a
+mid-run state over when the live one's leadership lapsed). Before this, only a proxy at version 0 was fuzzed, and a
 ``base`` step failure before version 0 answered 500.
 
 Every operation gets schema-valid and schema-breaking requests (with the token; ``ignored_auth`` also tries
@@ -36,7 +36,7 @@ from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest
 from proxy.api.app import create_app, take_leadership
 from proxy.api.version_watch import MAX_WAIT_S
 from proxy.coordinator.service import Coordinator
-from proxy.coordinator.snapshot import ProxyFence
+from proxy.coordinator.snapshot import Leadership
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.fixtures_redis import RedisServer
@@ -118,20 +118,20 @@ def _finished(coord: Coordinator) -> Coordinator:
 
 
 def _standby(coord: Coordinator) -> Coordinator:
-    """The stand-by that took over ``coord``'s run (same Redis and bucket) once its lease lapsed."""
-    assert coord.fence is not None
+    """The stand-by that took over ``coord``'s run (same Redis and bucket) once its leadership lapsed."""
+    assert coord.leadership is not None
     _mid_run(coord)
     coord.snapshots.write(force=True)
-    coord.redis.delete(coord.fence.keys.proxy_lease)  # the live proxy died; its lease lapsed
-    fence = ProxyFence(coord.redis, coord.run)
-    assert take_leadership(fence, coord.bucket, standby=True) == coord.fence.epoch + 1
+    coord.redis.delete(coord.leadership.keys.proxy_leadership)  # the live proxy died; its leadership lapsed
+    leadership = Leadership(coord.redis, coord.run)
+    assert take_leadership(leadership, coord.bucket, standby=True) == coord.leadership.epoch + 1
     standby = make_coordinator(
         coord.redis,
         coord.bucket,
         config=coord.config,
         clock=ManualClock(),
         dispatcher=RecordingDispatcher(),
-        fence=fence,
+        leadership=leadership,
     )
     standby.tick()
     return standby
@@ -150,17 +150,17 @@ def proxy_url(
         config = config.model_copy(
             update={"optimizer": config.optimizer.model_copy(update={"total_steps": FINAL_VERSION})}
         )
-    fence = None
+    leadership = None
     if state == "standby":
-        fence = ProxyFence(redis, "r1")
-        take_leadership(fence, bucket, standby=False)
+        leadership = Leadership(redis, "r1")
+        take_leadership(leadership, bucket, standby=False)
     coord = make_coordinator(
-        redis, bucket, config=config, clock=ManualClock(), dispatcher=RecordingDispatcher(), fence=fence
+        redis, bucket, config=config, clock=ManualClock(), dispatcher=RecordingDispatcher(), leadership=leadership
     )
     coord = {"before_v0": _before_v0, "mid_run": _mid_run, "finished": _finished, "standby": _standby}[state](coord)
     # With the loop's answers (proxy.api.loop_routes), as ``serve`` runs it: they must answer as the routes do.
     loop_redis = f"redis://{redis_server.host}:{redis_server.port}/{FUZZ_DB}"
-    app = create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_lease=lambda: None, redis_url=loop_redis)
+    app = create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_leadership=lambda: None, redis_url=loop_redis)
     with served(app) as url:
         yield url
     redis.flushdb()

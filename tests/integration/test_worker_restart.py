@@ -2,7 +2,7 @@
 
 A unit that restarts a crashed worker within seconds (``Restart=on-failure``) keeps its worker id, so the id's
 heartbeats never stop. The proxy tells the processes apart by incarnation: a new one ends the old one's
-leases at once and its generate task, evaluate task or step at the next round, with no clock advanced here
+leases at once and its generate task, eval task or step at the next round, with no clock advanced here
 (invariant 8: seconds, not a timeout). Pacing leaves out tasks nobody renews a lease of, so a ghost never
 stops dispatch while the buffer cannot fill a step.
 """
@@ -18,7 +18,7 @@ from redis import Redis
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StepStartRequest, worker_queue
 from proxy.coordinator.scripts import TaskEnded
 from proxy.coordinator.service import Coordinator
-from tests.integration.test_evaluations import eval_config, make
+from tests.integration.test_evals import eval_config, make
 from tests.support.proxy_harness import (
     ManualClock,
     file_bucket,
@@ -185,21 +185,21 @@ def test_a_restarted_publisher_is_no_longer_taken_to_hold_its_version(coord: Coo
     assert coord.sending.holders_of(0, coord.sending.alive_optimize_workers()) == ["opt-2"]
 
 
-# ---- evaluate tasks ----
+# ---- eval tasks ----
 
 
-def test_a_restarted_workers_evaluate_task_is_sent_again_at_once(
+def test_a_restarted_workers_eval_task_is_sent_again_at_once(
     redis_client: Redis, tmp_path: Path, clock: ManualClock
 ) -> None:
     coord = start_run(make(redis_client, file_bucket(tmp_path), clock, eval_config()))
-    sent = len(coord.dispatcher.evaluate)
+    sent = len(coord.dispatcher.evals)
     beat(coord, "gen-1", "boot-100-1")
     coord.eval_lease("gen-1", "eval-r1-v0-0", "boot-100-1")
     coord.tick()
-    assert len(coord.dispatcher.evaluate) == sent
+    assert len(coord.dispatcher.evals) == sent
     beat(coord, "gen-1", "boot-101-7")
     coord.tick()
-    assert [m["task_id"] for m in coord.dispatcher.evaluate[sent:]] == ["eval-r1-v0-0"]
+    assert [m["task_id"] for m in coord.dispatcher.evals[sent:]] == ["eval-r1-v0-0"]
     assert live_leases(coord, "gen-1") == []
 
 

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo.protocol.evals import EvaluateTaskMessage
+from asyncgrpo.protocol.evals import EvalTaskMessage
 from asyncgrpo.protocol.schemas import GenerateTaskMessage, OptimizeTaskMessage, RepairTaskMessage
 from proxy.coordinator.dispatch import DispatchError
 
@@ -20,7 +20,7 @@ class RecordingDispatcher:
     optimize_queues: list[str | None] = field(default_factory=list)  # the queue of each optimize message
     repairs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (worker_id, message)
     optimize_expires: list[float | None] = field(default_factory=list)  # the expiry of each, in seconds
-    evaluate: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     fail: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -40,11 +40,11 @@ class RecordingDispatcher:
             self.optimize_queues.append(queue)
             self.optimize_expires.append(expires_s)
 
-    def send_evaluate(self, message: EvaluateTaskMessage) -> None:
+    def send_eval(self, message: EvalTaskMessage) -> None:
         if self.fail:
-            raise DispatchError(f"recording dispatcher set to fail (evaluate {message.task_id})")
+            raise DispatchError(f"recording dispatcher set to fail (eval {message.task_id})")
         with self._lock:
-            self.evaluate.append(message.model_dump(mode="json"))
+            self.evals.append(message.model_dump(mode="json"))
 
     def send_repair(self, message: RepairTaskMessage, worker_id: str) -> None:
         if self.fail:

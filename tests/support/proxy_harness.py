@@ -14,7 +14,7 @@ from asyncgrpo.bucket.layout import sha256_hex, write_version
 from asyncgrpo.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.service import Coordinator
-from proxy.coordinator.snapshot import ProxyFence
+from proxy.coordinator.snapshot import Leadership
 from tests.support.dispatcher import RecordingDispatcher
 
 
@@ -51,10 +51,10 @@ def make_coordinator(
     clock: ManualClock | None = None,
     dispatcher: RecordingDispatcher | None = None,
     require_generate_worker: bool = False,
-    fence: ProxyFence | None = None,
+    leadership: Leadership | None = None,
 ) -> Coordinator:
-    """``require_generate_worker`` off by default: these tests send no heartbeats. ``fence``: the proxy
-    lease this coordinator holds (unfenced by default)."""
+    """``require_generate_worker`` off by default: these tests send no heartbeats. ``leadership``: the run's
+    leadership this coordinator holds (unfenced by default)."""
     return Coordinator(
         redis_client,
         bucket,
@@ -66,7 +66,7 @@ def make_coordinator(
         config_sha256="0" * 64,
         prompts_sha256="1" * 64,
         require_generate_worker=require_generate_worker,
-        fence=fence,
+        leadership=leadership,
     )
 
 

@@ -54,7 +54,7 @@ GCCollector(registry=REGISTRY)
 ROLES = ("generate", "optimize")
 ERROR_KINDS = ("integrity", "stale", "conflict", "proxy", "other")
 GENERATE_STATUSES = ("admitted", "duplicate", "stale", "cancelled", "rejected", "not_holder")
-EVALUATE_STATUSES = ("recorded", "ended", "failed")
+EVAL_STATUSES = ("recorded", "ended", "failed")
 OPTIMIZE_STATUSES = (
     "published",
     "already_published",
@@ -117,14 +117,14 @@ GENERATE_SAMPLES_PER_SECOND = _gauge(
 )
 GENERATE_VERSION = _gauge("asyncgrpo_generate_version", "Adapter version the last generate task sampled with.")
 GENERATE_REWARD_MEAN = _gauge("asyncgrpo_generate_reward_mean", "Mean total reward of the last generate task.")
-EVALUATE_TASKS = _counter(
-    "asyncgrpo_evaluate_tasks",
-    "Evaluate tasks finished, by outcome: recorded (the proxy kept the result), ended (it no longer wanted it), "
+EVAL_TASKS = _counter(
+    "asyncgrpo_eval_tasks",
+    "Eval tasks finished, by outcome: recorded (the proxy kept the result), ended (it no longer wanted it), "
     "failed (reported to the proxy, which sends it again).",
     ("status",),
 )
-for _status in EVALUATE_STATUSES:  # exported at 0 from the start: a failure shows as a rise, not a new series
-    EVALUATE_TASKS.labels(status=_status)
+for _status in EVAL_STATUSES:  # exported at 0 from the start: a failure shows as a rise, not a new series
+    EVAL_TASKS.labels(status=_status)
 
 # ---- optimize side: trainer ---------------------------------------------------------------------------
 TRAINER_STEPS = _counter("asyncgrpo_trainer_steps", "Optimize tasks finished, by outcome.", ("status",))
@@ -240,7 +240,7 @@ for _bound in CLIP_BOUNDS:
 # generation families: a dashboard averaging asyncgrpo_policy_ratio must not see zeros from generators.
 _FAMILIES_OF_OTHER_ROLE: dict[str, tuple[str, ...]] = {
     "generate": ("asyncgrpo_trainer_", "asyncgrpo_policy_"),
-    "optimize": ("asyncgrpo_generate_", "asyncgrpo_evaluate_"),
+    "optimize": ("asyncgrpo_generate_", "asyncgrpo_eval_"),
 }
 
 
@@ -333,6 +333,7 @@ def task_in_flight(role: str) -> Iterator[None]:
     finally:
         gauge.dec()
 
+
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
@@ -378,12 +379,12 @@ def observe_generate_task(result: GenerateResult) -> None:
     _set(GENERATE_REWARD_MEAN, result.reward_mean)
 
 
-def observe_evaluate_task(status: str) -> None:
-    """Count one finished evaluate task by its outcome."""
-    if status not in EVALUATE_STATUSES:
-        log.warning("worker.metrics_unknown_evaluate_status", status=status)
+def observe_eval_task(status: str) -> None:
+    """Count one finished eval task by its outcome."""
+    if status not in EVAL_STATUSES:
+        log.warning("worker.metrics_unknown_eval_status", status=status)
         return
-    EVALUATE_TASKS.labels(status=status).inc()
+    EVAL_TASKS.labels(status=status).inc()
 
 
 def observe_optimize_step(record: StepRecord | None, status: str) -> None:

@@ -41,10 +41,10 @@ from asyncgrpo.bucket.backends import BucketError, ObjectNotFound
 from asyncgrpo.bucket.layout import IntegrityError
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Conflict, NotReady, ProxyError, ProxyUnavailable
-from asyncgrpo.protocol.evals import EvaluateTaskMessage
+from asyncgrpo.protocol.evals import EvalTaskMessage
 from asyncgrpo.protocol.log_setup import configure_logging
 from asyncgrpo.protocol.schemas import (
-    EVALUATE_TASK_NAME,
+    EVAL_TASK_NAME,
     REPAIR_TASK_NAME,
     GenerateTaskMessage,
     OptimizeTaskMessage,
@@ -331,11 +331,11 @@ def generate(**payload: Any) -> dict[str, Any]:
     return _run_generate_role(body, run=message.run, task_id=message.task_id)
 
 
-@app.task(name=EVALUATE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
-def evaluate(**payload: Any) -> dict[str, Any]:
+@app.task(name=EVAL_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
+def eval_version(**payload: Any) -> dict[str, Any]:
     """Evaluate a version on a chunk of the held-out prompts ([eval]). A task that fails for good is reported:
     the proxy sends it again at once, and gives the version's evaluation up after a few attempts."""
-    message = EvaluateTaskMessage.model_validate(payload)
+    message = EvalTaskMessage.model_validate(payload)
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
@@ -355,7 +355,7 @@ def evaluate(**payload: Any) -> dict[str, Any]:
         return result.summary()
 
     summary = _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
-    worker_metrics.observe_evaluate_task(summary["status"])
+    worker_metrics.observe_eval_task(summary["status"])
     return summary
 
 
@@ -370,7 +370,7 @@ def _generation_parts(
 
 
 def _run_generate_role(body: Callable[[WorkerRuntime], dict[str, Any]], *, task_id: str, **context: Any) -> dict:
-    """A generate or evaluate task: preemption and transient failures go back to Celery; a failure for good is
+    """A generate or eval task: preemption and transient failures go back to Celery; a failure for good is
     reported, so the proxy sends the work again or counts the attempt now, and the message is acked with no
     retry loop (invariant 9)."""
     try:

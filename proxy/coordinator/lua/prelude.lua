@@ -59,12 +59,12 @@ local function call(cmd, k, ...)
   end
   return reply
 end
--- whether the proxy of fencing `epoch` still holds the run's lease ("0": an unfenced caller, tests of one
+-- whether the proxy of fencing `epoch` still holds the run's leadership ("0": an unfenced caller, tests of one
 -- coordinator): the log's notes are taken only by the leader, so a deposed proxy never takes its successor's
-local function leads(lease_key, epoch)
+local function leads(leadership_key, epoch)
   if epoch == '0' then return true end
-  local lease = redis.call('GET', lease_key)
-  return lease ~= false and cjson.decode(lease)['epoch'] == tonumber(epoch)
+  local leader = redis.call('GET', leadership_key)
+  return leader ~= false and cjson.decode(leader)['epoch'] == tonumber(epoch)
 end
 local function num(k, field, default)
   local v = redis.call('HGET', k, field)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from asyncgrpo.bucket.backends import S3Bucket, open_bucket
 from asyncgrpo.cli.main import main as cli_main
-from asyncgrpo.protocol.settings import CacheSettings, LogSettings, SettingsError, StorageSettings, env_name
+from asyncgrpo.protocol.settings import CacheSettings, LogSettings, SettingsError, StorageSettings, env_name, variables
 from proxy.__main__ import main as proxy_main
 from proxy.api.settings import ProxySettings
 from tests.support.paths import REPO_ROOT
@@ -59,6 +59,30 @@ def test_proxy_defaults_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCGRPO_BUCKET", "s3://b/p")
     settings = ProxySettings()
     assert (settings.proxy_port, settings.tick_s, settings.bucket) == (8123, 0.5, "s3://b/p")
+
+
+def test_the_leadership_ttl_reads_its_variable_and_its_former_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ASYNCGRPO_PROXY_LEASE_TTL_S`` was the variable's name before "lease" was kept for the workers' leases."""
+    assert ProxySettings().proxy_leadership_ttl_s == 6.0
+    monkeypatch.setenv("ASYNCGRPO_PROXY_LEASE_TTL_S", "9")
+    assert ProxySettings().proxy_leadership_ttl_s == 9.0
+    monkeypatch.setenv("ASYNCGRPO_PROXY_LEADERSHIP_TTL_S", "7")
+    assert ProxySettings().proxy_leadership_ttl_s == 7.0, "the current name wins over the former one"
+    monkeypatch.delenv("ASYNCGRPO_PROXY_LEASE_TTL_S")
+    monkeypatch.setenv("PROXY_LEADERSHIP_TTL_S", "8")  # unprefixed: not a variable of ours
+    assert ProxySettings().proxy_leadership_ttl_s == 7.0
+    assert {"ASYNCGRPO_PROXY_LEADERSHIP_TTL_S", "ASYNCGRPO_PROXY_LEASE_TTL_S"} <= set(variables(ProxySettings))
+
+
+@pytest.mark.parametrize("variable", ["ASYNCGRPO_PROXY_LEADERSHIP_TTL_S", "ASYNCGRPO_PROXY_LEASE_TTL_S"])
+def test_a_bad_value_of_a_renamed_setting_names_its_variable(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """pydantic reports an aliased field under its first alias: the current name, whichever of the two was set."""
+    monkeypatch.setenv(variable, "0.5")
+    with pytest.raises(SettingsError) as caught:
+        ProxySettings()
+    message = str(caught.value)
+    assert message.startswith("ASYNCGRPO_PROXY_LEADERSHIP_TTL_S='0.5' is invalid: ") and ">= 1.0, <= 600.0" in message
+    assert "Set ASYNCGRPO_PROXY_LEADERSHIP_TTL_S (Seconds the proxy's leadership" in message
 
 
 def test_every_field_has_a_docstring() -> None:
@@ -266,8 +290,15 @@ SETTINGS_ENTRIES = {
     "worker/process/launcher.py",
 }
 SETTINGS_CLASSES = {
-    "AsyncgrpoSettings", "LogSettings", "StorageSettings", "CacheSettings", "CommonSettings", "ProxySettings",
-    "GenerateSettings", "WorkerSettings", "load_worker_settings",
+    "AsyncgrpoSettings",
+    "LogSettings",
+    "StorageSettings",
+    "CacheSettings",
+    "CommonSettings",
+    "ProxySettings",
+    "GenerateSettings",
+    "WorkerSettings",
+    "load_worker_settings",
 }
 
 
@@ -289,7 +320,6 @@ def test_settings_are_parsed_only_at_a_process_entry() -> None:
             if relative not in SETTINGS_ENTRIES and (lines := _settings_parsed(path)):
                 offenders[relative] = lines
     assert not offenders, f"pass the process's settings object down instead of parsing them here: {offenders}"
-
 
 
 def test_a_local_run_uses_only_the_services_the_user_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from asyncgrpo.cli.main import main as cli_main
 from asyncgrpo.protocol import log_setup
 from asyncgrpo.protocol.schemas import FleetView, LeaseRecord, StatusResponse
-from asyncgrpo.protocol.settings import env_name
+from asyncgrpo.protocol.settings import env_name, variables
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits
 from tests.support.paths import REPO_ROOT
@@ -175,7 +175,7 @@ def documented_env_vars() -> dict[str, str]:
 def settings_env_vars() -> set[str]:
     """Every variable a process reads: the settings classes' fields (the only code that reads the environment),
     every name spelled out in the packages (error messages, CLI envvars), and those the units use."""
-    names = {env_name(field) for cls in (ProxySettings, WorkerSettings) for field in cls.model_fields}
+    names = {name for cls in (ProxySettings, WorkerSettings) for name in variables(cls)}
     for module in sorted(path for top in ("asyncgrpo", "proxy", "worker") for path in (ROOT / top).rglob("*.py")):
         names |= set(ENV_NAME.findall(module.read_text()))
     names |= {log_setup.LOG_FORMAT_ENV, log_setup.LOG_LEVEL_ENV}
@@ -186,9 +186,16 @@ def unit_env_vars() -> set[str]:
     return {name for unit in UNITS.glob("*.service") for name in ENV_NAME.findall(unit.read_text())}
 
 
+def former_env_vars() -> set[str]:
+    """The variables a renamed setting still reads under its former name (its ``AliasChoices``)."""
+    read = {name for cls in (ProxySettings, WorkerSettings) for name in variables(cls)}
+    return read - {env_name(field) for cls in (ProxySettings, WorkerSettings) for field in cls.model_fields}
+
+
 def test_env_example_documents_every_variable() -> None:
+    """Every variable under its current name; a former name is read, not advertised."""
     documented = documented_env_vars()
-    missing = sorted(settings_env_vars() - set(documented))
+    missing = sorted(settings_env_vars() - former_env_vars() - set(documented))
     assert not missing, f"add these to {ENV_EXAMPLE.relative_to(ROOT)} with a comment: {missing}"
     uncommented = sorted(name for name, comment in documented.items() if len(comment) < 10)
     assert not uncommented, f"give these a comment line above them in the env example: {uncommented}"
@@ -229,9 +236,19 @@ def test_procfile_starts_every_process_with_real_commands() -> None:
 def _proxy_metrics() -> ProxyMetrics:
     metrics = ProxyMetrics()
     status = StatusResponse(
-        run="r1", current_version=3, final_version=10, finished=False, step_inflight=4, epoch=0, epoch_pos=8,
-        groups_buffered=2, groups_inflight=4,
-        groups_requeued=0, tasks_inflight=2, counters={"publish": 3}, rejected_by_reason={"too long": 1},
+        run="r1",
+        current_version=3,
+        final_version=10,
+        finished=False,
+        step_inflight=4,
+        epoch=0,
+        epoch_pos=8,
+        groups_buffered=2,
+        groups_inflight=4,
+        groups_requeued=0,
+        tasks_inflight=2,
+        counters={"publish": 3},
+        rejected_by_reason={"too long": 1},
         leases=[LeaseRecord(lease_id="l1", version=3, worker_id="w1", task_id="t1", expires_at=0.0)],
         workers_alive_by_role={"generate": 2, "optimize": 1},
     )
@@ -273,9 +290,14 @@ def dashboard_expressions() -> list[str]:
 
 def test_metric_name_collection_sees_both_registries() -> None:
     names = exported_names()
-    assert {"asyncgrpo_current_version", "asyncgrpo_stale_drops_total", "asyncgrpo_sample_staleness_versions_bucket",
-            "asyncgrpo_trainer_rollout_wait_seconds_sum", "asyncgrpo_generate_backpressure_seconds_sum",
-            "asyncgrpo_worker_info"} <= names
+    assert {
+        "asyncgrpo_current_version",
+        "asyncgrpo_stale_drops_total",
+        "asyncgrpo_sample_staleness_versions_bucket",
+        "asyncgrpo_trainer_rollout_wait_seconds_sum",
+        "asyncgrpo_generate_backpressure_seconds_sum",
+        "asyncgrpo_worker_info",
+    } <= names
     assert "asyncgrpo_no_such_metric" not in names
 
 
@@ -294,22 +316,41 @@ def test_dashboard_covers_both_sides_and_the_bottleneck_pair() -> None:
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     text = " ".join(dashboard_expressions())
     for needed in (
-        "asyncgrpo_generate_tokens_total", "asyncgrpo_trainer_tokens_total",  # throughput on both sides
-        "asyncgrpo_trainer_rollout_wait_seconds_sum", "asyncgrpo_generate_backpressure_seconds_sum",  # bottleneck
-        "asyncgrpo_groups_buffered", "asyncgrpo_sample_staleness_versions_bucket", "asyncgrpo_current_version",
-        "asyncgrpo_trainer_publish_seconds_bucket", "asyncgrpo_policy_reward_mean", "asyncgrpo_policy_ratio",
-        "asyncgrpo_workers_alive", "asyncgrpo_generate_workers_wanted",  # the autoscaling signal beside the fleet
+        "asyncgrpo_generate_tokens_total",
+        "asyncgrpo_trainer_tokens_total",  # throughput on both sides
+        "asyncgrpo_trainer_rollout_wait_seconds_sum",
+        "asyncgrpo_generate_backpressure_seconds_sum",  # bottleneck
+        "asyncgrpo_groups_buffered",
+        "asyncgrpo_sample_staleness_versions_bucket",
+        "asyncgrpo_current_version",
+        "asyncgrpo_trainer_publish_seconds_bucket",
+        "asyncgrpo_policy_reward_mean",
+        "asyncgrpo_policy_ratio",
+        "asyncgrpo_workers_alive",
+        "asyncgrpo_generate_workers_wanted",  # the autoscaling signal beside the fleet
     ):
         assert needed in text, f"the dashboard has no panel for {needed}"
 
 
 def test_alert_rules_cover_the_issue_list() -> None:
     yaml = pytest.importorskip("yaml")
-    alerts = {rule["alert"]: rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
-              if "alert" in rule}
-    for name in ("AsyncgrpoNoNewVersion", "AsyncgrpoTrainerStarved", "AsyncgrpoStalenessNearMax",
-                 "AsyncgrpoStaleDropsRising", "AsyncgrpoNoGenerateWorker", "AsyncgrpoLeaseExpiriesSpiking",
-                 "AsyncgrpoRatioDrift", "AsyncgrpoRunHalted", "AsyncgrpoGenerateFleetShort"):
+    alerts = {
+        rule["alert"]: rule
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+    for name in (
+        "AsyncgrpoNoNewVersion",
+        "AsyncgrpoTrainerStarved",
+        "AsyncgrpoStalenessNearMax",
+        "AsyncgrpoStaleDropsRising",
+        "AsyncgrpoNoGenerateWorker",
+        "AsyncgrpoLeaseExpiriesSpiking",
+        "AsyncgrpoRatioDrift",
+        "AsyncgrpoRunHalted",
+        "AsyncgrpoGenerateFleetShort",
+    ):
         assert name in alerts, f"missing alert {name}"
         assert alerts[name]["annotations"]["summary"] and alerts[name]["labels"]["severity"]
 

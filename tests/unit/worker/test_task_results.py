@@ -1,6 +1,6 @@
 """The Celery task wrapper's end of a task (``worker.process.tasks``): a task whose body finished is done, whatever
-its summary holds. An evaluate task's result is stored before its summary is logged: a failure in between used to
-be reported to the proxy as the task's failure (every evaluate task, ``task_error_TypeError``), so the proxy sent it
+its summary holds. An eval task's result is stored before its summary is logged: a failure in between used to
+be reported to the proxy as the task's failure (every eval task, ``task_error_TypeError``), so the proxy sent it
 again."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _count(name: str, **labels: str) -> float:
     return worker_metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def test_an_evaluate_task_that_recorded_its_result_ends_as_done_and_reports_nothing(runtime: WorkerRuntime) -> None:
+def test_an_eval_task_that_recorded_its_result_ends_as_done_and_reports_nothing(runtime: WorkerRuntime) -> None:
     summary = EvaluateResult("eval-r-v2-0", "recorded", 2, prompts=3, chunks_left=1, reward_mean=0.5).summary()
     errors_before = sum(_count("asyncgrpo_worker_errors_total", kind=k) for k in worker_metrics.ERROR_KINDS)
     with structlog.testing.capture_logs() as logs:

@@ -1,10 +1,10 @@
 -- log_segment: what changed since the last segment or compaction, as the next segment of the snapshot log
 -- (proxy.coordinator.snapshot_log), with the notes of lua/prelude.lua's call() cleared in the same step.
--- KEYS[1] state  KEYS[2] log  KEYS[3] log_dirty  KEYS[4] log_ops  KEYS[5] proxy_lease
+-- KEYS[1] state  KEYS[2] log  KEYS[3] log_dirty  KEYS[4] log_ops  KEYS[5] proxy_leadership
 -- ARGV[1] prefix  ARGV[2] header_json (the segment's other fields, an object)  ARGV[3] epoch (the writer's; "0":
 --   unfenced)
 -- returns {"OK", seq:int, segment} | {"COMPACT"} (no compaction since the state was built: compact first)
---   | {"FENCED"} (the lease is not held at that epoch: nothing taken) | {"NO_STATE"}
+--   | {"FENCED"} (the leadership is not held at that epoch: nothing taken) | {"NO_STATE"}
 --   segment = the header's fields and "seq", "hashes": {section: {field: value or null}}, "whole": {section:
 --   the whole hash, or {member: score} of a sorted set} (deleted keys), "lists": [[section, command, args...]]
 --   (the writes to buffer and requeue, in order), "zsets": {section: {member: score or null}}, "items": {kind:

@@ -4,12 +4,12 @@
 -- the segments after it hold exactly what changed after this read.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] rejected_reasons  KEYS[4] versions  KEYS[5] requeue  KEYS[6] buffer
 -- KEYS[7] tasks_inflight  KEYS[8] leases  KEYS[9] rollout_retention  KEYS[10] prompt_attempts  KEYS[11] tracking
--- KEYS[12] log  KEYS[13] log_dirty  KEYS[14] log_ops  KEYS[15] proxy_lease
+-- KEYS[12] log  KEYS[13] log_dirty  KEYS[14] log_ops  KEYS[15] proxy_leadership
 -- ARGV[1] prefix  ARGV[2] header_json (the document's other fields, an object)  ARGV[3] compact: "1" (a compaction
 --   of the log: writes only the log's keys) or "0" (a read: no writes)  ARGV[4] epoch (the compacting writer's;
 --   "0": unfenced)
 -- returns {"OK", document, log_through:int} (log_through: 0 on a read) | {"FENCED"} (a compaction by a proxy
---   that no longer holds the lease at that epoch: nothing written) | {"NO_STATE"}
+--   that no longer holds the leadership at that epoch: nothing written) | {"NO_STATE"}
 --   The JSON is made here (cjson) so that the proxy neither parses nor re-encodes the whole state per write.
 --   Hashes become objects of strings; buffer = [{task_id, rollout, groups: {group_id: group}}], inflight_tasks
 --   likewise with task; step = {record, groups} or null; leases = [{lease_id, lease}]; rollout_retention =

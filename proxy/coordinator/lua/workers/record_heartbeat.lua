@@ -1,6 +1,6 @@
 -- record_heartbeat: remember a worker's last report; forget workers silent for a long time. A new incarnation of
 -- a known worker id (its unit restarted it under the same id) ends the old incarnation's leases here; its tasks,
--- evaluate tasks and step are ended by the next housekeeping round, which compares incarnations.
+-- eval tasks and step are ended by the next housekeeping round, which compares incarnations.
 -- KEYS[1] workers  KEYS[2] workers_generate  KEYS[3] workers_optimize  KEYS[4] counters  KEYS[5] leases
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] worker_id  ARGV[4] report_json  ARGV[5] forget_after_ms
 -- ARGV[6] record_ttl_s  ARGV[7] role  ARGV[8] incarnation ("" from a worker that sends none)

@@ -1,8 +1,8 @@
 """One live proxy per run, with real ``python -m proxy`` processes on a private Redis and a file:// bucket.
 
 A second proxy for a run is refused with a message naming the holder; a stand-by waits and takes over when
-the live proxy dies and its lease lapses (the shipped TTL, no shortened timeouts); a proxy whose lease is
-taken over stops coordinating and exits non-zero.
+the live proxy dies and its leadership lapses (the shipped TTL, no shortened timeouts); a proxy whose
+leadership is taken over stops coordinating and exits non-zero.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from redis import Redis
 
 from asyncgrpo.run.creation import create_run
 from proxy.coordinator.redis_store import RunKeys
-from proxy.coordinator.snapshot import DEFAULT_LEASE_TTL_S, Leader
+from proxy.coordinator.snapshot import DEFAULT_LEADERSHIP_TTL_S, Leader
 from tests.support.fixtures_redis import free_port
 from tests.support.fixtures_s3 import open_env_bucket
 from tests.support.paths import REPO_ROOT
@@ -110,33 +110,35 @@ def test_standby_takes_over_when_the_live_proxy_dies(bucket_url: str, redis_url:
     standby = None
     try:
         _wait_healthy(first, url, log)
-        first_epoch = Leader.parse(redis.get(RunKeys(RUN).proxy_lease)).epoch
+        first_epoch = Leader.parse(redis.get(RunKeys(RUN).proxy_leadership)).epoch
         standby, standby_url, standby_log = _start(tmp_path, "standby", env, "--standby")
-        time.sleep(DEFAULT_LEASE_TTL_S)  # a whole TTL: the live proxy renews, the stand-by only waits
+        time.sleep(DEFAULT_LEADERSHIP_TTL_S)  # a whole TTL: the live proxy renews, the stand-by only waits
         assert standby.poll() is None and not _healthy(standby_url)
         assert "proxy.standby_waiting" in standby_log.read_text()
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         killed = time.monotonic()
         _wait_healthy(standby, standby_url, standby_log, timeout_s=30)
-        assert time.monotonic() - killed < DEFAULT_LEASE_TTL_S + 5, "taken over within about one lease TTL"
-        holder = Leader.parse(redis.get(RunKeys(RUN).proxy_lease))
+        assert time.monotonic() - killed < DEFAULT_LEADERSHIP_TTL_S + 5, "taken over within about one leadership TTL"
+        holder = Leader.parse(redis.get(RunKeys(RUN).proxy_leadership))
         assert holder.pid == standby.pid and holder.epoch > first_epoch
     finally:
         _stop(first, *([standby] if standby else []))
 
 
-def test_proxy_whose_lease_is_taken_stops_and_exits_non_zero(bucket_url: str, redis_url: str, tmp_path: Path) -> None:
+def test_proxy_whose_leadership_is_taken_stops_and_exits_non_zero(
+    bucket_url: str, redis_url: str, tmp_path: Path
+) -> None:
     env = _env(bucket_url, redis_url)
     redis = Redis.from_url(redis_url, decode_responses=True)
     first, url, log = _start(tmp_path, "first", env)
     try:
         _wait_healthy(first, url, log)
-        # Another proxy holds the lease now (as if this one had been paused past its TTL).
-        key = RunKeys(RUN).proxy_lease
+        # Another proxy holds the leadership now (as if this one had been paused past its TTL).
+        key = RunKeys(RUN).proxy_leadership
         thief = '{"holder":"other","epoch":999,"host":"elsewhere","pid":1,"since_ms":0}'
         redis.set(key, thief, px=60_000)
         assert first.wait(timeout=30) != 0
-        assert "proxy.lease_lost" in log.read_text() and "elsewhere" in log.read_text()
+        assert "proxy.leadership_lost" in log.read_text() and "elsewhere" in log.read_text()
     finally:
         _stop(first)

@@ -1,4 +1,4 @@
--- finish_eval_chunk: keep the summary of an evaluate task in flight from a worker holding a lease of it, release
+-- finish_eval_chunk: keep the summary of an eval task in flight from a worker holding a lease of it, release
 -- that lease, and count down its version's chunks. Like a rollout, a result is bound to its lease: a lease of
 -- another task, another worker's, or one that expired is refused and changes nothing.
 -- KEYS[1] counters  KEYS[2] leases  KEYS[3] evals  KEYS[4] evals_inflight

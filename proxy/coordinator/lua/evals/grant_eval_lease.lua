@@ -1,4 +1,4 @@
--- grant_eval_lease: lease the version of an evaluate task in flight to a worker until now + ttl (renewable and
+-- grant_eval_lease: lease the version of an eval task in flight to a worker until now + ttl (renewable and
 -- released like any lease), and record the worker as the task's holder until its new deadline.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] leases  KEYS[4] versions  KEYS[5] evals  KEYS[6] evals_inflight
 -- ARGV[1] prefix  ARGV[2] now_ms  ARGV[3] ttl_ms  ARGV[4] lease_id  ARGV[5] worker_id  ARGV[6] task_id

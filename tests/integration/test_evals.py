@@ -22,7 +22,7 @@ from asyncgrpo.protocol.records import EvalRecord
 from asyncgrpo.protocol.schemas import HeartbeatRequest, TaskFailureReport
 from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
-from proxy.coordinator.evaluations import due_versions, prompt_chunks
+from proxy.coordinator.evals import due_versions, prompt_chunks
 from proxy.coordinator.leases import live_leased_versions
 from proxy.coordinator.scripts import EvalEnded, NotTaskHolder
 from proxy.coordinator.service import Coordinator
@@ -80,9 +80,9 @@ def summary(prompts: int, reward: float, *, k: int = 1) -> EvalChunkSummary:
     )
 
 
-def evaluate_all(coord: Coordinator, version: int, reward: float = 0.5, worker: str = "gen-1") -> None:
-    """Lease and answer every evaluate task of ``version`` sent so far (what generate workers do)."""
-    for message in [m for m in coord.dispatcher.evaluate if m["version"] == version]:
+def eval_all(coord: Coordinator, version: int, reward: float = 0.5, worker: str = "gen-1") -> None:
+    """Lease and answer every eval task of ``version`` sent so far (what generate workers do)."""
+    for message in [m for m in coord.dispatcher.evals if m["version"] == version]:
         try:
             grant = coord.eval_lease(worker, message["task_id"])
         except EvalEnded:
@@ -140,10 +140,10 @@ def test_merge_chunks_weights_by_completions_and_prompts() -> None:
 
 def test_due_versions_are_evaluated_once_and_recorded(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
     coord = start_run(make(redis_client, bucket, clock))
-    sent = [m["task_id"] for m in coord.dispatcher.evaluate]
+    sent = [m["task_id"] for m in coord.dispatcher.evals]
     assert sent == ["eval-r1-v0-0", "eval-r1-v0-1", "eval-r1-v0-2"]  # 5 prompts, 2 per task
     assert coord.status().evals_pending == 1
-    evaluate_all(coord, 0, reward=1.0)
+    eval_all(coord, 0, reward=1.0)
     coord.tick()
     stored = record(coord, 0)
     assert stored is not None and stored.prompts == 5 and stored.metrics["pass@1"] == 1.0
@@ -155,10 +155,10 @@ def test_due_versions_are_evaluated_once_and_recorded(redis_client: Redis, bucke
     submitted: set[str] = set()
     advance_version(coord, submitted)  # v1: not due
     coord.tick()
-    assert len(coord.dispatcher.evaluate) == 3
+    assert len(coord.dispatcher.evals) == 3
     advance_version(coord, submitted)  # v2: due
     coord.tick()
-    assert [m["version"] for m in coord.dispatcher.evaluate[3:]] == [2, 2, 2]
+    assert [m["version"] for m in coord.dispatcher.evals[3:]] == [2, 2, 2]
 
 
 def test_a_pending_eval_keeps_its_version_until_recorded(
@@ -173,7 +173,7 @@ def test_a_pending_eval_keeps_its_version_until_recorded(
     assert has_version(coord, 0), "a version awaiting its evaluation was collected"
     assert not has_version(coord, 1), "a version no evaluation needs was kept"
     assert has_version(coord, 2)  # due, its tasks sent, not answered
-    evaluate_all(coord, 0)
+    eval_all(coord, 0)
     coord.tick()
     assert record(coord, 0) is not None and not has_version(coord, 0)  # recorded: collected like any other
     assert coord.status().evals_pending == 2  # v2 and v4
@@ -181,13 +181,13 @@ def test_a_pending_eval_keeps_its_version_until_recorded(
 
 def test_lost_tasks_are_sent_again_then_given_up(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
     coord = start_run(make(redis_client, bucket, clock))
-    assert len(coord.dispatcher.evaluate) == 3
+    assert len(coord.dispatcher.evals) == 3
     # A worker leases a task and stops sending heartbeats: its task goes out again before the deadline.
     coord.heartbeat(HeartbeatRequest(worker_id="gen-9", role="generate", hostname="h", pid=1, state="busy"))
     coord.eval_lease("gen-9", "eval-r1-v0-0")
     clock.advance(coord.heartbeats.alive_s + 1)
     coord.tick()
-    assert [m["task_id"] for m in coord.dispatcher.evaluate[3:]] == ["eval-r1-v0-0"]
+    assert [m["task_id"] for m in coord.dispatcher.evals[3:]] == ["eval-r1-v0-0"]
     timeout = coord.config.async_.generate_task_timeout_s
     for _ in range(coord.config.async_.max_group_attempts):
         clock.advance(timeout + 1)
@@ -202,20 +202,20 @@ def test_lost_tasks_are_sent_again_then_given_up(redis_client: Redis, bucket: Bu
 def test_a_reported_failure_sends_the_task_again_at_once(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
-    # With default timeouts a failing evaluate task costs one tick, not generate_task_timeout_s (600 s).
+    # With default timeouts a failing eval task costs one tick, not generate_task_timeout_s (600 s).
     coord = start_run(make(redis_client, bucket, clock))
-    sent = len(coord.dispatcher.evaluate)
+    sent = len(coord.dispatcher.evals)
     coord.heartbeat(HeartbeatRequest(worker_id="gen-1", role="generate", hostname="h", pid=1, state="busy"))
     coord.eval_lease("gen-1", "eval-r1-v0-0")
     failure = TaskFailureReport(worker_id="gen-2", reason="boom", detail="RuntimeError()")
     assert coord.report_task_failure("eval-r1-v0-0", failure).cancelled is False  # not its holder
     coord.tick()
-    assert len(coord.dispatcher.evaluate) == sent
+    assert len(coord.dispatcher.evals) == sent
     failure = TaskFailureReport(worker_id="gen-1", reason="boom", detail="RuntimeError()")
     assert coord.report_task_failure("eval-r1-v0-0", failure).cancelled is True
     clock.advance(1)
     coord.tick()
-    assert [m["task_id"] for m in coord.dispatcher.evaluate[sent:]] == ["eval-r1-v0-0"]
+    assert [m["task_id"] for m in coord.dispatcher.evals[sent:]] == ["eval-r1-v0-0"]
     assert coord.status().counters["eval_tasks_resent"] == 1
     # Reported failures count attempts like lost tasks: at the limit the version's evaluation is given up.
     sends = 2
@@ -250,7 +250,7 @@ def test_a_result_is_bound_to_the_senders_lease_of_the_task(
 
 def test_restart_and_rebuild_never_evaluate_twice(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
     coord = start_run(make(redis_client, bucket, clock))
-    evaluate_all(coord, 0)
+    eval_all(coord, 0)
     coord.tick()
     submitted: set[str] = set()
     advance_version(coord, submitted)
@@ -259,13 +259,13 @@ def test_restart_and_rebuild_never_evaluate_twice(redis_client: Redis, bucket: B
     # A restarted proxy on the same Redis goes on: nothing is sent again.
     again = make(redis_client, bucket, clock)
     again.tick()
-    assert again.dispatcher.evaluate == [] and again.status().evals_pending == 1
+    assert again.dispatcher.evals == [] and again.status().evals_pending == 1
     # An empty Redis: v0 has its record (passed over), v2 is evaluated again.
     redis_client.flushdb()
     rebuilt = make(redis_client, bucket, clock)
     rebuilt.tick()
-    assert {m["version"] for m in rebuilt.dispatcher.evaluate} == {2}
-    evaluate_all(rebuilt, 2, reward=0.25)
+    assert {m["version"] for m in rebuilt.dispatcher.evals} == {2}
+    eval_all(rebuilt, 2, reward=0.25)
     rebuilt.tick()
     latest = rebuilt.status().eval_latest
     assert latest is not None and latest.version == 2 and latest.metrics["reward"] == pytest.approx(0.25)
@@ -275,7 +275,7 @@ def test_http_routes_and_metrics(redis_client: Redis, bucket: Bucket, clock: Man
     coord = start_run(make(redis_client, bucket, clock))
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with TestClient(create_app(coord, TOKEN, run_loop=False)) as http:
-        for message in coord.dispatcher.evaluate:
+        for message in coord.dispatcher.evals:
             answer = http.post(f"/v1/evals/{message['task_id']}/lease", json={"worker_id": "gen-1"}, headers=auth)
             assert answer.status_code == 200, answer.text
             grant = answer.json()

@@ -1,4 +1,4 @@
--- retry_evals: evaluate tasks past their deadline, or whose holder's heartbeats stopped, or whose holder's
+-- retry_evals: eval tasks past their deadline, or whose holder's heartbeats stopped, or whose holder's
 -- worker id was heard from in a newer incarnation (restarted), are sent again with a new deadline; at
 -- max_attempts their version's evaluation is given up (its chunks forgotten, counted).
 -- KEYS[1] counters  KEYS[2] evals  KEYS[3] evals_inflight  KEYS[4] workers

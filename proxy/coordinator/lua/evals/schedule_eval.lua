@@ -1,4 +1,4 @@
--- schedule_eval: put a due version's evaluate tasks in flight and move the eval cursor past the version.
+-- schedule_eval: put a due version's eval tasks in flight and move the eval cursor past the version.
 -- KEYS[1] state  KEYS[2] counters  KEYS[3] evals  KEYS[4] evals_inflight
 -- ARGV[1] prefix  ARGV[2] deadline_ms  ARGV[3] version  ARGV[4] cursor (the next version to consider)
 -- ARGV[5..] tasks ("<task_id>:<prompt_start>:<prompt_count>"; none: the version is passed over)

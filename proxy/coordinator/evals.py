@@ -1,9 +1,9 @@
-"""Evaluation during training (``[eval]``): which versions are due, their evaluate tasks, leases and records.
+"""Evaluation during training (``[eval]``): which versions are due, their eval tasks, leases and records.
 
 With ``eval.every_versions = K`` the versions 0, K, 2K, ... and the run's final version are each evaluated once
 on the held-out prompts. ``tick()`` (called by the housekeeping round, only while a generate worker is alive):
 
-- re-sends evaluate tasks past their deadline (``async.generate_task_timeout_s``) or whose holder's heartbeats
+- re-sends eval tasks past their deadline (``async.generate_task_timeout_s``) or whose holder's heartbeats
   stopped; after ``async.max_group_attempts`` sends the version's evaluation is given up (logged, counted);
 - merges the chunk summaries of each version whose chunks are all in, writes ``runs/<run>/evals/vNNNNNNNN.json``
   and keeps it as the newest summary (``/v1/status``, ``/metrics``);
@@ -38,7 +38,7 @@ from asyncgrpo.protocol.evals import (
     EvalLeaseGrant,
     EvalResultAnswer,
     EvalResultRequest,
-    EvaluateTaskMessage,
+    EvalTaskMessage,
     merge_chunks,
 )
 from asyncgrpo.protocol.records import EvalRecord
@@ -65,7 +65,7 @@ def due_versions(config: RunConfig, first: int, last: int) -> list[int]:
 
 
 def eval_task_id(run: str, version: int, chunk: int) -> str:
-    """The id of an evaluate task: the same on every re-send, so a late copy is recognised (and refused)."""
+    """The id of an eval task: the same on every re-send, so a late copy is recognised (and refused)."""
     return f"eval-{run}-v{version}-{chunk}"
 
 
@@ -74,8 +74,8 @@ def prompt_chunks(num_prompts: int, per_task: int) -> list[tuple[int, int]]:
     return [(start, min(per_task, num_prompts - start)) for start in range(0, num_prompts, per_task)]
 
 
-class Evaluations:
-    """The evaluations of one run; inert (no Redis read) when ``[eval]`` is off."""
+class Evals:
+    """The evals of one run; inert (no Redis read) when ``[eval]`` is off."""
 
     def __init__(self, store: RedisStore, config: RunConfig, bucket: Bucket, num_eval_prompts: int) -> None:
         self.store = store
@@ -123,7 +123,7 @@ class Evaluations:
         deadline = self.store.clock_ms() + self._timeout_ms
         chunks = prompt_chunks(self.num_eval_prompts, self.config.eval.max_prompts_per_task)
         messages = [
-            EvaluateTaskMessage(
+            EvalTaskMessage(
                 run=run,
                 task_id=eval_task_id(run, version, index),
                 version=version,
@@ -140,11 +140,11 @@ class Evaluations:
         log.info("proxy.eval_scheduled", version=version, tasks=len(messages))
         return self._send(dispatcher, messages)
 
-    def _send(self, dispatcher: Dispatcher, messages: list[EvaluateTaskMessage]) -> list[str]:
+    def _send(self, dispatcher: Dispatcher, messages: list[EvalTaskMessage]) -> list[str]:
         sent = []
         for message in messages:
             try:
-                dispatcher.send_evaluate(message)
+                dispatcher.send_eval(message)
             except DispatchError as error:
                 # Still in flight in Redis: sent again at its deadline.
                 log.warning("proxy.eval_send_failed", task_id=message.task_id, error=str(error))
@@ -165,11 +165,9 @@ class Evaluations:
             max_attempts=self.config.async_.max_group_attempts,
         )
         for version in reply["failed_json"]:
-            log.warning(
-                "proxy.eval_given_up", version=int(version), attempts=self.config.async_.max_group_attempts
-            )
+            log.warning("proxy.eval_given_up", version=int(version), attempts=self.config.async_.max_group_attempts)
         messages = [
-            EvaluateTaskMessage(
+            EvalTaskMessage(
                 run=store.run,
                 task_id=item["task_id"],
                 version=int(item["version"]),
@@ -283,7 +281,7 @@ class Evaluations:
         return int(self.store.redis.hget(self.store.keys.evals, "cursor") or 0)
 
     def protected_versions(self) -> set[int]:
-        """Versions GC must keep: pending evaluations, and due versions the cursor has not reached."""
+        """Versions GC must keep: pending evals, and due versions the cursor has not reached."""
         if not self.enabled:
             return set()
         waiting = due_versions(self.config, self._cursor(), self.store.current_version())

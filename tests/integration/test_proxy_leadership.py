@@ -1,6 +1,6 @@
 """Fencing between proxies and the proxy's start-up checks, on a real private Redis and a file:// bucket.
 
-The lease and its epoch (``proxy.coordinator.snapshot``), snapshot writes conditional on it, the snapshot's
+The leadership and its epoch (``proxy.coordinator.snapshot``), snapshot writes conditional on it, the snapshot's
 checksum, a rebuild that adopts newer versions (and refuses a foreign batch), an idempotent restore, Redis
 ``TIME`` as the default clock, and the start-up checks (``proxy.api.app``).
 """
@@ -31,9 +31,9 @@ from proxy.api.app import (
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import (
     LEADERSHIP_CHECK_S,
-    FenceLost,
+    Leadership,
     LeadershipHeld,
-    ProxyFence,
+    LeadershipLost,
     SnapshotCorrupt,
     load_snapshot,
     load_stored_state,
@@ -55,52 +55,54 @@ def bucket(tmp_path: Path) -> Bucket:
     return file_bucket(tmp_path)
 
 
-def fenced(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinator:
-    fence = ProxyFence(redis_client, "r1")
-    take_leadership(fence, bucket, standby=False)
+def leading(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinator:
+    leadership = Leadership(redis_client, "r1")
+    take_leadership(leadership, bucket, standby=False)
     return Coordinator(
-        redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher(), clock_ms=clock, fence=fence
+        redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher(), clock_ms=clock, leadership=leadership
     )
 
 
 def test_second_fence_is_refused_naming_the_holder(redis_client: Redis, bucket: Bucket) -> None:
-    first = ProxyFence(redis_client, "r1")
+    first = Leadership(redis_client, "r1")
     assert take_leadership(first, bucket, standby=False) == 1
     with pytest.raises(ProxyStartupError, match=r"already coordinated by another proxy: host .* pid \d+ \(epoch 1"):
-        take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False)
+        take_leadership(Leadership(redis_client, "r1"), bucket, standby=False)
     assert first.confirm() == 1, "renewing keeps the epoch"
-    assert 0 < redis_client.pttl(first.keys.proxy_lease) <= 6000
+    assert 0 < redis_client.pttl(first.keys.proxy_leadership) <= 6000
 
 
-def test_standby_waits_for_the_lease_then_takes_a_higher_epoch(redis_client: Redis, bucket: Bucket) -> None:
-    first = ProxyFence(redis_client, "r1")
+def test_standby_waits_for_the_leadership_then_takes_a_higher_epoch(redis_client: Redis, bucket: Bucket) -> None:
+    first = Leadership(redis_client, "r1")
     take_leadership(first, bucket, standby=False)
     waits: list[float] = []
 
     def sleep(seconds: float) -> None:
         waits.append(seconds)
         if len(waits) == 3:
-            redis_client.delete(first.keys.proxy_lease)  # the live proxy died; its lease lapsed
+            redis_client.delete(first.keys.proxy_leadership)  # the live proxy died; its leadership lapsed
 
-    second = ProxyFence(redis_client, "r1")
+    second = Leadership(redis_client, "r1")
     assert take_leadership(second, bucket, standby=True, sleep=sleep) == 2
     assert waits == [2.0, 2.0, 2.0], "a stand-by polls every third of the TTL"
-    with pytest.raises(FenceLost, match=r"lost the lease of run 'r1'"):
+    with pytest.raises(LeadershipLost, match=r"lost the leadership of run 'r1'"):
         first.confirm()
 
 
-def test_snapshot_write_refused_after_losing_the_lease(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> None:
-    coord = fenced(redis_client, bucket, clock)
+def test_snapshot_write_refused_after_losing_the_leadership(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    coord = leading(redis_client, bucket, clock)
     coord.tick()
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 1
     before = bucket.get(SNAPSHOT)
-    redis_client.delete(coord.keys.proxy_lease)
-    ProxyFence(redis_client, "r1").acquire()  # another proxy took over
+    redis_client.delete(coord.keys.proxy_leadership)
+    Leadership(redis_client, "r1").acquire()  # another proxy took over
     coord.store.mark_changed()
-    with pytest.raises(FenceLost):
+    with pytest.raises(LeadershipLost):
         coord.snapshots.write(force=True)
     assert bucket.get(SNAPSHOT) == before, "the old proxy's write never reached the bucket"
-    assert coord.fence is not None and coord.fence.lost is not None
+    assert coord.leadership is not None and coord.leadership.lost is not None
 
 
 def test_a_deposed_proxy_refuses_changes_but_answers_reads_and_unknown_methods(
@@ -108,17 +110,17 @@ def test_a_deposed_proxy_refuses_changes_but_answers_reads_and_unknown_methods(
 ) -> None:
     """Once a stand-by holds the run, the old proxy answers every change 503 (the client retries, reaching the
     new one), reads as before, and a method no route takes 405 like any proxy (it answered 503 before)."""
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     coord.tick()
-    redis_client.delete(coord.keys.proxy_lease)
-    ProxyFence(redis_client, "r1").acquire()  # a stand-by took over
-    with pytest.raises(FenceLost):
-        coord.fence.confirm()  # type: ignore[union-attr]
+    redis_client.delete(coord.keys.proxy_leadership)
+    Leadership(redis_client, "r1").acquire()  # a stand-by took over
+    with pytest.raises(LeadershipLost):
+        coord.leadership.confirm()  # type: ignore[union-attr]
     auth = {"Authorization": f"Bearer {API_TOKEN}"}
-    with TestClient(create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_lease=lambda: None)) as http:
+    with TestClient(create_app(coord, API_TOKEN, run_loop=False, stop_on_lost_leadership=lambda: None)) as http:
         lease = http.post("/v1/leases", json={"worker_id": "gen-1", "task_id": "t-1"}, headers=auth)
         assert lease.status_code == 503 and lease.json()["error"] == "unavailable"
-        assert "lost the run's lease" in lease.json()["detail"]
+        assert "lost the run's leadership" in lease.json()["detail"]
         assert http.get("/v1/status", headers=auth).status_code == 200
         assert http.request("TRACE", "/v1/status", headers=auth).status_code == 405
 
@@ -128,11 +130,11 @@ def test_snapshot_of_a_higher_epoch_is_never_overwritten(
 ) -> None:
     """Two proxies on two Redis (a wrong ASYNCGRPO_REDIS_URL): the other's write moves the snapshot's ETag, so
     the older proxy's next compaction is refused, reads the snapshot back and finds the higher epoch."""
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     coord.tick()
     coord.snapshots.policy = CompactionPolicy(max_segments=0)  # every put a compaction
     replace_with_epoch(bucket, 7)
-    with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
+    with pytest.raises(LeadershipLost, match="epoch 7, above this proxy's 1"):
         coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
 
@@ -149,7 +151,7 @@ def test_a_proxy_putting_segments_stops_within_the_check_after_a_higher_epoch_wr
     """The same with the default policy, where most puts are log segments (new keys, which no other writer
     moves): a rebuild passes over segments of an older epoch than the snapshot's, so the writer reads the
     snapshot's ETag back every LEADERSHIP_CHECK_S and stops once a higher epoch wrote it."""
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     now = [0.0]
     coord.snapshots.monotonic = lambda: now[0]
     coord.tick()
@@ -158,7 +160,7 @@ def test_a_proxy_putting_segments_stops_within_the_check_after_a_higher_epoch_wr
     now[0] += LEADERSHIP_CHECK_S - 0.1
     coord.snapshots.write(force=True)  # within the interval: one more segment, which a rebuild passes over
     now[0] += 0.1
-    with pytest.raises(FenceLost, match="epoch 7, above this proxy's 1"):
+    with pytest.raises(LeadershipLost, match="epoch 7, above this proxy's 1"):
         coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 7
     assert load_stored_state(bucket, "r1").segments == 0, "the older epoch's segments are passed over"
@@ -166,30 +168,30 @@ def test_a_proxy_putting_segments_stops_within_the_check_after_a_higher_epoch_wr
 
 @pytest.mark.parametrize("store", ["file", "seaweedfs"])
 @pytest.mark.parametrize("put", ["segment", "compaction"])
-def test_a_proxy_paused_past_its_lease_never_writes_once_its_successor_has(
+def test_a_proxy_paused_past_its_leadership_never_writes_once_its_successor_has(
     redis_client: Redis, tmp_path: Path, clock: ManualClock, store: str, put: str, request: pytest.FixtureRequest
 ) -> None:
-    """The gap the lease alone leaves: a proxy confirms its lease, pauses (GC, a stopped VM) past the lease's
-    TTL, and puts. The log's notes are taken only at the epoch that holds the lease (atomically in Redis), and a
+    """The gap the leadership alone leaves: a proxy confirms its leadership, pauses (GC, a stopped VM) past its
+    TTL, and puts. The log's notes are taken only at the epoch that holds the leadership (atomically in Redis), and a
     compaction's put is conditional on the snapshot it last wrote, which its successor has replaced."""
     if store == "file":
         bucket = file_bucket(tmp_path)
     else:
-        bucket = request.getfixturevalue("seaweedfs_endpoint").open(f"fence-{uuid.uuid4().hex[:8]}")
-    old = fenced(redis_client, bucket, clock)
+        bucket = request.getfixturevalue("seaweedfs_endpoint").open(f"leadership-{uuid.uuid4().hex[:8]}")
+    old = leading(redis_client, bucket, clock)
     old.tick()
-    assert old.fence is not None
+    assert old.leadership is not None
     if put == "compaction":
         old.snapshots.policy = CompactionPolicy(max_segments=0)
-    redis_client.delete(old.keys.proxy_lease)  # the lease lapsed during the pause
-    new = fenced(redis_client, bucket, clock)
-    assert new.fence is not None and new.fence.epoch == 2
+    redis_client.delete(old.keys.proxy_leadership)  # the leadership lapsed during the pause
+    new = leading(redis_client, bucket, clock)
+    assert new.leadership is not None and new.leadership.epoch == 2
     new.snapshots.write(force=True)
     theirs = bucket.get(SNAPSHOT)
     assert snapshot_epoch(theirs) == 2
     log_before = bucket.list(bucket_keys.proxy_log_prefix("r1"))
-    old.fence.confirm = lambda: 1  # type: ignore[method-assign]  # it confirmed before the pause
-    with pytest.raises(FenceLost, match=r"lost the lease of run 'r1'.*epoch 2"):
+    old.leadership.confirm = lambda: 1  # type: ignore[method-assign]  # it confirmed before the pause
+    with pytest.raises(LeadershipLost, match=r"lost the leadership of run 'r1'.*epoch 2"):
         old.snapshots.write(force=True)
     assert bucket.get(SNAPSHOT) == theirs, "the paused proxy's put never reached the bucket"
     assert bucket.list(bucket_keys.proxy_log_prefix("r1")) == log_before, "nor did a segment"
@@ -202,7 +204,7 @@ def test_a_segment_put_late_by_a_deposed_proxy_is_never_read(
     """A proxy took its segment's notes while it led, then paused before the put: its successor's first put is a
     compaction, which covers those changes (both read one Redis) and a number above the late segment's, so a
     rebuild never reads it; the next compaction deletes it."""
-    old = fenced(redis_client, bucket, clock)
+    old = leading(redis_client, bucket, clock)
     old.tick()
     old.store.mark_changed()
     held: list[tuple[str, bytes]] = []
@@ -216,8 +218,8 @@ def test_a_segment_put_late_by_a_deposed_proxy_is_never_read(
     dispatched = old.tick().tasks_sent
     assert held and bucket_keys.seq_from_log_key(held[0][0]), "the old proxy was putting a segment"
     bucket.put_if_match = plain_put  # type: ignore[method-assign]
-    redis_client.delete(old.keys.proxy_lease)
-    new = fenced(redis_client, bucket, clock)
+    redis_client.delete(old.keys.proxy_leadership)
+    new = leading(redis_client, bucket, clock)
     new.snapshots.write(force=True)
     through = json.loads(bucket.get(SNAPSHOT))["log_through"]
     bucket.put_if_match(held[0][0], held[0][1], None)  # the late put lands
@@ -235,7 +237,7 @@ def test_a_late_put_of_a_lower_epoch_is_written_over(redis_client: Redis, bucket
     """A put that lands between the successor's read of the snapshot and its first put (or one whose answer was
     lost) leaves an ETag the writer did not expect: it reads the snapshot back, finds no higher epoch, and
     puts its own state (a superset: both read one Redis) over it."""
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     coord.snapshots.policy = CompactionPolicy(max_segments=0)
     coord.tick()
     stale = bucket.get(SNAPSHOT)
@@ -251,7 +253,7 @@ def test_puts_are_conditional_not_read_back(
 ) -> None:
     """Group commits put once per batch of admissions: the writer reads the snapshot once, then each compaction is
     conditional on the ETag of its own last one and each segment is create-only (no GET per put)."""
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     coord.snapshots.policy = (
         CompactionPolicy(max_segments=0) if compact_every_put else CompactionPolicy(log_to_snapshot=float("inf"))
     )
@@ -268,25 +270,25 @@ def test_puts_are_conditional_not_read_back(
 def test_flushall_reacquires_with_a_higher_epoch_and_goes_on(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     coord.tick()
-    redis_client.flushall()  # the lease, the epoch counter and the state are gone
+    redis_client.flushall()  # the leadership, the epoch counter and the state are gone
     assert coord.tick().rebuilt is not None
-    assert coord.fence is not None and coord.fence.epoch == 2 and coord.fence.lost is None
+    assert coord.leadership is not None and coord.leadership.epoch == 2 and coord.leadership.lost is None
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 2
 
 
 def test_epoch_never_below_the_snapshot_after_redis_is_emptied(
     redis_client: Redis, bucket: Bucket, clock: ManualClock
 ) -> None:
-    coord = fenced(redis_client, bucket, clock)
+    coord = leading(redis_client, bucket, clock)
     for _ in range(3):  # epochs 1..3 come and go
-        redis_client.delete(coord.keys.proxy_lease)
+        redis_client.delete(coord.keys.proxy_leadership)
         coord.tick()
         coord.snapshots.write(force=True)
     assert snapshot_epoch(bucket.get(SNAPSHOT)) == 4
     redis_client.flushall()
-    assert take_leadership(ProxyFence(redis_client, "r1"), bucket, standby=False) == 5
+    assert take_leadership(Leadership(redis_client, "r1"), bucket, standby=False) == 5
 
 
 def test_snapshot_checksum_mismatch_is_an_error_naming_the_key(
@@ -439,7 +441,7 @@ def test_bucket_ignoring_conditional_writes_is_refused(bucket: Bucket, careless:
         bucket.put("x", b"1", if_absent=True) or bucket.put("x", b"1", if_absent=True)
 
 
-def test_lease_held_error_names_what_to_do(redis_client: Redis) -> None:
-    ProxyFence(redis_client, "r1").acquire()
+def test_leadership_held_error_names_what_to_do(redis_client: Redis) -> None:
+    Leadership(redis_client, "r1").acquire()
     with pytest.raises(LeadershipHeld, match="--standby or ASYNCGRPO_PROXY_STANDBY=1"):
-        ProxyFence(redis_client, "r1").acquire()
+        Leadership(redis_client, "r1").acquire()
