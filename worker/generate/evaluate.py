@@ -124,7 +124,7 @@ def run_evaluate_task(
                 [record["prompt"] for record in usable],
                 adapter=adapter,
                 samples_per_prompt=cfg.samples_per_prompt,
-                max_new_tokens=cfg.max_completion_length or config.sampling.max_completion_length,
+                max_completion_length=cfg.max_completion_length or config.sampling.max_completion_length,
                 temperature=cfg.temperature,
                 top_p=1.0,
                 seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),

@@ -234,7 +234,7 @@ def run_generate_task(
                     fed.of(accepted),
                     adapter=adapter,
                     samples_per_prompt=config.sampling.samples_per_prompt,
-                    max_new_tokens=config.sampling.max_completion_length,
+                    max_completion_length=config.sampling.max_completion_length,
                     temperature=config.sampling.temperature,
                     top_p=config.sampling.top_p,
                     seed=_task_seed(config.seed, task_id),
