@@ -184,6 +184,36 @@ def check_continuations(
         raise ValueError("a sequence to continue has no tokens")
 
 
+def sampled_prompt_ids(backend: GenerationBackend, prompts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The prompts' token ids as every backend's ``generate`` feeds them; an empty one is refused (nothing to
+    condition on: the job drops such prompts before they get here)."""
+    prompt_ids = backend.tokenize(prompts, add_special_tokens=add_special_tokens)
+    for index, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")
+    return prompt_ids
+
+
+def generation_result(
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+    completions: Iterable[list[Completion]],
+    adapter: str | None,
+    generate_s: float,
+) -> GenerationResult:
+    """Every backend's ``generate`` result: each prompt's completions (in prompt order), and the token counts."""
+    results = [
+        PromptResult(prompt=prompt, prompt_token_ids=ids, completions=sampled)
+        for prompt, ids, sampled in zip(prompts, prompt_ids, completions, strict=True)
+    ]
+    timings = GenerationTimings(
+        generate_s=generate_s,
+        prompt_tokens=sum(len(ids) for ids in prompt_ids),
+        completion_tokens=sum(len(c.token_ids) for r in results for c in r.completions),
+    )
+    return GenerationResult(results=results, adapter=adapter, timings=timings)
+
+
 class UnknownAdapter(KeyError):
     """``generate`` named an adapter that was never loaded (or was dropped)."""
 

@@ -27,11 +27,11 @@ from worker.generate.backend import (
     Completion,
     FinishReason,
     GenerationResult,
-    GenerationTimings,
-    PromptResult,
     UnknownAdapter,
     check_continuations,
     check_sampling_arguments,
+    generation_result,
+    sampled_prompt_ids,
 )
 from worker.model.policy import Policy
 
@@ -216,10 +216,7 @@ class TransformersBackend:
         add_special_tokens: bool = True,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
-        prompt_ids = self.tokenize(prompts, add_special_tokens=add_special_tokens)
-        for index, ids in enumerate(prompt_ids):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")
+        prompt_ids = sampled_prompt_ids(self, prompts, add_special_tokens)
         started = time.perf_counter()
         model = self._select(adapter)
         rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]
@@ -235,18 +232,10 @@ class TransformersBackend:
             device=self.policy.device,
         )
         elapsed = time.perf_counter() - started
-        results: list[PromptResult] = []
-        for p_index, prompt in enumerate(prompts):
-            completions = []
-            for row in range(p_index * samples_per_prompt, (p_index + 1) * samples_per_prompt):
-                completions.append(self._completion(tokens[row], logprobs[row]))
-            results.append(PromptResult(prompt=prompt, prompt_token_ids=prompt_ids[p_index], completions=completions))
-        timings = GenerationTimings(
-            generate_s=elapsed,
-            prompt_tokens=sum(len(ids) for ids in prompt_ids),
-            completion_tokens=sum(len(ids) for ids in tokens),
-        )
-        return GenerationResult(results=results, adapter=adapter, timings=timings)
+        completions = [self._completion(ids, row_logprobs) for ids, row_logprobs in zip(tokens, logprobs, strict=True)]
+        # Row r is sample r % samples_per_prompt of prompt r // samples_per_prompt.
+        per_prompt = (completions[row : row + samples_per_prompt] for row in range(0, len(rows), samples_per_prompt))
+        return generation_result(prompts, prompt_ids, per_prompt, adapter, elapsed)
 
     @torch.no_grad()
     def generate_from_ids(

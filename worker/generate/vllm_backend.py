@@ -51,11 +51,11 @@ from worker.generate.backend import (
     Completion,
     FinishReason,
     GenerationResult,
-    GenerationTimings,
-    PromptResult,
     UnknownAdapter,
     check_continuations,
     check_sampling_arguments,
+    generation_result,
+    sampled_prompt_ids,
 )
 from worker.model.tokenizer import load_tokenizer
 
@@ -325,10 +325,8 @@ class VLLMBackend:
         if adapter is not None:
             loaded = self._adapter(adapter)
             lora_request = LoRARequest(adapter, loaded.lora_id, loaded.path)
-        prompt_ids = self.tokenize(prompts, add_special_tokens=add_special_tokens)
+        prompt_ids = sampled_prompt_ids(self, prompts, add_special_tokens)
         for index, ids in enumerate(prompt_ids):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")
             if len(ids) + max_completion_length > self.max_model_len:
                 raise ValueError(
                     f"prompt {index} has {len(ids)} tokens; with max_completion_length={max_completion_length} it "
@@ -356,16 +354,8 @@ class VLLMBackend:
             use_tqdm=False,
         )
         elapsed = time.perf_counter() - started
-        results = [
-            PromptResult(prompt=prompt, prompt_token_ids=ids, completions=[_completion(c) for c in output.outputs])
-            for prompt, ids, output in zip(prompts, prompt_ids, outputs, strict=True)
-        ]
-        timings = GenerationTimings(
-            generate_s=elapsed,
-            prompt_tokens=sum(len(ids) for ids in prompt_ids),
-            completion_tokens=sum(len(c.token_ids) for r in results for c in r.completions),
-        )
-        return GenerationResult(results=results, adapter=adapter, timings=timings)
+        completions = ([_completion(c) for c in output.outputs] for output in outputs)
+        return generation_result(prompts, prompt_ids, completions, adapter, elapsed)
 
     def generate_from_ids(
         self,
