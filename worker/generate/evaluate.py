@@ -27,9 +27,10 @@ from asyncgrpo.protocol.errors import Cancelled, NotHolder
 from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
 from asyncgrpo.run.config import RunConfig
 from worker.algo.rewards import RewardFailed, ScoredReward, score_completions
+from worker.corrupt_report import report_corrupt
 from worker.generate.agent import AgentCompletion, AgentRun, as_generation_result, converse, environment_rewards
 from worker.generate.backend import GenerationBackend, GenerationResult, chat_messages, fed_prompts
-from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly, report_corrupt_object
+from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly
 from worker.model.reward_models import RewardModels
 
 log = structlog.get_logger()
@@ -86,7 +87,7 @@ def run_evaluate_task(
         try:
             adapter_dir = adapter_cache.get(grant.version, grant.manifest_sha256)
         except IntegrityError as error:
-            report_corrupt_object(client, grant.version, worker_id, error)
+            report_corrupt(client, grant.version, worker_id, error, role="generate")
             raise
         adapter = bucket_keys.adapter_name(grant.version)
         backend.load_adapter(adapter, grant.version, adapter_dir)

@@ -37,6 +37,7 @@ from asyncgrpo.run.config import RunConfig
 from worker.algo.advantages import task_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
+from worker.corrupt_report import report_corrupt
 from worker.generate.agent import (
     AgentCompletion,
     AgentRun,
@@ -203,7 +204,7 @@ def run_generate_task(
         try:
             adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
         except IntegrityError as error:
-            report_corrupt_object(client, lease.version, worker_id, error)  # before the task fails
+            report_corrupt(client, lease.version, worker_id, error, role="generate")  # before the task fails
             raise
         adapter = bucket_keys.adapter_name(lease.version)
         backend.load_adapter(adapter, lease.version, adapter_dir)
@@ -505,19 +506,6 @@ def release_quietly(client: ProxyClient, lease_id: str) -> None:
         client.release(lease_id)
     except ProxyError as error:  # the lease's TTL is the backstop
         log.info("generate.lease_release_failed", lease_id=lease_id, error=str(error))
-
-
-# ---- corrupted objects of a published version ----
-
-
-def report_corrupt_object(client: ProxyClient, version: int, worker_id: str, error: IntegrityError) -> None:
-    """Tell the proxy that an object of published ``version`` failed its check: it repairs it from the
-    holder's memory or halts the run. A failed report is only logged: the task fails either way."""
-    try:
-        answer = client.report_corrupt(version, worker_id, error.key)
-        log.warning("generate.corrupt_reported", version=version, key=error.key, action=answer.action)
-    except ProxyError as report_error:
-        log.warning("generate.corrupt_report_failed", version=version, key=error.key, error=str(report_error))
 
 
 # ---- the adapter cache: verified versions, at most max_staleness + 2 ----
