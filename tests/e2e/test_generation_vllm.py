@@ -321,8 +321,8 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
     from asyncgrpo.bucket.backends import FileBucket
     from asyncgrpo.bucket.layout import write_version
+    from worker.generate.adapter_cache import AdapterCache
     from worker.generate.backend import UnknownAdapter
-    from worker.generate.job import AdapterCache
 
     backend = vllm_setup.backend
     run = "vllm-cache"
