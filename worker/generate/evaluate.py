@@ -61,7 +61,7 @@ class EvaluateResult:
 
 
 class EvaluateTask:
-    """One evaluate task: ``run()`` leases the version the proxy names for the task and walks the phases top to
+    """One evaluate task: ``run()`` (once) leases the version the proxy names for the task and walks the phases top to
     bottom, on the task's slice of the run's held-out prompts (``TaskContext.eval_prompts``). The context's reward
     models score when the eval rewards include one; with [agent], the eval prompts are conversations too."""
 

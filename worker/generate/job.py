@@ -82,7 +82,7 @@ class WrittenRollout:
 
 
 class GenerateTask:
-    """One generate task: ``run()`` walks its phases top to bottom.
+    """One generate task: ``run()`` (once) walks its phases top to bottom.
 
     The task's context (``TaskContext``: the run, config, prompts, bucket, client, backend, adapter cache, reward
     models, agent) is held once; the groups the rollout keeps narrow phase by phase (``kept``), the others go to
