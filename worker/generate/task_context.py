@@ -1,9 +1,10 @@
 """What a generate or evaluate task works with (``TaskContext``), and the set-up both make: keep the task's
 lease alive (``LeaseRenewer``) and get the leased version's adapter into the backend.
 
-The context is the worker's parts for one run, built once by the Celery task (``worker.process.tasks``) from the
-worker's runtime: the run's config and prompts, the bucket, the proxy client, the backend, the adapter cache,
-the reward models and [agent]'s tools. A task holds it and reads it; it never changes it.
+The context is the worker's parts for one run, which the worker's runtime builds once per run and the Celery
+entry (``worker.process.tasks``) hands each task: the run's config and prompts, the bucket, the proxy client, the
+backend, the adapter cache, the reward models and [agent]'s tools. A task holds it and reads it; it never changes
+it.
 """
 
 from __future__ import annotations
