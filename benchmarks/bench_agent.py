@@ -126,7 +126,7 @@ def main() -> None:
                 [fed.texts[index] for index in range(len(records))],
                 adapter=None,
                 samples_per_prompt=args.group,
-                max_new_tokens=args.tokens,
+                max_completion_length=args.tokens,
                 seed=repeat,
                 add_special_tokens=False,
                 **options,

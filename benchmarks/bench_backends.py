@@ -67,7 +67,7 @@ def throughput(backend: Any, adapter: str, prompts: int, samples: int, new_token
             prompts_for(prompts),
             adapter=adapter,
             samples_per_prompt=samples,
-            max_new_tokens=new_tokens,
+            max_completion_length=new_tokens,
             temperature=TEMPERATURE,
             top_p=1.0,
             seed=repeat,
@@ -88,7 +88,7 @@ def adapter_switch(backend: Any, folders: list[Path], first: int) -> dict[str, f
         for calls in (first_calls, steady_calls):
             started = time.perf_counter()
             backend.generate(
-                ["3="], adapter=name, samples_per_prompt=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=0
+                ["3="], adapter=name, samples_per_prompt=2, max_completion_length=4, temperature=1.0, top_p=1.0, seed=0
             )
             calls.append(time.perf_counter() - started)
         backend.drop_adapter(name)
@@ -119,7 +119,7 @@ def bench_backend(name: str, backend: Any, folders: list[Path], repeats: int) ->
 def vllm_ratio(backend: Any, trainer: Trainer, files: list[dict[str, bytes]], folders: list[Path]) -> float:
     backend.load_adapter("v1", 1, folders[1])
     result = backend.generate(
-        prompts_for(16), adapter="v1", samples_per_prompt=8, max_new_tokens=16, temperature=TEMPERATURE, seed=7
+        prompts_for(16), adapter="v1", samples_per_prompt=8, max_completion_length=16, temperature=TEMPERATURE, seed=7
     )
     backend.drop_adapter("v1")
     samples = [

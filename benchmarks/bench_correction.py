@@ -70,7 +70,7 @@ def measure(base: Path, dtype: str, device: str, args: argparse.Namespace) -> di
     rows = [prompt for prompt in prompts for _ in range(args.group)]
     with torch.no_grad():
         tokens, sampled = sample_completions(
-            trainer.model, rows, max_new_tokens=args.tokens, temperature=1.0, top_p=1.0, seed=1,
+            trainer.model, rows, max_completion_length=args.tokens, temperature=1.0, top_p=1.0, seed=1,
             eos_token_id=-1, pad_token_id=policy.pad_token_id, device=policy.device,
         )
     advantages = [float((i % args.group) - (args.group - 1) / 2) for i in range(len(rows))]

@@ -180,7 +180,7 @@ def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]
         with torch.no_grad():
             trainer.model.eval()
             tokens, logprobs = sample_completions(
-                trainer.model, rows, max_new_tokens=config.sampling.max_completion_length,
+                trainer.model, rows, max_completion_length=config.sampling.max_completion_length,
                 temperature=config.sampling.temperature, top_p=config.sampling.top_p, seed=step + 1,
                 eos_token_id=trainer.policy.eos_token_id, pad_token_id=trainer.policy.pad_token_id,
                 device=trainer.policy.device,

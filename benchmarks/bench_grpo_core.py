@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_grpo_core.py                       # tiny: 8 prompts x 8 samples x 8 tokens
     python3 benchmarks/bench_grpo_core.py --workload compute    # same model, 128-256 completion tokens
-    python3 benchmarks/bench_grpo_core.py --prompts 8 --group 8 --max-new-tokens 32 --reps 9 --threads 2
+    python3 benchmarks/bench_grpo_core.py --prompts 8 --group 8 --max-completion-length 32 --reps 9 --threads 2
     python3 benchmarks/bench_grpo_core.py --layout padded       # trainer and floor in padded micro-batches
 
 The tiny model is built into a temporary cache (no download). One training batch is sampled once through
@@ -133,7 +133,7 @@ def _make_batch(backend: TransformersBackend, args: argparse.Namespace, long: bo
     eos = -1 if long else backend.eos_token_id  # -1: never stop early, so completions are long
     with torch.no_grad():
         tokens, logprobs = sample_completions(
-            backend._select("v0"), rows, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
+            backend._select("v0"), rows, max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0,
             seed=1, eos_token_id=eos, pad_token_id=backend.policy.pad_token_id, device=backend.policy.device,
         )
     cut = random.Random(0)
@@ -144,7 +144,8 @@ def _make_batch(backend: TransformersBackend, args: argparse.Namespace, long: bo
         advantages = group_advantages([repeat_digit(prompt, text, None) + 0.01 * i for i, text in enumerate(texts)],
                                       args.group).tolist()
         for row, advantage in zip(group, advantages, strict=True):
-            length = cut.randint(min(128, args.max_new_tokens), args.max_new_tokens) if long else len(tokens[row])
+            longest = args.max_completion_length
+            length = cut.randint(min(128, longest), longest) if long else len(tokens[row])
             samples.append(TrainSample(rows[row], tokens[row][:length], logprobs[row][:length], advantage))
     return samples
 
@@ -172,7 +173,10 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--group", type=int, default=None, help="samples per prompt (G)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    # --max-new-tokens: its name before the config's word, kept for old command lines.
+    parser.add_argument(
+        "--max-completion-length", "--max-new-tokens", dest="max_completion_length", type=int, default=None
+    )
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--layout", choices=("padding-free", "padded"), default="padding-free",
@@ -181,7 +185,7 @@ def main() -> None:
     defaults = WORKLOADS[args.workload]
     args.prompts = args.prompts or defaults[0]
     args.group = args.group or defaults[1]
-    args.max_new_tokens = args.max_new_tokens or defaults[2]
+    args.max_completion_length = args.max_completion_length or defaults[2]
     long = args.workload == "compute"
     torch.set_num_threads(args.threads)
 
@@ -189,7 +193,7 @@ def main() -> None:
         base = str(ensure_tiny_model(cache_dir=Path(tmp)))
         config = RunConfig.model_validate(
             {
-                "sampling": {"samples_per_prompt": args.group, "max_completion_length": args.max_new_tokens},
+                "sampling": {"samples_per_prompt": args.group, "max_completion_length": args.max_completion_length},
                 "optimizer": {"padding_free": args.layout == "padding-free"},
             }
         )
@@ -209,7 +213,7 @@ def main() -> None:
         def ours_sampling() -> None:
             with torch.no_grad():
                 sample_completions(
-                    peft, rows, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, seed=2,
+                    peft, rows, max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0, seed=2,
                     eos_token_id=-1 if long else backend.eos_token_id,
                     pad_token_id=backend.policy.pad_token_id, device=backend.policy.device,
                 )
@@ -219,7 +223,9 @@ def main() -> None:
             "bare_step": lambda: _bare_step(trainer, bare_optimizer, batches, tokens),
             "rescore_all": lambda: trainer.rescore(samples),
             "our_sampling": ours_sampling,
-            "hf_generate": lambda: _hf_generate(peft, rows, backend.policy.pad_token_id, eos, args.max_new_tokens),
+            "hf_generate": lambda: _hf_generate(
+                peft, rows, backend.policy.pad_token_id, eos, args.max_completion_length
+            ),
             "version_files": lambda: trainer.version_files(1),
         }
         steady = _steady_rescore(trainer, config, samples, args.group, Path(tmp))
@@ -258,7 +264,7 @@ def main() -> None:
     print(
         f"{args.workload}: tiny model, {args.prompts} prompts x G={args.group} = {len(samples)} sequences, "
         f"{tokens} completion tokens in the training batch ({len(batches)} micro-batches), up to "
-        f"{args.max_new_tokens} sampled, {layout}, {args.threads} thread(s), {args.reps} interleaved reps"
+        f"{args.max_completion_length} sampled, {layout}, {args.threads} thread(s), {args.reps} interleaved reps"
     )
     print(f"{'operation':<20}{'median s':>12}{'min s':>12}")
     for name, values in times.items():
@@ -266,7 +272,8 @@ def main() -> None:
     for name, value in ratios.items():
         print(f"{name:<20}{value:>12.3f}")
     print(json.dumps({
-        "workload": args.workload, "sequences": len(samples), "tokens": tokens, "max_new_tokens": args.max_new_tokens,
+        "workload": args.workload, "sequences": len(samples), "tokens": tokens,
+        "max_completion_length": args.max_completion_length,
         "layout": layout, "micro_batches": len(batches), "threads": args.threads, "reps": args.reps,
         **{f"{name}_median_s": round(statistics.median(values), 5) for name, values in times.items()},
         **{name: round(value, 4) for name, value in ratios.items()},

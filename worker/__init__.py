@@ -10,4 +10,7 @@ Packages:
     optimize  the optimize role: one step's job, the trainer and its state
     algo      GRPO math, rewards and the rollout format: no broker, Redis or bucket
     model     the policy (base model + LoRA) and the tiny offline model
+
+Modules:
+    corrupt_report  reporting a corrupted object of a published version to the proxy (either role)
 """

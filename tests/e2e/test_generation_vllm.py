@@ -167,7 +167,7 @@ def test_gpu_recipe_validates_and_matches_the_reference_run() -> None:
 MAX_STALENESS = 2
 SAMPLES_PER_PROMPT = 4
 TEMPERATURE = 0.8  # not 1, so that a logprob taken before the temperature would show
-MAX_NEW_TOKENS = 12
+MAX_COMPLETION_LENGTH = 12
 PROMPTS = ["3=", "5=", "8=", "0=", "1=", "7="]
 RATIO_TOLERANCE = 1e-3
 
@@ -179,7 +179,7 @@ def vllm_test_config(tiny_dir: Path) -> RunConfig:
             "model": {"base": str(tiny_dir), "max_prompt_length": 8},
             "sampling": {
                 "samples_per_prompt": SAMPLES_PER_PROMPT,
-                "max_completion_length": MAX_NEW_TOKENS,
+                "max_completion_length": MAX_COMPLETION_LENGTH,
                 "temperature": TEMPERATURE,
                 "backend": "vllm",
             },
@@ -248,7 +248,7 @@ def sample(setup: VLLMSetup, adapter: str | None, seed: int = 11) -> Any:
         PROMPTS,
         adapter=adapter,
         samples_per_prompt=SAMPLES_PER_PROMPT,
-        max_new_tokens=MAX_NEW_TOKENS,
+        max_completion_length=MAX_COMPLETION_LENGTH,
         temperature=TEMPERATURE,
         top_p=1.0,
         seed=seed,
@@ -298,7 +298,7 @@ def test_versions_sample_differently_and_match_the_trainers_rescoring(vllm_setup
                 for completion in prompt.completions:
                     stopped = completion.token_ids[-1] == backend.eos_token_id
                     assert completion.finish_reason == ("stop" if stopped else "length")
-                    assert stopped or len(completion.token_ids) == MAX_NEW_TOKENS
+                    assert stopped or len(completion.token_ids) == MAX_COMPLETION_LENGTH
 
         ratios = {}
         for version, result in ((1, first), (2, second)):
@@ -321,8 +321,8 @@ def test_worker_serves_every_cached_version_and_only_the_one_asked_for(vllm_setu
     """The generate worker's own adapter cache (max_staleness + 2 versions) wired to vLLM as runtime.py does."""
     from asyncgrpo.bucket.backends import FileBucket
     from asyncgrpo.bucket.layout import write_version
+    from worker.generate.adapter_cache import AdapterCache
     from worker.generate.backend import UnknownAdapter
-    from worker.generate.job import AdapterCache
 
     backend = vllm_setup.backend
     run = "vllm-cache"
@@ -396,7 +396,13 @@ def test_base_model_and_prompt_limits(vllm_setup: VLLMSetup) -> None:
     assert backend.tokenize(["3="]) == [vllm_setup.trainer.policy.encode_prompts(["3="])[0]]
     with pytest.raises(ValueError, match="max_model_len"):
         backend.generate(
-            ["1234567890="], adapter=None, samples_per_prompt=2, max_new_tokens=12, temperature=1.0, top_p=1.0, seed=0
+            ["1234567890="],
+            adapter=None,
+            samples_per_prompt=2,
+            max_completion_length=12,
+            temperature=1.0,
+            top_p=1.0,
+            seed=0,
         )
 
 
@@ -498,7 +504,7 @@ def test_generate_from_ids_continues_each_sequence_as_the_trainer_scores_it(agen
 
     def continue_all(seed: int) -> list[Any]:
         return backend.generate_from_ids(
-            sequences, adapter=None, max_new_tokens=budgets, temperature=TEMPERATURE, top_p=1.0, seed=seed
+            sequences, adapter=None, max_completion_lengths=budgets, temperature=TEMPERATURE, top_p=1.0, seed=seed
         )
 
     completions = continue_all(seed=3)

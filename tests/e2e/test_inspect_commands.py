@@ -22,7 +22,7 @@ from asyncgrpo.run.config import RunConfig
 from tests.support.e2e_harness import stop_process_group
 from tests.support.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from tests.support.fixtures_redis import free_port
-from worker.generate.job import AdapterCache
+from worker.generate.adapter_cache import AdapterCache
 from worker.generate.transformers_backend import TransformersBackend
 from worker.process import runtime as runtime_module
 from worker.process.celery_app import control_exchange

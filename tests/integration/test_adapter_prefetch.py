@@ -24,8 +24,10 @@ from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
-from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.job import GenerateResult, GenerateTask
 from worker.generate.settings import GenerateSettings
+from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
@@ -81,11 +83,11 @@ class World:
         self.coord.tick()
         task = next(t for t in self.coord.dispatcher.generate if t["task_id"] not in self.submitted)
         self.submitted.add(task["task_id"])
-        return run_generate_task(
-            run=RUN, task_id=task["task_id"], groups=[GroupRef(**g) for g in task["groups"]], config=worker_config(),
-            prompts=PROMPTS, bucket=self.coord.bucket, client=self.client, backend=self.backend,
-            adapter_cache=self.cache, worker_id="gen-1", backend_lock=self.lock,
+        context = TaskContext(
+            run=RUN, config=worker_config(), prompts=PROMPTS, bucket=self.coord.bucket, client=self.client,
+            backend=self.backend, adapter_cache=self.cache, worker_id="gen-1", backend_lock=self.lock,
         )
+        return GenerateTask(context, task["task_id"], [GroupRef(**g) for g in task["groups"]]).run()
 
 
 @pytest.fixture

@@ -22,9 +22,11 @@ from asyncgrpo.run.config import ConfigError, RunConfig
 from asyncgrpo.run.creation import create_run
 from tests.integration.test_generate_job import RecordingProxy
 from worker.algo.rollout import decode_rollout
+from worker.generate.adapter_cache import AdapterCache
 from worker.generate.agent import AgentRun, AgentSetupError, check_agent_of, tool_process_count
-from worker.generate.evaluate import run_evaluate_task
-from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
+from worker.generate.evaluate import EvaluateTask
+from worker.generate.job import GenerateResult, GenerateTask
+from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
@@ -98,10 +100,8 @@ def run_agent_task(
     """One generate task over every prompt, against a recording proxy that leases version 0."""
     bucket, manifest_sha = bucket_with_v0
     proxy = RecordingProxy(manifest_sha256=manifest_sha)
-    result = run_generate_task(
+    context = TaskContext(
         run=RUN,
-        task_id=TASK,
-        groups=[GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in range(len(prompts))],
         config=config,
         prompts=prompts,
         bucket=bucket,
@@ -111,6 +111,9 @@ def run_agent_task(
         worker_id="gen-1",
         agent=agent,
     )
+    result = GenerateTask(
+        context, TASK, [GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in range(len(prompts))]
+    ).run()
     return result, proxy
 
 
@@ -260,16 +263,18 @@ def test_evaluation_runs_the_same_conversations_and_scores_the_environment_rewar
         }
     )
     proxy = RecordingEvalProxy(manifest_sha256=manifest_sha, prompts=len(PROMPTS))
-    result = run_evaluate_task(
-        task_id="eval-0",
+    context = TaskContext(
+        run=RUN,
         config=config,
         eval_prompts=PROMPTS,
+        bucket=bucket,
         client=proxy,
         backend=backend,
         adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
         worker_id="gen-1",
         agent=agent,
     )
+    result = EvaluateTask(context, "eval-0").run()
     assert result.status == "recorded"
     summary = proxy.results[0].summary
     # Counter.reset raises on "explode": that prompt fails, the other three are conversations, 4 each.

@@ -24,8 +24,10 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import DatasetConfig, RunConfig
 from asyncgrpo.run.creation import create_run, load_run
 from worker.algo.rollout import decode_rollout, read_rollout_header
+from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import ChatTemplateMissing, chat_messages, fed_prompt_text
-from worker.generate.job import AdapterCache, run_generate_task
+from worker.generate.job import GenerateTask
+from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.model.tiny_model import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
@@ -97,11 +99,11 @@ def _generate(bucket: Bucket, config: RunConfig, prompts: list, backend: Transfo
     trainer = Trainer.initial(Policy.load(backend.policy.base), config)  # its own copy: LoRA wraps the model
     _, manifest_sha = write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
     proxy = LeasingProxy(manifest_sha256=manifest_sha)
-    result = run_generate_task(
-        run=RUN, task_id=TASK, groups=[GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in (1, 0)],
-        config=config, prompts=prompts, bucket=bucket, client=proxy, backend=backend,
+    context = TaskContext(
+        run=RUN, config=config, prompts=prompts, bucket=bucket, client=proxy, backend=backend,
         adapter_cache=AdapterCache(bucket, RUN, cache, capacity=2), worker_id="gen-1",
     )
+    result = GenerateTask(context, TASK, [GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in (1, 0)]).run()
     assert result.status == "admitted" and result.groups == 2, result.summary()
     return bucket.get(proxy.submissions[0].key)
 

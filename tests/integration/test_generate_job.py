@@ -23,7 +23,9 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from worker.algo.rollout import decode_rollout, read_rollout_header
-from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.job import GenerateResult, GenerateTask
+from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
@@ -96,11 +98,12 @@ def test_generate_sends_typed_messages_that_match_its_rollout(
     ]
 
     def generate() -> GenerateResult:
-        return run_generate_task(
-            run=RUN, task_id=TASK, groups=groups, config=config(), prompts=PROMPTS, bucket=bucket, client=proxy,
+        context = TaskContext(
+            run=RUN, config=config(), prompts=PROMPTS, bucket=bucket, client=proxy,
             backend=TransformersBackend(str(tiny_model_dir)),
             adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2), worker_id="gen-1",
         )
+        return GenerateTask(context, TASK, groups).run()
 
     first = generate()
     assert first.status == "admitted" and not first.reused_rollout

@@ -25,7 +25,9 @@ from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import publish_request
 from worker.algo.rollout import read_rollout_header
-from worker.generate.job import AdapterCache, GenerateResult, run_generate_task
+from worker.generate.adapter_cache import AdapterCache
+from worker.generate.job import GenerateResult, GenerateTask
+from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
@@ -77,10 +79,8 @@ class LeasedAgainWhileSampling(TransformersBackend):
 def run_task(
     coord: Coordinator, client: ProxyClient, backend: TransformersBackend, task: dict, worker_id: str, cache: Path
 ) -> GenerateResult:
-    return run_generate_task(
+    context = TaskContext(
         run=coord.run,
-        task_id=task["task_id"],
-        groups=[GroupRef(**group) for group in task["groups"]],
         config=config(),
         prompts=PROMPTS,
         bucket=coord.bucket,
@@ -89,6 +89,7 @@ def run_task(
         adapter_cache=AdapterCache(coord.bucket, coord.run, cache, capacity=2),
         worker_id=worker_id,
     )
+    return GenerateTask(context, task["task_id"], [GroupRef(**group) for group in task["groups"]]).run()
 
 
 def test_a_redelivered_task_resubmits_its_rollout_for_the_worker_that_made_it(

@@ -125,7 +125,7 @@ def make_rollout(
     """A rollout of 2 groups of G; ``noise``: the std of seeded noise added to its behaviour logprobs (a
     generator whose numerics differ from the trainer's); ``sampler``: the backend it claims."""
     result = backend.generate(
-        ["3=", "5="], adapter=adapter, samples_per_prompt=G, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=7
+        ["3=", "5="], adapter=adapter, samples_per_prompt=G, max_completion_length=8, temperature=1.0, top_p=1.0, seed=7
     )
     perturb = torch.Generator().manual_seed(11)
     for prompt_result in result.results:

@@ -1,10 +1,13 @@
 """The generate role: lease a version, sample, score, write one rollout, submit it.
 
 Modules:
-    job                   one generate task as a plain function: lease (and its renewer), fetch the adapter,
-                          sample, score, write, submit; the local LRU cache of verified adapter versions
-    evaluate              one evaluate task ([eval]): lease the version, sample and score held-out prompts, post
-                          sums; the unbiased pass@k estimator and which k are reported
+    task_context          what a generate or evaluate task works with (the worker's parts for its run), and the
+                          set-up both make: the lease renewed, the leased version's adapter fetched and loaded
+    job                   one generate task as an object, its phases in order: lease, prompts, sample (or
+                          converse), score, write, submit
+    evaluate              one evaluate task ([eval]) as an object: lease the version, sample and score held-out
+                          prompts, post sums; the unbiased pass@k estimator and which k are reported
+    adapter_cache         the local LRU cache of verified adapter versions (at most max_staleness + 2)
     backend               the generation backend interface and its result types; the exact prompt text fed to
                           the model (chat template) and how to tokenize it
     factory               picks a worker's backend (transformers or vLLM)

@@ -303,7 +303,7 @@ def run_conversations(
             turns = backend.generate_from_ids(
                 [c.prompt_ids + c.tokens for c in live],
                 adapter=adapter,
-                max_new_tokens=caps,
+                max_completion_lengths=caps,
                 temperature=temperature,
                 top_p=top_p,
                 seed=(seed + 7919 * turn) % (2**31 - 1),

@@ -7,7 +7,7 @@ A backend serves one base model and any number of LoRA adapters, each loaded und
 the nucleus), as vLLM's processed logprobs. The trainer rescores with the same temperature, so with an
 unchanged policy the importance ratio is 1.
 
-A completion stops at the EOS token or after ``max_new_tokens`` tokens. **The EOS token is part of the
+A completion stops at the EOS token or after ``max_completion_length`` tokens. **The EOS token is part of the
 completion**: it is a sampled token with its own logprob, trained on like any other (that is how the policy
 learns when to stop); ``finish_reason`` is ``"stop"`` then, ``"length"`` otherwise. ``text`` is the decoded
 completion without special tokens. Padding never appears in a completion.
@@ -157,25 +157,61 @@ class GenerationResult:
     timings: GenerationTimings = field(default_factory=GenerationTimings)
 
 
-def check_sampling_arguments(samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling_arguments(
+    samples_per_prompt: int, max_completion_length: int, temperature: float, top_p: float
+) -> None:
     """The argument checks every backend's ``generate`` makes before sampling. ``temperature`` 0 is greedy
     decoding (evaluation only: ``sampling.temperature`` is always > 0); its logprobs are those of the
     untempered distribution."""
-    if samples_per_prompt < 1 or max_new_tokens < 1:
-        raise ValueError(f"samples_per_prompt={samples_per_prompt} and max_new_tokens={max_new_tokens} must be >= 1")
+    if samples_per_prompt < 1 or max_completion_length < 1:
+        raise ValueError(
+            f"samples_per_prompt={samples_per_prompt} and max_completion_length={max_completion_length} must be >= 1"
+        )
     if not temperature >= 0.0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy) and top_p={top_p} in (0, 1]")
 
 
 def check_continuations(
-    sequences: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float
+    sequences: list[list[int]], max_completion_lengths: list[int], temperature: float, top_p: float
 ) -> None:
     """The argument checks every backend's ``generate_from_ids`` makes: one budget (>= 1) per non-empty sequence."""
-    if len(max_new_tokens) != len(sequences) or not sequences:
-        raise ValueError(f"{len(sequences)} sequences need as many max_new_tokens, got {len(max_new_tokens)}")
-    check_sampling_arguments(1, min(max_new_tokens), temperature, top_p)
+    if len(max_completion_lengths) != len(sequences) or not sequences:
+        raise ValueError(
+            f"{len(sequences)} sequences need as many max_completion_lengths, got {len(max_completion_lengths)}"
+        )
+    check_sampling_arguments(1, min(max_completion_lengths), temperature, top_p)
     if any(not ids for ids in sequences):
         raise ValueError("a sequence to continue has no tokens")
+
+
+def sampled_prompt_ids(backend: GenerationBackend, prompts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The prompts' token ids as every backend's ``generate`` feeds them; an empty one is refused (nothing to
+    condition on: the job drops such prompts before they get here)."""
+    prompt_ids = backend.tokenize(prompts, add_special_tokens=add_special_tokens)
+    for index, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")
+    return prompt_ids
+
+
+def generation_result(
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+    completions: Iterable[list[Completion]],
+    adapter: str | None,
+    generate_s: float,
+) -> GenerationResult:
+    """Every backend's ``generate`` result: each prompt's completions (in prompt order), and the token counts."""
+    results = [
+        PromptResult(prompt=prompt, prompt_token_ids=ids, completions=sampled)
+        for prompt, ids, sampled in zip(prompts, prompt_ids, completions, strict=True)
+    ]
+    timings = GenerationTimings(
+        generate_s=generate_s,
+        prompt_tokens=sum(len(ids) for ids in prompt_ids),
+        completion_tokens=sum(len(c.token_ids) for r in results for c in r.completions),
+    )
+    return GenerationResult(results=results, adapter=adapter, timings=timings)
 
 
 class UnknownAdapter(KeyError):
@@ -223,7 +259,7 @@ class GenerationBackend(Protocol):
         *,
         adapter: str | None,
         samples_per_prompt: int,
-        max_new_tokens: int,
+        max_completion_length: int,
         temperature: float,
         top_p: float,
         seed: int,
@@ -242,12 +278,12 @@ class GenerationBackend(Protocol):
         sequences: list[list[int]],
         *,
         adapter: str | None,
-        max_new_tokens: list[int],
+        max_completion_lengths: list[int],
         temperature: float,
         top_p: float,
         seed: int,
     ) -> list[Completion]:
         """One completion of each token sequence, continued exactly from its ids (no re-tokenizing): the next
-        turn of a conversation (``worker.generate.agent``). ``max_new_tokens[i]`` (>= 1) bounds sequence i's;
+        turn of a conversation (``worker.generate.agent``). ``max_completion_lengths[i]`` (>= 1) bounds sequence i's;
         one cut short is ``"length"``. Logprobs and determinism as ``generate``."""
         ...

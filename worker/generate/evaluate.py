@@ -1,5 +1,5 @@
-"""One evaluate task (``[eval]``) as a plain function: lease the version, sample the held-out prompts of the task,
-score them, post the chunk's summary to the proxy.
+"""One evaluate task (``[eval]``) as an object (``EvaluateTask``): lease the version, sample the held-out prompts of
+the task, score them, post the chunk's summary to the proxy.
 
 It runs on a generate worker between its generate tasks, with the same backend, adapter cache and backend lock,
 so an old version is loaded like any other. Sampling uses the eval settings (``eval.samples_per_prompt``,
@@ -13,24 +13,25 @@ without replacement from n sampled ones (c of them correct) is correct, ``1 - C(
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from math import comb
 from typing import Any
 
 import structlog
 
-from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.bucket.layout import IntegrityError
-from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import Cancelled, NotHolder
-from asyncgrpo.protocol.evals import EXAMPLE_CHARS, EvalChunkSummary, EvalExample, EvalResultRequest
+from asyncgrpo.protocol.evals import (
+    EXAMPLE_CHARS,
+    EvalChunkSummary,
+    EvalExample,
+    EvalLeaseGrant,
+    EvalResultRequest,
+)
 from asyncgrpo.run.config import RunConfig
 from worker.algo.rewards import RewardFailed, ScoredReward, score_completions
-from worker.generate.agent import AgentCompletion, AgentRun, as_generation_result, converse, environment_rewards
-from worker.generate.backend import GenerationBackend, GenerationResult, chat_messages, fed_prompts
-from worker.generate.job import AdapterCache, LeaseRenewer, release_quietly, report_corrupt_object
-from worker.model.reward_models import RewardModels
+from worker.generate.agent import AgentCompletion, as_generation_result, converse, environment_rewards
+from worker.generate.backend import GenerationBackend, GenerationResult, Message, chat_messages, fed_prompts
+from worker.generate.task_context import TaskContext, release_quietly
 
 log = structlog.get_logger()
 
@@ -59,114 +60,146 @@ class EvaluateResult:
         }
 
 
-def run_evaluate_task(
-    *,
-    task_id: str,
-    config: RunConfig,
-    eval_prompts: list[dict[str, Any]],
-    client: ProxyClient,
-    backend: GenerationBackend,
-    adapter_cache: AdapterCache,
-    worker_id: str,
-    backend_lock: AbstractContextManager[object] | None = None,
-    reward_models: RewardModels | None = None,
-    agent: AgentRun | None = None,
-) -> EvaluateResult:
-    """Evaluate the version the proxy leases for ``task_id`` on its slice of ``eval_prompts`` (``reward_models``: the
-    worker's, when the eval rewards include one; ``agent``: its tool process, for an [agent] run, whose eval
-    prompts are conversations too)."""
-    try:
-        grant = client.eval_lease(task_id, worker_id)
-    except Cancelled as error:
-        log.info("generate.eval_skipped", task_id=task_id, reason=str(error))
-        return EvaluateResult(task_id, "ended")
-    prompts = eval_prompts[grant.prompt_start : grant.prompt_start + grant.prompt_count]
-    cfg = config.eval
-    with LeaseRenewer(client, grant.lease_id, grant.ttl_s), backend_lock or nullcontext():
+class EvaluateTask:
+    """One evaluate task: ``run()`` (once) leases the version the proxy names for the task and walks the phases top to
+    bottom, on the task's slice of the run's held-out prompts (``TaskContext.eval_prompts``). The context's reward
+    models score when the eval rewards include one; with [agent], the eval prompts are conversations too."""
+
+    def __init__(self, context: TaskContext, task_id: str) -> None:
+        self.context = context
+        self.config = context.config
+        self.task_id = task_id
+        self.originals: dict[int, dict[str, Any]] = {}  # each fed record's stored record, by the fed one's id
+        self.add_special_tokens = True  # False for chat-templated text (``FedPrompts.add_special_tokens``)
+
+    def run(self) -> EvaluateResult:
+        context = self.context
         try:
-            adapter_dir = adapter_cache.get(grant.version, grant.manifest_sha256)
-        except IntegrityError as error:
-            report_corrupt_object(client, grant.version, worker_id, error)
-            raise
-        adapter = bucket_keys.adapter_name(grant.version)
-        backend.load_adapter(adapter, grant.version, adapter_dir)
-        # The text fed is the chat-templated one when [eval.dataset] asks for it, as for training prompts.
-        tools_of = (lambda record: agent.schemas_for(record.get("environment"))) if agent else None
-        fed = fed_prompts(prompts, range(len(prompts)), cfg.dataset, backend.tokenizer, tools_of)
+            grant = context.client.eval_lease(self.task_id, context.worker_id)
+        except Cancelled as error:
+            log.info("generate.eval_skipped", task_id=self.task_id, reason=str(error))
+            return EvaluateResult(self.task_id, "ended")
+        prompts = context.eval_prompts[grant.prompt_start : grant.prompt_start + grant.prompt_count]
+        with context.leased_adapter(grant.lease_id, grant.ttl_s, grant.version, grant.manifest_sha256) as (_, adapter):
+            usable, chats = self.prompts(prompts)
+            seed = (self.config.seed * 1_000_003 + grant.version) % (2**31 - 1)
+            result = None
+            environment_scores: dict[str, list[list[float]]] = {}
+            if usable and context.agent is not None:
+                result, usable, environment_scores = self.converse(adapter, usable, chats, seed)
+            elif usable:
+                result = self.sample(adapter, usable, seed)
+        summary = self.score(result, usable, chats, environment_scores, failed=len(prompts) - len(usable))
+        return self.post(grant, summary)
+
+    # ---- the phases, in order ----
+
+    def prompts(self, prompts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, list[Message]]]:
+        """The prompt records that can be sampled, each with its fed text as ``prompt`` (the chat-templated one
+        when [eval.dataset] asks for it, as for training prompts), and the chat of each fed record by ``id`` (for
+        a reward model's own chat template), taken before its prompt became the fed text."""
+        context, cfg = self.context, self.config.eval
+        fed = fed_prompts(prompts, range(len(prompts)), cfg.dataset, context.backend.tokenizer, context.tools_of)
+        self.add_special_tokens = fed.add_special_tokens
         fed_records = [{**record, "prompt": fed.texts[index]} for index, record in enumerate(prompts)]
-        originals = {id(fed): record for record, fed in zip(prompts, fed_records, strict=True)}
-        usable = _usable(fed_records, backend, config.model.max_prompt_length, fed.add_special_tokens)
-        # The chat of each prompt (for a reward model's own chat template), before its prompt became the fed text.
+        self.originals = {id(fed): record for record, fed in zip(prompts, fed_records, strict=True)}
+        limit = self.config.model.max_prompt_length
+        usable = _usable(fed_records, context.backend, limit, fed.add_special_tokens)
         chats = {id(fed): chat_messages(record, cfg.dataset) for record, fed in zip(prompts, fed_records, strict=True)}
-        result = None
-        environment_scores: dict[str, list[list[float]]] = {}
-        if usable and agent is not None:
-            groups, environment_scores, _ = converse(
-                backend,
-                agent,
-                [originals[id(record)] for record in usable],
-                [chats[id(record)] for record in usable],
-                adapter=adapter,
-                samples_per_prompt=cfg.samples_per_prompt,
-                max_completion_length=cfg.max_completion_length or config.sampling.max_completion_length,
-                temperature=cfg.temperature,
-                top_p=1.0,
-                seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),
-                task_id=task_id,
-            )
-            # A prompt whose environment failed is a failed prompt, as one whose reward raised.
-            served = [index for index, group in enumerate(groups) if group.failure is None]
-            usable = [usable[index] for index in served]
-            environment_scores = {name: [values[i] for i in served] for name, values in environment_scores.items()}
-            result = as_generation_result(groups, served, adapter)
-        elif usable:
-            result = backend.generate(
-                [record["prompt"] for record in usable],
-                adapter=adapter,
-                samples_per_prompt=cfg.samples_per_prompt,
-                max_new_tokens=cfg.max_completion_length or config.sampling.max_completion_length,
-                temperature=cfg.temperature,
-                top_p=1.0,
-                seed=(config.seed * 1_000_003 + grant.version) % (2**31 - 1),
-                add_special_tokens=fed.add_special_tokens,
-            )
-    rewards = list(cfg.rewards) or list(config.rewards)
-    model_scores = (reward_models or RewardModels({})).score_groups(
-        rewards,
-        [record["prompt"] for record in usable],
-        [chats[id(record)] for record in usable],
-        [[completion.text for completion in r.completions] for r in result.results] if result else [[] for _ in usable],
-    )
-    for name, per_prompt in environment_scores.items():
-        for prompt_scores, values in zip(model_scores, per_prompt, strict=True):
-            prompt_scores[name] = values
-    summary = summarize(
-        result,
-        usable,
-        config,
-        failed=len(prompts) - len(usable),
-        model_scores=model_scores,
-        environment_rewards=environment_rewards(agent) if agent is not None else [],
-    )
-    request = EvalResultRequest(worker_id=worker_id, lease_id=grant.lease_id, summary=summary)
-    try:
-        answer = client.eval_result(task_id, request)
-    except (Cancelled, NotHolder) as error:
-        # Recorded by another copy of the task, or given up meanwhile, or our lease lapsed and the task went to
-        # another worker: the proxy changed nothing, and its own timeouts cover the task.
-        log.info("generate.eval_result_refused", task_id=task_id, reason=str(error))
-        release_quietly(client, grant.lease_id)
-        return EvaluateResult(task_id, "ended", grant.version)
-    reward_mean = summary.reward_sum / summary.completions if summary.completions else None
-    return EvaluateResult(
-        task_id,
-        "recorded",
-        grant.version,
-        prompts=summary.prompts,
-        prompts_failed=summary.prompts_failed,
-        chunks_left=answer.chunks_left,
-        reward_mean=reward_mean,
-    )
+        return usable, chats
+
+    def sample(self, adapter: str, usable: list[dict[str, Any]], seed: int) -> GenerationResult:
+        """The usable prompts' completions, sampled with the eval settings."""
+        cfg = self.config.eval
+        return self.context.backend.generate(
+            [record["prompt"] for record in usable],
+            adapter=adapter,
+            samples_per_prompt=cfg.samples_per_prompt,
+            max_completion_length=cfg.max_completion_length or self.config.sampling.max_completion_length,
+            temperature=cfg.temperature,
+            top_p=1.0,
+            seed=seed,
+            add_special_tokens=self.add_special_tokens,
+        )
+
+    def converse(
+        self, adapter: str, usable: list[dict[str, Any]], chats: dict[int, list[Message]], seed: int
+    ) -> tuple[GenerationResult, list[dict[str, Any]], dict[str, list[list[float]]]]:
+        """[agent]: the usable prompts' conversations as a generation result of the prompts whose environments
+        served them (a prompt whose environment failed is a failed prompt, as one whose reward raised), those
+        prompts, and their environment rewards by name."""
+        context, cfg = self.context, self.config.eval
+        assert context.agent is not None
+        groups, environment_scores, _ = converse(
+            context.backend,
+            context.agent,
+            [self.originals[id(record)] for record in usable],
+            [chats[id(record)] for record in usable],
+            adapter=adapter,
+            samples_per_prompt=cfg.samples_per_prompt,
+            max_completion_length=cfg.max_completion_length or self.config.sampling.max_completion_length,
+            temperature=cfg.temperature,
+            top_p=1.0,
+            seed=seed,
+            task_id=self.task_id,
+        )
+        served = [index for index, group in enumerate(groups) if group.failure is None]
+        served_scores = {name: [values[i] for i in served] for name, values in environment_scores.items()}
+        return as_generation_result(groups, served, adapter), [usable[index] for index in served], served_scores
+
+    def score(
+        self,
+        result: GenerationResult | None,
+        usable: list[dict[str, Any]],
+        chats: dict[int, list[Message]],
+        environment_scores: dict[str, list[list[float]]],
+        *,
+        failed: int,
+    ) -> EvalChunkSummary:
+        """The chunk's summary: the eval rewards (the run's when ``eval.rewards`` is empty) of each sampled
+        prompt's completions, reward models' scores taken for the whole chunk at once."""
+        context, cfg = self.context, self.config.eval
+        rewards = list(cfg.rewards) or list(self.config.rewards)
+        model_scores = context.scoring_models.score_groups(
+            rewards,
+            [record["prompt"] for record in usable],
+            [chats[id(record)] for record in usable],
+            [[c.text for c in r.completions] for r in result.results] if result else [[] for _ in usable],
+        )
+        for name, per_prompt in environment_scores.items():
+            for prompt_scores, values in zip(model_scores, per_prompt, strict=True):
+                prompt_scores[name] = values
+        return summarize(
+            result,
+            usable,
+            self.config,
+            failed=failed,
+            model_scores=model_scores,
+            environment_rewards=environment_rewards(context.agent) if context.agent is not None else [],
+        )
+
+    def post(self, grant: EvalLeaseGrant, summary: EvalChunkSummary) -> EvaluateResult:
+        """Post the chunk's summary to the proxy, which merges a version's chunks (the lease is released)."""
+        client = self.context.client
+        request = EvalResultRequest(worker_id=self.context.worker_id, lease_id=grant.lease_id, summary=summary)
+        try:
+            answer = client.eval_result(self.task_id, request)
+        except (Cancelled, NotHolder) as error:
+            # Recorded by another copy of the task, or given up meanwhile, or our lease lapsed and the task went to
+            # another worker: the proxy changed nothing, and its own timeouts cover the task.
+            log.info("generate.eval_result_refused", task_id=self.task_id, reason=str(error))
+            release_quietly(client, grant.lease_id)
+            return EvaluateResult(self.task_id, "ended", grant.version)
+        reward_mean = summary.reward_sum / summary.completions if summary.completions else None
+        return EvaluateResult(
+            self.task_id,
+            "recorded",
+            grant.version,
+            prompts=summary.prompts,
+            prompts_failed=summary.prompts_failed,
+            chunks_left=answer.chunks_left,
+            reward_mean=reward_mean,
+        )
 
 
 def _usable(

@@ -1,59 +1,39 @@
-"""One generate task as a plain function: lease, fetch adapter, sample, score, write, submit, release.
+"""One generate task as an object (``GenerateTask``), its phases in the order a rollout goes through them:
+lease the task and load its version's adapter, the prompts it can sample, sample (or converse, with [agent]),
+score, write the rollout, submit it.
 
 Idempotent by task id: the rollout key is ``rollouts/<task-id>``, so a redelivered task whose first run
 already wrote its rollout submits that object again instead of generating anew, and the proxy admits a
 task id at most once.
-
-The adapter cache (``AdapterCache``): the worker's local LRU cache of verified versions (at most
-``max_staleness + 2``).
-
-Why that size: a worker may still be asked for any version inside the staleness window (``max_staleness +
-1`` versions) while the next one is being published, so one more slot lets the new version load before the
-oldest is dropped. Every file is checked against its manifest's sha256 before it lands in the cache
-(``asyncgrpo.bucket.layout.fetch_version``), so a corrupted or half-written upload is never served.
 """
 
 from __future__ import annotations
 
-import shutil
-import threading
 import time
-from collections import OrderedDict
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.bucket.layout import IntegrityError, fetch_version, sha256_hex
-from asyncgrpo.protocol.client import ProxyClient, process_incarnation
-from asyncgrpo.protocol.errors import Cancelled, LeaseLost, NotHolder, ProxyError, StaleRollout
+from asyncgrpo.bucket.layout import sha256_hex
+from asyncgrpo.protocol.client import process_incarnation
+from asyncgrpo.protocol.errors import Cancelled, NotHolder, StaleRollout
 from asyncgrpo.protocol.records import AgentStats, GenerateTimings, RolloutExtra
-from asyncgrpo.protocol.schemas import GroupRef, LeaseRequest, RejectedGroup, RolloutSubmission
+from asyncgrpo.protocol.schemas import GroupRef, LeaseGrant, LeaseRequest, RejectedGroup, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
 from worker.algo.advantages import task_advantages
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
 from worker.generate.agent import (
     AgentCompletion,
-    AgentRun,
     agent_stats,
     as_generation_result,
     converse,
     environment_rewards,
 )
-from worker.generate.backend import (
-    FedPrompts,
-    GenerationBackend,
-    GenerationResult,
-    Message,
-    chat_messages,
-    fed_prompts,
-)
-from worker.model.reward_models import RewardModels
+from worker.generate.backend import FedPrompts, GenerationBackend, GenerationResult, Message, chat_messages, fed_prompts
+from worker.generate.task_context import LeaseRenewer, TaskContext, release_quietly
 
 log = structlog.get_logger()
 
@@ -87,254 +67,275 @@ class GenerateResult:
         }
 
 
-class LeaseRenewer:
-    """Renews a lease from a background thread while generation runs.
+@dataclass(frozen=True)
+class WrittenRollout:
+    """A task's rollout object as the bucket holds it, and what its submission says of it."""
 
-    After a clean exit the lease is handed to the submission, which releases it at the proxy (one round
-    trip less per task); after a failure, or with ``release()`` when no submission will be made, the lease
-    is released explicitly. A release that never arrives (the process died) only lets the lease lapse at
-    its TTL.
-    """
-
-    def __init__(self, client: ProxyClient, lease_id: str, ttl_s: float) -> None:
-        self.client = client
-        self.lease_id = lease_id
-        self.interval_s = max(ttl_s / 3.0, 0.05)
-        self.lost = False
-        self._release_on_stop = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="asyncgrpo-lease", daemon=True)
-
-    def __enter__(self) -> LeaseRenewer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        # On failure the renewal thread releases the lease on its way out, off the task's path.
-        self._release_on_stop = exc_type is not None
-        self._stop.set()
-
-    def release(self) -> None:
-        """Release now: the submission that would have released the lease will not be made."""
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._release()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.client.renew(self.lease_id)
-            except LeaseLost:
-                # The version may be collected now; we keep our local copy and let the proxy judge staleness.
-                self.lost = True
-                log.warning("generate.lease_lost", lease_id=self.lease_id)
-                return
-            except ProxyError as error:
-                log.warning("generate.lease_renew_failed", lease_id=self.lease_id, error=str(error))
-        if self._release_on_stop:
-            self._release()
-
-    def _release(self) -> None:
-        try:
-            self.client.release(self.lease_id)
-        except Exception as error:  # best effort, often from the background thread: the TTL is the backstop
-            log.info("generate.lease_release_failed", lease_id=self.lease_id, error=str(error))
+    data: bytes
+    worker_id: str  # the worker that made it, whose lease of the task the submission speaks for
+    version: int
+    groups: list[GroupRef]
+    rejected: list[RejectedGroup]
+    num_samples: int
+    tokens: int = 0
+    reward_mean: float | None = None
 
 
-def run_generate_task(
-    *,
-    run: str,
-    task_id: str,
-    groups: list[GroupRef],
-    config: RunConfig,
-    prompts: list[dict[str, Any]],
-    bucket: Bucket,
-    client: ProxyClient,
-    backend: GenerationBackend,
-    adapter_cache: AdapterCache,
-    worker_id: str,
-    backend_lock: AbstractContextManager[object] | None = None,
-    reward_models: RewardModels | None = None,
-    agent: AgentRun | None = None,
-) -> GenerateResult:
-    """``backend_lock``: held while the task loads its adapter and samples, the same lock the worker's adapter
-    prefetcher (``worker.generate.job``) holds to load a version, so neither sees the other half-done.
-    ``reward_models``: the worker's loaded reward models (needed when the run's rewards include one).
-    ``agent``: the worker's tool process and schemas (needed when the run has [agent])."""
-    if config.agent is not None and agent is None:
-        raise ValueError("the run has [agent]; pass the worker's AgentRun (worker.generate.agent) to sample it")
-    started = time.perf_counter()
-    key = bucket_keys.rollout_key(run, task_id)
+class GenerateTask:
+    """One generate task: ``run()`` (once) walks its phases top to bottom.
 
-    existing = bucket.head(key)
-    if existing is not None:
-        # A redelivery after the first attempt wrote its rollout: submit that object, generate nothing. It is
-        # submitted for the worker that made it, under that worker's lease of the task: the proxy admits it only
-        # if that worker still holds the task (and answers "duplicate" if it was admitted already).
-        data = bucket.get(key)
+    The task's context (``TaskContext``: the run, config, prompts, bucket, client, backend, adapter cache, reward
+    models, agent) is held once; the groups the rollout keeps narrow phase by phase (``kept``), the others go to
+    ``rejected`` with their reasons."""
+
+    def __init__(self, context: TaskContext, task_id: str, groups: list[GroupRef]) -> None:
+        if context.config.agent is not None and context.agent is None:
+            raise ValueError("the run has [agent]; pass the worker's AgentRun (worker.generate.agent) to sample it")
+        self.context = context
+        self.config = context.config
+        self.task_id = task_id
+        self.groups = groups
+        self.key = bucket_keys.rollout_key(context.run, task_id)
+        self.seed = _task_seed(self.config.seed, task_id)
+        self.timings = GenerateTimings()
+        self.kept: list[GroupRef] = []
+        self.rejected: list[RejectedGroup] = []
+        self.started = 0.0
+
+    def run(self) -> GenerateResult:
+        self.started = time.perf_counter()
+        if self.context.bucket.head(self.key) is not None:
+            return self.submit_written()
+        lease = self.lease()
+        if lease is None:
+            return GenerateResult(self.task_id, "cancelled", -1, 0, 0, 0, reused_rollout=False)
+        # Includes waiting for the lock; a cache hit and a no-op load when the prefetcher got there first.
+        fetch_started = time.perf_counter()
+        lease_of = (lease.lease_id, lease.ttl_s, lease.version, lease.manifest_sha256)
+        with self.context.leased_adapter(*lease_of) as (renewer, adapter):
+            self.timings.adapter_fetch_s = time.perf_counter() - fetch_started
+            fed = self.prompts()
+            samples: list[RolloutSample] = []
+            tokens = 0
+            stats: AgentStats | None = None
+            if self.kept:
+                gen_started = time.perf_counter()
+                chats = [
+                    chat_messages(self.context.prompts[group.prompt_index], self.config.dataset) for group in self.kept
+                ]
+                if self.context.agent is not None:
+                    result, chats, environment_scores = self.converse(adapter, chats)
+                else:
+                    result, environment_scores = self.sample(adapter, fed), {}
+                self.timings.generate_s = time.perf_counter() - gen_started
+                score_started = time.perf_counter()
+                samples, tokens, stats = self.score(result, fed, chats, environment_scores)
+                self.timings.score_s = time.perf_counter() - score_started
+            if renewer.lost:
+                log.warning("generate.submit_after_lease_lost", task_id=self.task_id)
+        written = self.write(lease, fed, samples, tokens, stats, renewer)
+        return self.submit(written, reused=False, lease_id=lease.lease_id)
+
+    # ---- the phases, in order ----
+
+    def submit_written(self) -> GenerateResult:
+        """A redelivery after the first attempt wrote its rollout: submit that object, generate nothing. It is
+        submitted for the worker that made it, under that worker's lease of the task: the proxy admits it only
+        if that worker still holds the task (and answers "duplicate" if it was admitted already)."""
+        data = self.context.bucket.get(self.key)
         header = read_rollout_header(data)
-        return _submit(
-            client,
-            run,
-            task_id,
-            header.worker_id,
-            header.version,
-            key,
-            data,
-            header.groups,
-            header.extra.rejected_groups,
-            GenerateTimings(),
-            len(header.rewards),
-            reused=True,
-            started=started,
+        written = WrittenRollout(
+            data=data,
+            worker_id=header.worker_id,
+            version=header.version,
+            groups=header.groups,
+            rejected=header.extra.rejected_groups,
+            num_samples=len(header.rewards),
+        )
+        return self.submit(written, reused=True)
+
+    def lease(self) -> LeaseGrant | None:
+        """This worker's lease of the task; None when the proxy gave the task up (timed out, its worker lost, or
+        a late redelivery): the task is skipped, its message acked, its prompts already handled."""
+        request = LeaseRequest(
+            worker_id=self.context.worker_id, task_id=self.task_id, incarnation=process_incarnation()
+        )
+        try:
+            return self.context.client.lease(request)
+        except Cancelled as error:
+            log.info("generate.task_skipped", task_id=self.task_id, reason=str(error))
+            return None
+
+    def prompts(self) -> FedPrompts:
+        """The fed text of the task's prompts; the groups whose prompt cannot be sampled are rejected."""
+        context = self.context
+        indices = (group.prompt_index for group in self.groups)
+        fed = fed_prompts(context.prompts, indices, self.config.dataset, context.backend.tokenizer, context.tools_of)
+        self.kept, self.rejected = _split_bad_prompts(self.groups, fed, context.backend, self.config)
+        return fed
+
+    def sample(self, adapter: str, fed: FedPrompts) -> GenerationResult:
+        """The kept groups' completions, sampled with the run's settings."""
+        sampling = self.config.sampling
+        return self.context.backend.generate(
+            fed.of(self.kept),
+            adapter=adapter,
+            samples_per_prompt=sampling.samples_per_prompt,
+            max_completion_length=sampling.max_completion_length,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=self.seed,
+            add_special_tokens=fed.add_special_tokens,
         )
 
-    try:
-        lease = client.lease(LeaseRequest(worker_id=worker_id, task_id=task_id, incarnation=process_incarnation()))
-    except Cancelled as error:
-        # The proxy gave the task up (timed out, its worker lost, or a late redelivery): skip it; the message is
-        # acked and its prompts are already handled.
-        log.info("generate.task_skipped", task_id=task_id, reason=str(error))
-        return GenerateResult(task_id, "cancelled", -1, 0, 0, 0, reused_rollout=False)
-    timings = GenerateTimings()
-    # Includes waiting for the lock; a cache hit and a no-op load when the prefetcher got there first.
-    fetch_started = time.perf_counter()
-    with LeaseRenewer(client, lease.lease_id, lease.ttl_s) as keeper, backend_lock or nullcontext():
+    def converse(
+        self, adapter: str, chats: list[list[Message]]
+    ) -> tuple[GenerationResult, list[list[Message]], dict[str, list[list[float]]]]:
+        """[agent]: the kept groups' conversations as a generation result of the groups whose environments served
+        them (the others are rejected with the reason), those groups' chats, and their environment rewards by
+        name; the seconds spent on tools go to the timings."""
+        context, sampling = self.context, self.config.sampling
+        assert context.agent is not None
+        groups, scores, self.timings.tools_s = converse(
+            context.backend,
+            context.agent,
+            [context.prompts[group.prompt_index] for group in self.kept],
+            chats,
+            adapter=adapter,
+            samples_per_prompt=sampling.samples_per_prompt,
+            max_completion_length=sampling.max_completion_length,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=self.seed,
+            task_id=self.task_id,
+        )
+        served = [index for index, group in enumerate(groups) if group.failure is None]
+        for index, group in enumerate(groups):
+            if group.failure is not None:
+                log.warning("generate.group_unscored", group_id=self.kept[index].group_id, error=group.failure)
+                self.rejected.append(RejectedGroup(group_id=self.kept[index].group_id, reason=group.failure))
+        served_scores = {name: [per_group[index] for index in served] for name, per_group in scores.items()}
+        self.kept = [self.kept[index] for index in served]
+        return as_generation_result(groups, served, adapter), [chats[index] for index in served], served_scores
+
+    def score(
+        self,
+        result: GenerationResult,
+        fed: FedPrompts,
+        chats: list[list[Message]],
+        environment_scores: dict[str, list[list[float]]],
+    ) -> tuple[list[RolloutSample], int, AgentStats | None]:
+        """Rewards and advantages of the kept groups' completions (a group whose reward fails is rejected):
+        the rollout's samples, their model tokens, and [agent]'s conversation figures."""
+        context, agent = self.context, self.context.agent
+        rewards: list[Any] = list(self.config.rewards) + (environment_rewards(agent) if agent is not None else [])
+        texts = fed.of(self.kept)
+        answers = [context.prompts[group.prompt_index].get("answer") for group in self.kept]
+        # Reward models score the whole task at once, in batches; each group is then scored on its own.
+        completions = [[completion.text for completion in r.completions] for r in result.results]
+        scored = context.scoring_models.score_groups(self.config.rewards, texts, chats, completions)
+        for name, per_group in environment_scores.items():
+            for group_scores, values in zip(scored, per_group, strict=True):
+                group_scores[name] = values
+        conversed = dict(zip((group.group_id for group in self.kept), result.results, strict=True))
+        self.kept, samples, tokens, unscored = _score(result, self.kept, texts, answers, self.config, scored, rewards)
+        self.rejected.extend(unscored)
+        stats = agent_stats([conversed[group.group_id] for group in self.kept]) if agent is not None else None
+        return samples, tokens, stats
+
+    def write(
+        self,
+        lease: LeaseGrant,
+        fed: FedPrompts,
+        samples: list[RolloutSample],
+        tokens: int,
+        stats: AgentStats | None,
+        renewer: LeaseRenewer,
+    ) -> WrittenRollout:
+        """The rollout object, written to the bucket (the lease is released if that fails)."""
+        context = self.context
+        rollout = Rollout(
+            run=context.run,
+            task_id=self.task_id,
+            version=lease.version,
+            worker_id=context.worker_id,
+            groups=self.kept,
+            samples=samples,
+            timings=self.timings,
+            extra=RolloutExtra(
+                rejected_groups=self.rejected,
+                prompts=fed.of(self.kept),
+                sampler=context.backend.name,
+                agent=stats if context.agent is not None and samples else None,
+            ),
+        )
+        data = encode_rollout(rollout)
         try:
-            adapter_dir = adapter_cache.get(lease.version, lease.manifest_sha256)
-        except IntegrityError as error:
-            report_corrupt_object(client, lease.version, worker_id, error)  # before the task fails
+            context.bucket.put(self.key, data)
+        except BaseException:
+            renewer.release()
             raise
-        adapter = bucket_keys.adapter_name(lease.version)
-        backend.load_adapter(adapter, lease.version, adapter_dir)
-        timings.adapter_fetch_s = time.perf_counter() - fetch_started
+        return WrittenRollout(
+            data=data,
+            worker_id=context.worker_id,
+            version=lease.version,
+            groups=self.kept,
+            rejected=self.rejected,
+            num_samples=len(samples),
+            tokens=tokens,
+            reward_mean=sum(s.reward for s in samples) / len(samples) if samples else None,
+        )
 
-        tools_of = (lambda record: agent.schemas_for(record.get("environment"))) if agent else None
-        indices = (group.prompt_index for group in groups)
-        fed = fed_prompts(prompts, indices, config.dataset, backend.tokenizer, tools_of)
-        accepted, rejected = _split_bad_prompts(groups, fed, backend, config)
-        samples: list[RolloutSample] = []
-        tokens = 0
-        stats: AgentStats | None = None
-        if accepted:
-            gen_started = time.perf_counter()
-            chats = [chat_messages(prompts[group.prompt_index], config.dataset) for group in accepted]
-            rewards: list[Any] = list(config.rewards)
-            environment_scores: dict[str, list[list[float]]] = {}
-            if agent is not None:
-                result, environment_scores, timings.tools_s = _converse(
-                    backend, agent, prompts, accepted, chats, config, adapter, task_id, rejected
-                )
-                rewards += environment_rewards(agent)
-                failed = {r.group_id for r in rejected}
-                kept = [i for i, group in enumerate(accepted) if group.group_id not in failed]
-                accepted, chats = [accepted[i] for i in kept], [chats[i] for i in kept]
-            else:
-                result = backend.generate(
-                    fed.of(accepted),
-                    adapter=adapter,
-                    samples_per_prompt=config.sampling.samples_per_prompt,
-                    max_new_tokens=config.sampling.max_completion_length,
-                    temperature=config.sampling.temperature,
-                    top_p=config.sampling.top_p,
-                    seed=_task_seed(config.seed, task_id),
-                    add_special_tokens=fed.add_special_tokens,
-                )
-            timings.generate_s = time.perf_counter() - gen_started
-            score_started = time.perf_counter()
-            texts = fed.of(accepted)
-            answers = [prompts[group.prompt_index].get("answer") for group in accepted]
-            # Reward models score the whole task at once, in batches; each group is then scored on its own.
-            completions = [[completion.text for completion in r.completions] for r in result.results]
-            scored = (reward_models or RewardModels({})).score_groups(config.rewards, texts, chats, completions)
-            for name, per_group in environment_scores.items():
-                for group_scores, values in zip(scored, per_group, strict=True):
-                    group_scores[name] = values
-            conversed = dict(zip((group.group_id for group in accepted), result.results, strict=True))
-            accepted, samples, tokens, unscored = _score(result, accepted, texts, answers, config, scored, rewards)
-            rejected.extend(unscored)
-            if agent is not None:
-                stats = agent_stats([conversed[group.group_id] for group in accepted])
-            timings.score_s = time.perf_counter() - score_started
-        if keeper.lost:
-            log.warning("generate.submit_after_lease_lost", task_id=task_id)
-
-    rollout = Rollout(
-        run=run,
-        task_id=task_id,
-        version=lease.version,
-        worker_id=worker_id,
-        groups=accepted,
-        samples=samples,
-        timings=timings,
-        extra=RolloutExtra(
-            rejected_groups=rejected,
-            prompts=fed.of(accepted),
-            sampler=backend.name,
-            agent=stats if agent is not None and samples else None,
-        ),
-    )
-    data = encode_rollout(rollout)
-    try:
-        bucket.put(key, data)
-    except BaseException:
-        keeper.release()
-        raise
-    reward_mean = sum(s.reward for s in samples) / len(samples) if samples else None
-    return _submit(
-        client,
-        run,
-        task_id,
-        worker_id,
-        lease.version,
-        key,
-        data,
-        accepted,
-        rejected,
-        timings,
-        len(samples),
-        reused=False,
-        started=started,
-        tokens=tokens,
-        reward_mean=reward_mean,
-        lease_id=lease.lease_id,
-    )
+    def submit(self, written: WrittenRollout, *, reused: bool, lease_id: str | None = None) -> GenerateResult:
+        """Submit the rollout to the proxy, under ``lease_id`` (which the proxy releases); the proxy's answer is
+        the task's status."""
+        client = self.context.client
+        # Free-form figures about the task; the proxy decides nothing on them.
+        stats: dict[str, float | int | None] = {"tokens": written.tokens, **self.timings.model_dump()}
+        if written.reward_mean is not None:
+            stats["reward_mean"] = written.reward_mean
+        submission = RolloutSubmission(
+            task_id=self.task_id,
+            worker_id=written.worker_id,
+            version=written.version,
+            key=self.key,
+            sha256=sha256_hex(written.data),
+            group_ids=[group.group_id for group in written.groups],
+            num_samples=written.num_samples,
+            rejected_groups=written.rejected,
+            stats=stats,
+            lease_id=lease_id,
+        )
+        try:
+            status = client.submit_rollout(submission).status
+        except StaleRollout as error:
+            log.warning("generate.rollout_stale", task_id=self.task_id, error=str(error))
+            status = "stale"
+        except Cancelled as error:
+            log.warning("generate.rollout_cancelled", task_id=self.task_id, error=str(error))
+            status = "cancelled"
+        except NotHolder as error:
+            # Not this lease's task (re-leased by another worker, or another rollout admitted): drop the work, and
+            # report no failure, which would cancel the task under its holder. The proxy released nothing.
+            log.warning("generate.rollout_not_holder", task_id=self.task_id, error=str(error))
+            status = "not_holder"
+            if lease_id is not None:
+                release_quietly(client, lease_id)
+        timings = self.timings.model_copy(update={"task_s": time.perf_counter() - self.started})
+        return GenerateResult(
+            task_id=self.task_id,
+            status=status,
+            version=written.version,
+            groups=len(written.groups),
+            samples=written.num_samples,
+            tokens=written.tokens,
+            reused_rollout=reused,
+            timings=timings,
+            reward_mean=written.reward_mean,
+        )
 
 
-def _converse(
-    backend: GenerationBackend,
-    agent: AgentRun,
-    prompts: list[dict[str, Any]],
-    accepted: list[GroupRef],
-    chats: list[list[Message]],
-    config: RunConfig,
-    adapter: str,
-    task_id: str,
-    rejected: list[RejectedGroup],
-) -> tuple[GenerationResult, dict[str, list[list[float]]], float]:
-    """[agent]: the groups' conversations as a generation result of the groups whose environments served them
-    (the others go to ``rejected`` with the reason), each kept group's environment rewards by name, and the
-    seconds spent on tools."""
-    groups, scores, tools_s = converse(
-        backend,
-        agent,
-        [prompts[group.prompt_index] for group in accepted],
-        chats,
-        adapter=adapter,
-        samples_per_prompt=config.sampling.samples_per_prompt,
-        max_completion_length=config.sampling.max_completion_length,
-        temperature=config.sampling.temperature,
-        top_p=config.sampling.top_p,
-        seed=_task_seed(config.seed, task_id),
-        task_id=task_id,
-    )
-    kept = [index for index, group in enumerate(groups) if group.failure is None]
-    for index, group in enumerate(groups):
-        if group.failure is not None:
-            log.warning("generate.group_unscored", group_id=accepted[index].group_id, error=group.failure)
-            rejected.append(RejectedGroup(group_id=accepted[index].group_id, reason=group.failure))
-    kept_scores = {name: [per_group[index] for index in kept] for name, per_group in scores.items()}
-    return as_generation_result(groups, kept, adapter), kept_scores, tools_s
+# ---- the pure parts: which prompts can be sampled, scoring ----
 
 
 def _task_seed(run_seed: int, task_id: str) -> int:
@@ -434,159 +435,3 @@ def _score(
                 )
             )
     return [groups[group_index] for group_index, _, _ in kept], samples, tokens, rejected
-
-
-def _submit(
-    client: ProxyClient,
-    run: str,
-    task_id: str,
-    worker_id: str,
-    version: int,
-    key: str,
-    data: bytes,
-    groups: list[GroupRef],
-    rejected: list[RejectedGroup],
-    timings: GenerateTimings,
-    num_samples: int,
-    *,
-    reused: bool,
-    started: float,
-    tokens: int = 0,
-    reward_mean: float | None = None,
-    lease_id: str | None = None,
-) -> GenerateResult:
-    # Free-form figures about the task; the proxy decides nothing on them.
-    stats: dict[str, float | int | None] = {"tokens": tokens, **timings.model_dump()}
-    if reward_mean is not None:
-        stats["reward_mean"] = reward_mean
-    submission = RolloutSubmission(
-        task_id=task_id,
-        worker_id=worker_id,
-        version=version,
-        key=key,
-        sha256=sha256_hex(data),
-        group_ids=[group.group_id for group in groups],
-        num_samples=num_samples,
-        rejected_groups=rejected,
-        stats=stats,
-        lease_id=lease_id,
-    )
-    try:
-        status = client.submit_rollout(submission).status
-    except StaleRollout as error:
-        log.warning("generate.rollout_stale", task_id=task_id, error=str(error))
-        status = "stale"
-    except Cancelled as error:
-        log.warning("generate.rollout_cancelled", task_id=task_id, error=str(error))
-        status = "cancelled"
-    except NotHolder as error:
-        # Not this lease's task (re-leased by another worker, or another rollout admitted): drop the work, and
-        # report no failure, which would cancel the task under its holder. The proxy released nothing.
-        log.warning("generate.rollout_not_holder", task_id=task_id, error=str(error))
-        status = "not_holder"
-        if lease_id is not None:
-            release_quietly(client, lease_id)
-    timings = timings.model_copy(update={"task_s": time.perf_counter() - started})
-    return GenerateResult(
-        task_id=task_id,
-        status=status,
-        version=version,
-        groups=len(groups),
-        samples=num_samples,
-        tokens=tokens,
-        reused_rollout=reused,
-        timings=timings,
-        reward_mean=reward_mean,
-    )
-
-
-def release_quietly(client: ProxyClient, lease_id: str) -> None:
-    try:
-        client.release(lease_id)
-    except ProxyError as error:  # the lease's TTL is the backstop
-        log.info("generate.lease_release_failed", lease_id=lease_id, error=str(error))
-
-
-# ---- corrupted objects of a published version ----
-
-
-def report_corrupt_object(client: ProxyClient, version: int, worker_id: str, error: IntegrityError) -> None:
-    """Tell the proxy that an object of published ``version`` failed its check: it repairs it from the
-    holder's memory or halts the run. A failed report is only logged: the task fails either way."""
-    try:
-        answer = client.report_corrupt(version, worker_id, error.key)
-        log.warning("generate.corrupt_reported", version=version, key=error.key, action=answer.action)
-    except ProxyError as report_error:
-        log.warning("generate.corrupt_report_failed", version=version, key=error.key, error=str(report_error))
-
-
-# ---- the adapter cache: verified versions, at most max_staleness + 2 ----
-
-
-class AdapterCache:
-    def __init__(
-        self,
-        bucket: Bucket,
-        run: str,
-        root: Path,
-        capacity: int,
-        backend: GenerationBackend | None = None,
-    ) -> None:
-        if capacity < 1:
-            raise ValueError(f"adapter cache capacity must be >= 1, got {capacity}")
-        self.bucket = bucket
-        self.run = run
-        self.root = root / bucket_keys.check_run_name(run) / "adapters"
-        self.capacity = capacity
-        self.backend = backend
-        """Told to drop a version evicted from the cache (None: the cache alone)."""
-        self._entries: OrderedDict[int, tuple[Path, str]] = OrderedDict()
-        self.last_fetch_s = 0.0
-
-    def versions(self) -> list[int]:
-        return list(self._entries)
-
-    def get(self, version: int, manifest_sha256: str, staged: Path | None = None) -> Path:
-        """The local folder of ``version``; downloads and verifies it on a miss.
-
-        ``staged``: a folder the caller already fetched and verified against ``manifest_sha256`` with
-        ``fetch_version`` (the prefetcher, outside the worker's lock); on a miss it is moved in instead of
-        downloading again. Not thread-safe: callers hold the worker's backend lock."""
-        entry = self._entries.get(version)
-        if entry is not None and entry[1] == manifest_sha256:
-            self._entries.move_to_end(version)
-            self.last_fetch_s = 0.0
-            return entry[0]
-        if entry is not None:
-            # Same number, other manifest: never serve it (a version is immutable once published).
-            self._evict(version)
-        started = time.perf_counter()
-        path = self.root / bucket_keys.adapter_name(version)
-        if path.exists():
-            shutil.rmtree(path)
-        if staged is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staged.rename(path)
-        else:
-            fetch_version(
-                self.bucket,
-                self.run,
-                version,
-                path,
-                expected_manifest_sha256=manifest_sha256,
-                names=bucket_keys.ADAPTER_FILE_NAMES,  # the trainer state is the trainer's: never downloaded here
-            )
-        self.last_fetch_s = time.perf_counter() - started
-        seconds = round(self.last_fetch_s, 4)
-        log.info("generate.adapter_fetched", version=version, seconds=seconds, staged=staged is not None)
-        self._entries[version] = (path, manifest_sha256)
-        while len(self._entries) > self.capacity:
-            oldest = next(iter(self._entries))
-            self._evict(oldest)
-        return path
-
-    def _evict(self, version: int) -> None:
-        path, _ = self._entries.pop(version)
-        if self.backend is not None:
-            self.backend.drop_adapter(bucket_keys.adapter_name(version))
-        shutil.rmtree(path, ignore_errors=True)

@@ -27,11 +27,11 @@ from worker.generate.backend import (
     Completion,
     FinishReason,
     GenerationResult,
-    GenerationTimings,
-    PromptResult,
     UnknownAdapter,
     check_continuations,
     check_sampling_arguments,
+    generation_result,
+    sampled_prompt_ids,
 )
 from worker.model.policy import Policy
 
@@ -209,24 +209,21 @@ class TransformersBackend:
         *,
         adapter: str | None,
         samples_per_prompt: int,
-        max_new_tokens: int,
+        max_completion_length: int,
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
         add_special_tokens: bool = True,
     ) -> GenerationResult:
-        check_sampling_arguments(samples_per_prompt, max_new_tokens, temperature, top_p)
-        prompt_ids = self.tokenize(prompts, add_special_tokens=add_special_tokens)
-        for index, ids in enumerate(prompt_ids):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")
+        check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
+        prompt_ids = sampled_prompt_ids(self, prompts, add_special_tokens)
         started = time.perf_counter()
         model = self._select(adapter)
         rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]
         tokens, logprobs = sample_completions(
             model,
             rows,
-            max_new_tokens=max_new_tokens,
+            max_completion_length=max_completion_length,
             temperature=temperature,
             top_p=top_p,
             seed=seed,
@@ -235,18 +232,10 @@ class TransformersBackend:
             device=self.policy.device,
         )
         elapsed = time.perf_counter() - started
-        results: list[PromptResult] = []
-        for p_index, prompt in enumerate(prompts):
-            completions = []
-            for row in range(p_index * samples_per_prompt, (p_index + 1) * samples_per_prompt):
-                completions.append(self._completion(tokens[row], logprobs[row]))
-            results.append(PromptResult(prompt=prompt, prompt_token_ids=prompt_ids[p_index], completions=completions))
-        timings = GenerationTimings(
-            generate_s=elapsed,
-            prompt_tokens=sum(len(ids) for ids in prompt_ids),
-            completion_tokens=sum(len(ids) for ids in tokens),
-        )
-        return GenerationResult(results=results, adapter=adapter, timings=timings)
+        completions = [self._completion(ids, row_logprobs) for ids, row_logprobs in zip(tokens, logprobs, strict=True)]
+        # Row r is sample r % samples_per_prompt of prompt r // samples_per_prompt.
+        per_prompt = (completions[row : row + samples_per_prompt] for row in range(0, len(rows), samples_per_prompt))
+        return generation_result(prompts, prompt_ids, per_prompt, adapter, elapsed)
 
     @torch.no_grad()
     def generate_from_ids(
@@ -254,19 +243,19 @@ class TransformersBackend:
         sequences: list[list[int]],
         *,
         adapter: str | None,
-        max_new_tokens: list[int],
+        max_completion_lengths: list[int],
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[Completion]:
-        check_continuations(sequences, max_new_tokens, temperature, top_p)
+        check_continuations(sequences, max_completion_lengths, temperature, top_p)
         model = self._select(adapter)
         # One batch to the longest budget; a row's tokens past its own budget are dropped (its earlier tokens and
         # their logprobs do not depend on them).
         tokens, logprobs = sample_completions(
             model,
             sequences,
-            max_new_tokens=max(max_new_tokens),
+            max_completion_length=max(max_completion_lengths),
             temperature=temperature,
             top_p=top_p,
             seed=seed,
@@ -276,7 +265,7 @@ class TransformersBackend:
         )
         return [
             self._completion(ids[:budget], row_logprobs[:budget])
-            for ids, row_logprobs, budget in zip(tokens, logprobs, max_new_tokens, strict=True)
+            for ids, row_logprobs, budget in zip(tokens, logprobs, max_completion_lengths, strict=True)
         ]
 
     def _completion(self, ids: list[int], logprobs: list[float]) -> Completion:
@@ -330,7 +319,7 @@ def sample_completions(
     model: torch.nn.Module,
     prompt_rows: list[list[int]],
     *,
-    max_new_tokens: int,
+    max_completion_length: int,
     temperature: float,
     top_p: float,
     seed: int,
@@ -366,7 +355,7 @@ def sample_completions(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     sampled: list[torch.Tensor] = []
     sampled_logprobs: list[torch.Tensor] = []
-    for step in range(max_new_tokens):
+    for step in range(max_completion_length):
         # temperature 0 (evaluation): greedy, the most likely token, with its untempered logprob
         log_probs = torch.log_softmax(out.logits[:, -1, :].float() / (temperature or 1.0), dim=-1)
         if top_p < 1.0:
@@ -379,7 +368,7 @@ def sample_completions(
         sampled.append(next_tokens)
         sampled_logprobs.append(log_probs.gather(1, next_tokens.unsqueeze(1)).squeeze(1))
         finished = finished | (next_tokens == eos_token_id)
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        if step == max_completion_length - 1 or bool(finished.all()):
             break
         attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=1)
         positions = positions[:, -1:] + 1

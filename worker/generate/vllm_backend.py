@@ -19,7 +19,7 @@ How it maps the :class:`~worker.generate.backend.GenerationBackend` contract ont
   rescoring computes, so an unchanged policy gives an importance ratio of 1.
 - **Stopping.** The engine uses ``generation_config="vllm"``: it ignores the model's
   ``generation_config.json`` (its default sampling settings and any extra stop ids), so a completion stops
-  at the tokenizer's EOS (kept in the completion, with its logprob) or after ``max_new_tokens`` tokens,
+  at the tokenizer's EOS (kept in the completion, with its logprob) or after ``max_completion_length`` tokens,
   exactly like the transformers backend.
 - **Seeds.** vLLM seeds the n children of a request ``seed, seed + 1, ...``; prompt ``p`` of a call uses
   ``seed + p * G`` so that every sample of a call has its own seed, and the same seed gives the same samples.
@@ -51,11 +51,11 @@ from worker.generate.backend import (
     Completion,
     FinishReason,
     GenerationResult,
-    GenerationTimings,
-    PromptResult,
     UnknownAdapter,
     check_continuations,
     check_sampling_arguments,
+    generation_result,
+    sampled_prompt_ids,
 )
 from worker.model.tokenizer import load_tokenizer
 
@@ -310,13 +310,13 @@ class VLLMBackend:
         *,
         adapter: str | None,
         samples_per_prompt: int,
-        max_new_tokens: int,
+        max_completion_length: int,
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
         add_special_tokens: bool = True,
     ) -> GenerationResult:
-        check_sampling_arguments(samples_per_prompt, max_new_tokens, temperature, top_p)
+        check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
@@ -325,14 +325,12 @@ class VLLMBackend:
         if adapter is not None:
             loaded = self._adapter(adapter)
             lora_request = LoRARequest(adapter, loaded.lora_id, loaded.path)
-        prompt_ids = self.tokenize(prompts, add_special_tokens=add_special_tokens)
+        prompt_ids = sampled_prompt_ids(self, prompts, add_special_tokens)
         for index, ids in enumerate(prompt_ids):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) has no tokens; drop empty prompts")
-            if len(ids) + max_new_tokens > self.max_model_len:
+            if len(ids) + max_completion_length > self.max_model_len:
                 raise ValueError(
-                    f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
-                    f"engine's max_model_len={self.max_model_len} (model.max_prompt_length + "
+                    f"prompt {index} has {len(ids)} tokens; with max_completion_length={max_completion_length} it "
+                    f"exceeds the engine's max_model_len={self.max_model_len} (model.max_prompt_length + "
                     "sampling.max_completion_length, at most the model's positions); shorten the prompt or lower "
                     "model.max_prompt_length so that such prompts are rejected before generation"
                 )
@@ -341,7 +339,7 @@ class VLLMBackend:
                 n=samples_per_prompt,
                 temperature=temperature,
                 top_p=top_p,
-                max_tokens=max_new_tokens,
+                max_tokens=max_completion_length,
                 logprobs=0,  # the sampled token's own logprob only
                 seed=_prompt_seed(seed, index, samples_per_prompt),
                 skip_special_tokens=True,
@@ -356,28 +354,20 @@ class VLLMBackend:
             use_tqdm=False,
         )
         elapsed = time.perf_counter() - started
-        results = [
-            PromptResult(prompt=prompt, prompt_token_ids=ids, completions=[_completion(c) for c in output.outputs])
-            for prompt, ids, output in zip(prompts, prompt_ids, outputs, strict=True)
-        ]
-        timings = GenerationTimings(
-            generate_s=elapsed,
-            prompt_tokens=sum(len(ids) for ids in prompt_ids),
-            completion_tokens=sum(len(c.token_ids) for r in results for c in r.completions),
-        )
-        return GenerationResult(results=results, adapter=adapter, timings=timings)
+        completions = ([_completion(c) for c in output.outputs] for output in outputs)
+        return generation_result(prompts, prompt_ids, completions, adapter, elapsed)
 
     def generate_from_ids(
         self,
         sequences: list[list[int]],
         *,
         adapter: str | None,
-        max_new_tokens: list[int],
+        max_completion_lengths: list[int],
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[Completion]:
-        check_continuations(sequences, max_new_tokens, temperature, top_p)
+        check_continuations(sequences, max_completion_lengths, temperature, top_p)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
@@ -387,11 +377,11 @@ class VLLMBackend:
             loaded = self._adapter(adapter)
             lora_request = LoRARequest(adapter, loaded.lora_id, loaded.path)
         for index, ids in enumerate(sequences):
-            if len(ids) + max_new_tokens[index] > self.max_model_len:
+            if len(ids) + max_completion_lengths[index] > self.max_model_len:
                 raise ValueError(
-                    f"a conversation of {len(ids)} tokens with {max_new_tokens[index]} more exceeds the engine's "
-                    f"max_model_len={self.max_model_len}; lower sampling.max_completion_length (the conversation's "
-                    "budget) or model.max_prompt_length"
+                    f"a conversation of {len(ids)} tokens with {max_completion_lengths[index]} more exceeds the "
+                    f"engine's max_model_len={self.max_model_len}; lower sampling.max_completion_length (the "
+                    "conversation's budget) or model.max_prompt_length"
                 )
         params = [
             SamplingParams(
@@ -403,7 +393,7 @@ class VLLMBackend:
                 seed=(seed + index) % (2**63 - 1),
                 skip_special_tokens=True,
             )
-            for index, budget in enumerate(max_new_tokens)
+            for index, budget in enumerate(max_completion_lengths)
         ]
         # Token ids in, token ids out: the conversation so far is never re-tokenized.
         outputs = self.llm.generate(

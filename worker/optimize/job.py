@@ -73,7 +73,7 @@ from asyncgrpo.bucket.layout import (
     write_version,
 )
 from asyncgrpo.protocol.client import ProxyClient, process_incarnation
-from asyncgrpo.protocol.errors import Conflict, NotFound, ProxyError, StepGone
+from asyncgrpo.protocol.errors import Conflict, NotFound, StepGone
 from asyncgrpo.protocol.records import (
     CorrectionFigures,
     FlaggedRollout,
@@ -96,6 +96,7 @@ from asyncgrpo.protocol.schemas import (
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, decode_rollout
+from worker.corrupt_report import report_corrupt
 from worker.optimize.batch import build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
     flag_drifting_rollouts,
@@ -619,22 +620,13 @@ def load_trainer_version(
             bucket, run, version, expected, skip=(bucket_keys.STEP_RECORD_NAME,)
         )
     except IntegrityError as error:
-        report_corrupt(client, version, worker_id, error)
+        report_corrupt(client, version, worker_id, error, role="optimize")
         raise
     loaded = trainer.load_version_files(files)
     if loaded != version:
         key = bucket_keys.manifest_key(run, version)
         raise IntegrityError(f"trainer state of version {version} ({key}) says version {loaded}", key=key)
     hold_version(run, manifest, manifest_sha, files)
-
-
-def report_corrupt(client: ProxyClient, version: int, worker_id: str, error: IntegrityError) -> None:
-    """Tell the proxy about a corrupted object of a published version (it repairs it or halts the run)."""
-    try:
-        answer = client.report_corrupt(version, worker_id, error.key)
-        log.warning("optimize.corrupt_reported", version=version, key=error.key, action=answer.action)
-    except ProxyError as report_error:
-        log.warning("optimize.corrupt_report_failed", version=version, key=error.key, error=str(report_error))
 
 
 def uploaded_attempt(
@@ -657,7 +649,7 @@ def uploaded_attempt(
             read_verified(bucket, manifest.file_key(run, name), entry.sha256)
     except IntegrityError as error:
         if client.run_info().current_version >= step:
-            report_corrupt(client, step, worker_id, error)
+            report_corrupt(client, step, worker_id, error, role="optimize")
         raise
     return manifest_sha
 

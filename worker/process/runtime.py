@@ -50,8 +50,8 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import RunNotFound, load_eval_prompts, load_run
+from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
-from worker.generate.job import AdapterCache
 from worker.process.heartbeat import Heartbeat
 from worker.process.settings import RankSettings, WorkerSettings, process_settings
 

@@ -1,9 +1,9 @@
 """A worker process's Celery tasks, and preemption (the runtime they share is ``worker.process.runtime``).
 
-The tasks are kept thin: validate the JSON message, bind log context, call a plain function, return a small
-JSON result. All the work is in ``worker.generate.job``, ``worker.generate.evaluate`` and
-``worker.optimize.job``. A generate task that failed for good is reported to the proxy
-(``report_task_failure``: cancel it now, count the attempt of its prompts).
+The tasks are kept thin: validate the JSON message, bind log context, run the task (a generate or evaluate task
+is an object built from the worker's runtime), return a small JSON result. All the work is in
+``worker.generate.job``, ``worker.generate.evaluate`` and ``worker.optimize.job``. A generate task that failed
+for good is reported to the proxy (``report_task_failure``: cancel it now, count the attempt of its prompts).
 
 Preemption: a SIGTERM (spot reclaim, ``systemctl stop``) hands the running task back to the queue.
 
@@ -52,18 +52,17 @@ from asyncgrpo.protocol.schemas import (
     StaleRolloutError,
     TaskFailureReport,
 )
-from worker.generate.agent import AgentRun, AgentSetupError
-from worker.generate.backend import GenerationBackend
-from worker.generate.evaluate import run_evaluate_task
-from worker.generate.job import AdapterCache, run_generate_task
+from worker.generate.agent import AgentSetupError
+from worker.generate.evaluate import EvaluateTask
+from worker.generate.job import GenerateTask
+from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
-from worker.model.reward_models import RewardModelError, RewardModels
+from worker.model.reward_models import RewardModelError
 from worker.optimize.job import OptimizeResult, repair_object, run_initialize, run_optimize_step, step_failure_of
 from worker.optimize.ranks import RankLost, leave
 from worker.process import metrics as worker_metrics
 from worker.process.celery_app import app
 from worker.process.runtime import (
-    RunContext,
     WorkerRuntime,
     get_runtime,
     join_ranks,
@@ -307,24 +306,10 @@ def generate(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context, backend, adapter_cache, reward_models, agent = _generation_parts(runtime, message.run)
+        context = _task_context(runtime, message.run)
         settings = runtime.settings
-        worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(backend).__name__)
-        result = run_generate_task(
-            run=message.run,
-            task_id=message.task_id,
-            groups=message.groups,
-            config=context.config,
-            prompts=context.prompts,
-            bucket=runtime.bucket,
-            client=runtime.client,
-            backend=backend,
-            adapter_cache=adapter_cache,
-            worker_id=runtime.settings.worker_id,
-            backend_lock=runtime.adapter_lock,
-            reward_models=reward_models,
-            agent=agent,
-        )
+        worker_metrics.set_worker_info("generate", settings.worker_id, settings.device, type(context.backend).__name__)
+        result = GenerateTask(context, message.task_id, message.groups).run()
         worker_metrics.observe_generate_task(result)
         return result.summary()
 
@@ -339,34 +324,32 @@ def eval_version(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context, backend, adapter_cache, reward_models, agent = _generation_parts(runtime, message.run)
-        result = run_evaluate_task(
-            task_id=message.task_id,
-            config=context.config,
-            eval_prompts=context.eval_prompts,
-            client=runtime.client,
-            backend=backend,
-            adapter_cache=adapter_cache,
-            worker_id=runtime.settings.worker_id,
-            backend_lock=runtime.adapter_lock,
-            reward_models=reward_models,
-            agent=agent,
-        )
-        return result.summary()
+        return EvaluateTask(_task_context(runtime, message.run), message.task_id).run().summary()
 
     summary = _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
     worker_metrics.observe_eval_task(summary["status"])
     return summary
 
 
-def _generation_parts(
-    runtime: WorkerRuntime, run: str
-) -> tuple[RunContext, GenerationBackend, AdapterCache, RewardModels, AgentRun | None]:
-    """The run's context, backend, adapter cache, reward models and [agent] tools, built on first use."""
+def _task_context(runtime: WorkerRuntime, run: str) -> TaskContext:
+    """The context of a generate or evaluate task of ``run``: the worker's parts for it (the run's config and
+    prompts, backend, adapter cache, reward models and [agent] tools), built on first use."""
     with runtime.adapter_lock:  # the prefetcher may be building them right now
         context = runtime.run_context(run)
-        backend, cache = runtime.generation_backend(context), runtime.adapter_cache(context)
-        return context, backend, cache, runtime.run_reward_models(context), runtime.run_agent(context)
+        return TaskContext(
+            run=run,
+            config=context.config,
+            bucket=runtime.bucket,
+            client=runtime.client,
+            backend=runtime.generation_backend(context),
+            adapter_cache=runtime.adapter_cache(context),
+            worker_id=runtime.settings.worker_id,
+            prompts=context.prompts,
+            eval_prompts=context.eval_prompts,
+            backend_lock=runtime.adapter_lock,
+            reward_models=runtime.run_reward_models(context),
+            agent=runtime.run_agent(context),
+        )
 
 
 def _run_generate_role(body: Callable[[WorkerRuntime], dict[str, Any]], *, task_id: str, **context: Any) -> dict:

@@ -180,7 +180,7 @@ class ScriptedBackend:
         ids = self.tokenize([self.turns[turn]], add_special_tokens=False)[0]
         cut = turn in self.cut
         ids = ids if cut else [*ids, self.eos_token_id]
-        ids = ids[: min(options["max_new_tokens"])]
+        ids = ids[: min(options["max_completion_lengths"])]
         finish = "length" if cut or ids[-1] != self.eos_token_id else "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return [Completion(list(ids), [-0.5] * len(ids), finish, text) for _ in sequences]

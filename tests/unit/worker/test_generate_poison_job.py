@@ -47,7 +47,7 @@ def test_a_reward_failing_on_one_group_rejects_that_group_only(
     texts = ["7=", f"{poison}=", "1="]
     groups = [GroupRef(group_id=f"t.{i}", prompt_index=i) for i in range(3)]
     result = backend.generate(
-        texts, adapter=None, samples_per_prompt=SAMPLES, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=1
+        texts, adapter=None, samples_per_prompt=SAMPLES, max_completion_length=4, temperature=1.0, top_p=1.0, seed=1
     )
     kept, samples, tokens, rejected = _score(result, groups, texts, ["7", poison, "1"], config(reward))
     assert [g.group_id for g in kept] == ["t.0", "t.2"]

@@ -36,7 +36,7 @@ def backend(tiny_model_dir: Path) -> TransformersBackend:
 
 
 def sample(backend: TransformersBackend, adapter: str | None, **overrides: object) -> list[tuple]:
-    options = {"samples_per_prompt": 6, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 11}
+    options = {"samples_per_prompt": 6, "max_completion_length": 8, "temperature": 1.0, "top_p": 1.0, "seed": 11}
     options.update(overrides)
     result = backend.generate(PROMPTS, adapter=adapter, **options)
     return [(c.token_ids, c.logprobs) for r in result.results for c in r.completions]
@@ -54,7 +54,7 @@ def test_seeded_sampling_is_reproducible(backend: TransformersBackend) -> None:
 def test_completions_stop_at_eos_or_length(backend: TransformersBackend) -> None:
     eos = backend.eos_token_id
     result = backend.generate(
-        PROMPTS, adapter=None, samples_per_prompt=16, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=0
+        PROMPTS, adapter=None, samples_per_prompt=16, max_completion_length=6, temperature=1.0, top_p=1.0, seed=0
     )
     assert [r.prompt for r in result.results] == PROMPTS
     reasons = set()
@@ -77,7 +77,7 @@ def test_completions_stop_at_eos_or_length(backend: TransformersBackend) -> None
 def test_logprobs_are_the_sampling_distribution(backend: TransformersBackend, temperature: float) -> None:
     """Each logprob equals log_softmax(logits / T) of a plain full forward over prompt + completion."""
     result = backend.generate(
-        PROMPTS, adapter=None, samples_per_prompt=4, max_new_tokens=8, temperature=temperature, top_p=1.0, seed=3
+        PROMPTS, adapter=None, samples_per_prompt=4, max_completion_length=8, temperature=temperature, top_p=1.0, seed=3
     )
     model = backend.policy.model
     for prompt_result in result.results:
@@ -93,7 +93,7 @@ def test_logprobs_are_the_sampling_distribution(backend: TransformersBackend, te
 
 def test_tiny_top_p_is_greedy_with_logprob_zero(backend: TransformersBackend) -> None:
     result = backend.generate(
-        ["7="], adapter=None, samples_per_prompt=3, max_new_tokens=4, temperature=1.0, top_p=1e-6, seed=0
+        ["7="], adapter=None, samples_per_prompt=3, max_completion_length=4, temperature=1.0, top_p=1e-6, seed=0
     )
     completions = result.results[0].completions
     assert completions[0].token_ids == completions[1].token_ids == completions[2].token_ids
@@ -162,10 +162,12 @@ def test_a_new_version_reuses_a_dropped_adapters_layers_exactly(tiny_model_dir: 
 
 def test_bad_arguments_are_rejected(backend: TransformersBackend, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no tokens"):
-        backend.generate([""], adapter=None, samples_per_prompt=2, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
+        backend.generate(
+            [""], adapter=None, samples_per_prompt=2, max_completion_length=2, temperature=1.0, top_p=1.0, seed=0
+        )
     with pytest.raises(ValueError, match="temperature"):
         backend.generate(
-            ["1="], adapter=None, samples_per_prompt=2, max_new_tokens=2, temperature=-0.5, top_p=1.0, seed=0
+            ["1="], adapter=None, samples_per_prompt=2, max_completion_length=2, temperature=-0.5, top_p=1.0, seed=0
         )
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json is missing"):
         backend.load_adapter("v9", 9, tmp_path)
@@ -175,7 +177,13 @@ def test_temperature_zero_is_greedy(backend: TransformersBackend) -> None:
     """Evaluation's default: every sample of a prompt is the argmax path, whatever the seed."""
     results = [
         backend.generate(
-            ["1=", "7="], adapter=None, samples_per_prompt=3, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=seed
+            ["1=", "7="],
+            adapter=None,
+            samples_per_prompt=3,
+            max_completion_length=5,
+            temperature=0.0,
+            top_p=1.0,
+            seed=seed,
         )
         for seed in (0, 1)
     ]

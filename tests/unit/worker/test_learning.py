@@ -57,7 +57,7 @@ def synchronous_grpo(
             tokens, logprobs = sample_completions(
                 trainer.model,
                 rows,
-                max_new_tokens=config.sampling.max_completion_length,
+                max_completion_length=config.sampling.max_completion_length,
                 temperature=config.sampling.temperature,
                 top_p=config.sampling.top_p,
                 seed=seed * 100_000 + step,

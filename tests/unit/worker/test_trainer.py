@@ -54,7 +54,7 @@ def test_rescoring_matches_the_generator(tiny_model_dir: Path, tmp_path: Path) -
         ["7=", "3=", "45=", "0="],
         adapter="v1",
         samples_per_prompt=8,
-        max_new_tokens=16,
+        max_completion_length=16,
         temperature=0.8,
         top_p=1.0,
         seed=5,
