@@ -1,5 +1,8 @@
 """Fixtures live in role-named plugin modules; this file loads them, and sets how this process logs."""
 
+import multiprocessing.process
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -37,3 +40,24 @@ def fresh_worker_settings() -> Iterator[None]:
     process_settings.cache_clear()
     yield
     process_settings.cache_clear()
+
+
+# `make test-fast` sets this: its layer (unit and contract tests) starts no process of its own, so a test that
+# does fails there with the marker it needs. Services the session shares (Redis, SeaweedFS) start in
+# session-scoped fixtures, before this one, and are allowed.
+NO_PROCESSES_ENV = "ASYNCGRPO_TESTS_NO_PROCESSES"
+
+
+@pytest.fixture(autouse=True)
+def no_processes_in_the_fast_layer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.environ.get(NO_PROCESSES_ENV) != "1" or request.node.get_closest_marker("processes"):
+        return
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.processes "
+            f"(the fast layer, {NO_PROCESSES_ENV}=1, runs none)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

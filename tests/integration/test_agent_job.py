@@ -1,4 +1,4 @@
-"""The generate and evaluate jobs of an [agent] run with real parts (the tiny agent model, a real tool process,
+"""The generate and eval jobs of an [agent] run with real parts (the tiny agent model, a real tool process,
 FileBucket, the adapter cache) and recording stand-ins for the proxy: the rollout holds each conversation with its
 mask and its own prompt, the header holds turns and tool calls, each environment's reward is a reward named after
 it, a group whose environment fails to start is rejected with the reason while the task goes on, a tool process
@@ -24,7 +24,7 @@ from tests.integration.test_generate_job import RecordingProxy
 from worker.algo.rollout import decode_rollout
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.agent import AgentRun, AgentSetupError, check_agent_of, tool_process_count
-from worker.generate.evaluate import EvaluateTask
+from worker.generate.evals import EvalTask
 from worker.generate.job import GenerateResult, GenerateTask
 from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
@@ -274,7 +274,7 @@ def test_evaluation_runs_the_same_conversations_and_scores_the_environment_rewar
         worker_id="gen-1",
         agent=agent,
     )
-    result = EvaluateTask(context, "eval-0").run()
+    result = EvalTask(context, "eval-0").run()
     assert result.status == "recorded"
     summary = proxy.results[0].summary
     # Counter.reset raises on "explode": that prompt fails, the other three are conversations, 4 each.

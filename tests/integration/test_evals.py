@@ -2,7 +2,7 @@
 give-up, GC protection, restart and rebuild, the HTTP routes and the ``/metrics`` gauges.
 
 Real private Redis, FileBucket, manual clock, the recording dispatcher (``tests/support/proxy_harness.py``); the
-worker's side is played by calling the coordinator (or the HTTP app) the way ``worker.generate.evaluate`` does.
+worker's side is played by calling the coordinator (or the HTTP app) the way ``worker.generate.evals`` does.
 """
 
 from __future__ import annotations

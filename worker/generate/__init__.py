@@ -1,11 +1,11 @@
 """The generate role: lease a version, sample, score, write one rollout, submit it.
 
 Modules:
-    task_context          what a generate or evaluate task works with (the worker's parts for its run), and the
+    task_context          what a generate or eval task works with (the worker's parts for its run), and the
                           set-up both make: the lease renewed, the leased version's adapter fetched and loaded
     job                   one generate task as an object, its phases in order: lease, prompts, sample (or
                           converse), score, write, submit
-    evaluate              one evaluate task ([eval]) as an object: lease the version, sample and score held-out
+    evals                 one eval task ([eval]) as an object: lease the version, sample and score held-out
                           prompts, post sums; the unbiased pass@k estimator and which k are reported
     adapter_cache         the local LRU cache of verified adapter versions (at most max_staleness + 2)
     backend               the generation backend interface and its result types; the exact prompt text fed to

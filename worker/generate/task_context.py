@@ -1,4 +1,4 @@
-"""What a generate or evaluate task works with (``TaskContext``), and the set-up both make: keep the task's
+"""What a generate or eval task works with (``TaskContext``), and the set-up both make: keep the task's
 lease alive (``LeaseRenewer``) and get the leased version's adapter into the backend.
 
 The context is the worker's parts for one run, which the worker's runtime builds once per run and the Celery
@@ -34,7 +34,7 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class TaskContext:
-    """The worker's parts a generate or evaluate task of ``run`` works with."""
+    """The worker's parts a generate or eval task of ``run`` works with."""
 
     run: str
     config: RunConfig
@@ -46,7 +46,7 @@ class TaskContext:
     prompts: list[dict[str, Any]] = field(default_factory=list)
     """The run's training prompts (a generate task's groups index them)."""
     eval_prompts: list[dict[str, Any]] = field(default_factory=list)
-    """The held-out prompts of ``[eval]`` (an evaluate task samples a slice of them)."""
+    """The held-out prompts of ``[eval]`` (an eval task samples a slice of them)."""
     backend_lock: AbstractContextManager[object] | None = None
     """Held while a task loads its adapter and samples: the lock the worker's adapter prefetcher
     (``worker.process.runtime``) holds to load a version, so neither sees the other half-done."""

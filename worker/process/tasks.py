@@ -1,8 +1,8 @@
 """A worker process's Celery tasks, and preemption (the runtime they share is ``worker.process.runtime``).
 
-The tasks are kept thin: validate the JSON message, bind log context, run the task (a generate or evaluate task
+The tasks are kept thin: validate the JSON message, bind log context, run the task (a generate or eval task
 is an object built from the worker's runtime), return a small JSON result. All the work is in
-``worker.generate.job``, ``worker.generate.evaluate`` and ``worker.optimize.job``. A generate task that failed
+``worker.generate.job``, ``worker.generate.evals`` and ``worker.optimize.job``. A generate task that failed
 for good is reported to the proxy (``report_task_failure``: cancel it now, count the attempt of its prompts).
 
 Preemption: a SIGTERM (spot reclaim, ``systemctl stop``) hands the running task back to the queue.
@@ -53,7 +53,7 @@ from asyncgrpo.protocol.schemas import (
     TaskFailureReport,
 )
 from worker.generate.agent import AgentSetupError
-from worker.generate.evaluate import EvaluateTask
+from worker.generate.evals import EvalTask
 from worker.generate.job import GenerateTask
 from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
@@ -324,7 +324,7 @@ def eval_version(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("generate", message.task_id, message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        return EvaluateTask(_task_context(runtime, message.run), message.task_id).run().summary()
+        return EvalTask(_task_context(runtime, message.run), message.task_id).run().summary()
 
     summary = _run_generate_role(body, run=message.run, task_id=message.task_id, version=message.version)
     worker_metrics.observe_eval_task(summary["status"])
@@ -332,7 +332,7 @@ def eval_version(**payload: Any) -> dict[str, Any]:
 
 
 def _task_context(runtime: WorkerRuntime, run: str) -> TaskContext:
-    """The context of a generate or evaluate task of ``run``: the worker's parts for it (the run's config and
+    """The context of a generate or eval task of ``run``: the worker's parts for it (the run's config and
     prompts, backend, adapter cache, reward models and [agent] tools), built on first use."""
     with runtime.adapter_lock:  # the prefetcher may be building them right now
         context = runtime.run_context(run)

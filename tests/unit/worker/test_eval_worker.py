@@ -10,7 +10,7 @@ from asyncgrpo.cli.status import eval_line
 from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 from asyncgrpo.run.config import RunConfig
 from worker.generate.backend import Completion, GenerationResult, PromptResult
-from worker.generate.evaluate import pass_at_k, reported_ks, summarize
+from worker.generate.evals import pass_at_k, reported_ks, summarize
 
 
 def test_pass_at_k_is_the_unbiased_estimator() -> None:

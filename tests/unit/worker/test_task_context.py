@@ -1,4 +1,4 @@
-"""A generate or evaluate task's set-up (``TaskContext.leased_adapter``) and the corrupt-object report both roles
+"""A generate or eval task's set-up (``TaskContext.leased_adapter``) and the corrupt-object report both roles
 make (``worker.corrupt_report``): a real file bucket, a real adapter cache; the proxy and the backend are
 recording fakes (only what they were asked is checked)."""
 

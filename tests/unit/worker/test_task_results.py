@@ -14,7 +14,7 @@ import structlog
 from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import TaskFailureReport, TaskFailureResult
-from worker.generate.evaluate import EvaluateResult
+from worker.generate.evals import EvalResult
 from worker.generate.job import GenerateResult
 from worker.optimize.job import OptimizeResult
 from worker.process import metrics as worker_metrics
@@ -50,7 +50,7 @@ def _count(name: str, **labels: str) -> float:
 
 
 def test_an_eval_task_that_recorded_its_result_ends_as_done_and_reports_nothing(runtime: WorkerRuntime) -> None:
-    summary = EvaluateResult("eval-r-v2-0", "recorded", 2, prompts=3, chunks_left=1, reward_mean=0.5).summary()
+    summary = EvalResult("eval-r-v2-0", "recorded", 2, prompts=3, chunks_left=1, reward_mean=0.5).summary()
     errors_before = sum(_count("asyncgrpo_worker_errors_total", kind=k) for k in worker_metrics.ERROR_KINDS)
     with structlog.testing.capture_logs() as logs:
         answer = tasks._run_generate_role(lambda _: summary, task_id="eval-r-v2-0", version=2)
@@ -65,7 +65,7 @@ def test_an_eval_task_that_recorded_its_result_ends_as_done_and_reports_nothing(
 @pytest.mark.parametrize(
     "summary",
     [
-        EvaluateResult("t", "recorded", 1).summary(),
+        EvalResult("t", "recorded", 1).summary(),
         GenerateResult("t", "admitted", 1, groups=1, samples=2, tokens=3, reused_rollout=False).summary(),
         OptimizeResult(step=1, status="published", version=1).summary(),
     ],

@@ -1,4 +1,4 @@
-"""One evaluate task (``[eval]``) as an object (``EvaluateTask``): lease the version, sample the held-out prompts of
+"""One eval task (``[eval]``) as an object (``EvalTask``): lease the version, sample the held-out prompts of
 the task, score them, post the chunk's summary to the proxy.
 
 It runs on a generate worker between its generate tasks, with the same backend, adapter cache and backend lock,
@@ -37,8 +37,8 @@ log = structlog.get_logger()
 
 
 @dataclass
-class EvaluateResult:
-    """What one evaluate task did; the Celery task logs and returns its ``summary()``."""
+class EvalResult:
+    """What one eval task did; the Celery task logs and returns its ``summary()``."""
 
     task_id: str
     status: str  # recorded | ended (the proxy no longer wanted it)
@@ -60,8 +60,8 @@ class EvaluateResult:
         }
 
 
-class EvaluateTask:
-    """One evaluate task: ``run()`` (once) leases the version the proxy names for the task and walks the phases top to
+class EvalTask:
+    """One eval task: ``run()`` (once) leases the version the proxy names for the task and walks the phases top to
     bottom, on the task's slice of the run's held-out prompts (``TaskContext.eval_prompts``). The context's reward
     models score when the eval rewards include one; with [agent], the eval prompts are conversations too."""
 
@@ -72,13 +72,13 @@ class EvaluateTask:
         self.originals: dict[int, dict[str, Any]] = {}  # each fed record's stored record, by the fed one's id
         self.add_special_tokens = True  # False for chat-templated text (``FedPrompts.add_special_tokens``)
 
-    def run(self) -> EvaluateResult:
+    def run(self) -> EvalResult:
         context = self.context
         try:
             grant = context.client.eval_lease(self.task_id, context.worker_id)
         except Cancelled as error:
             log.info("generate.eval_skipped", task_id=self.task_id, reason=str(error))
-            return EvaluateResult(self.task_id, "ended")
+            return EvalResult(self.task_id, "ended")
         prompts = context.eval_prompts[grant.prompt_start : grant.prompt_start + grant.prompt_count]
         with context.leased_adapter(grant.lease_id, grant.ttl_s, grant.version, grant.manifest_sha256) as (_, adapter):
             usable, chats = self.prompts(prompts)
@@ -178,7 +178,7 @@ class EvaluateTask:
             environment_rewards=environment_rewards(context.agent) if context.agent is not None else [],
         )
 
-    def post(self, grant: EvalLeaseGrant, summary: EvalChunkSummary) -> EvaluateResult:
+    def post(self, grant: EvalLeaseGrant, summary: EvalChunkSummary) -> EvalResult:
         """Post the chunk's summary to the proxy, which merges a version's chunks (the lease is released)."""
         client = self.context.client
         request = EvalResultRequest(worker_id=self.context.worker_id, lease_id=grant.lease_id, summary=summary)
@@ -189,9 +189,9 @@ class EvaluateTask:
             # another worker: the proxy changed nothing, and its own timeouts cover the task.
             log.info("generate.eval_result_refused", task_id=self.task_id, reason=str(error))
             release_quietly(client, grant.lease_id)
-            return EvaluateResult(self.task_id, "ended", grant.version)
+            return EvalResult(self.task_id, "ended", grant.version)
         reward_mean = summary.reward_sum / summary.completions if summary.completions else None
-        return EvaluateResult(
+        return EvalResult(
             self.task_id,
             "recorded",
             grant.version,
