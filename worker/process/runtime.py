@@ -55,6 +55,7 @@ from asyncgrpo.run.creation import RunNotFound, load_eval_prompts, load_run
 from worker.generate.backend import GenerationBackend
 from worker.generate.job import AdapterCache
 from worker.process.heartbeat import Heartbeat
+from worker.process.metrics import MetricsEndpoint
 from worker.process.preemption import Preemption
 from worker.process.settings import RankSettings, WorkerSettings, process_settings
 
@@ -101,6 +102,7 @@ class WorkerRuntime:
     ranks: Ranks | None = None  # on optimize workers: the ranks this process joined (once: a process group is one)
     idle_since: float | None = None  # when the last task ended (or the worker became ready), for the idle metric
     preemption: Preemption = field(default_factory=Preemption)  # SIGTERM: the running task goes back to its queue
+    metrics: MetricsEndpoint = field(default_factory=MetricsEndpoint)  # the process's /metrics endpoint
     current_task: str | None = None
     heartbeat: Heartbeat | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)

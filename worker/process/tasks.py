@@ -127,7 +127,7 @@ def _on_worker_ready(**_: Any) -> None:
     configure_logging(log_format=settings.log_format, level=settings.log_level, role=role, worker=settings.worker_id)
     if runtime.settings.torch_threads is not None:
         torch.set_num_threads(runtime.settings.torch_threads)
-    worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
+    runtime.metrics.start(runtime.settings.metrics_port, role=role)
     runtime.preemption.install(runtime.settings.soft_shutdown_s)
     if role == "optimize" and RankSettings().world_size > 1:  # the other ranks wait for this one to join
         runtime.join_ranks()
