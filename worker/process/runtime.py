@@ -1,13 +1,12 @@
 """What a worker process builds once and keeps, and the thread that keeps its adapters current.
 
-The runtime (``WorkerRuntime``) holds the bucket, proxy client, the run's
-config and prompts, the model (a generation backend or a trainer and its ``Optimizer``), the adapter cache,
-the heartbeat, the ranks, the preemption state and, on generate workers, the adapter prefetcher with the lock
-it shares with the generate task. One per process, kept on the process's Celery app (``get_runtime``), not in
-a module global. Built lazily on the
-first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker with the prefetcher on, by
-the prefetcher's thread when it sees the first published version; kept for the life of the process: the base
-model is loaded once, only adapters change between tasks.
+The runtime (``WorkerRuntime``) holds the bucket, proxy client, the run's config and prompts, the model (a
+generation backend or a trainer and its ``Optimizer``), the adapter cache, the heartbeat, the ranks, the
+preemption state, the metrics endpoint and, on generate workers, the adapter prefetcher with the lock it shares
+with the generate task. One per process, kept on the process's Celery app (``get_runtime``), not in a module
+global. Built lazily on the first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker
+with the prefetcher on, by the prefetcher's thread when it sees the first published version; kept for the life
+of the process: the base model is loaded once, only adapters change between tasks.
 
 The prefetcher (``AdapterPrefetcher``): each new adapter version is loaded as soon as it is published, from a
 background thread of a generate worker.
