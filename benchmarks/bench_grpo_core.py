@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -280,23 +281,39 @@ def main() -> None:
     }))
 
 
+def _kept_v0(trainer: Trainer) -> dict[str, Any]:
+    """``rescore_planned``'s keyword holding version 0's weights, as the job keeps them after writing it (the
+    optimizer's ``RecentAdapterWeights``; a module global in commits before it)."""
+    weights = [p.detach().clone() for p in trainer.lora_parameters]
+    try:
+        from worker.optimize.rescore import RecentAdapterWeights
+    except ImportError:
+        from worker.optimize.rescore import remember_adapter_weights
+
+        remember_adapter_weights("bench", 0, weights)
+        return {}
+    recent = RecentAdapterWeights()
+    recent.remember("bench", 0, weights)
+    return {"recent": recent}
+
+
 def _steady_rescore(
     trainer: Trainer, config: RunConfig, samples: list[TrainSample], group: int, tmp: Path
 ) -> Callable[[], object] | None:
     """The job's rescoring of a steady-state batch (half the rollouts one version stale), if it has a plan."""
     try:
-        from worker.optimize.rescore import plan_rescoring, remember_adapter_weights, rescore_planned
+        from worker.optimize.rescore import plan_rescoring, rescore_planned
     except ImportError:  # before rescore_stale_fraction existed
         return None
     bucket = open_bucket(f"file://{tmp / 'bucket'}")
-    remember_adapter_weights("bench", 0, [p.detach().clone() for p in trainer.lora_parameters])  # as the job does
+    kept = _kept_v0(trainer)
     rollouts = _as_rollouts(samples, group, [1, 0])
     owners = [index for index, r in enumerate(rollouts) for _ in r.samples]
 
     def action() -> None:
         plan = plan_rescoring(trainer, rollouts, owners, base_version=1, first_update=range(len(samples)),
                               fraction=config.loss.rescore_stale_fraction, seed=0)
-        rescore_planned(trainer, bucket, "bench", 1, rollouts, samples, plan)
+        rescore_planned(trainer, bucket, "bench", 1, rollouts, samples, plan, **kept)
 
     return action
 
@@ -313,6 +330,7 @@ def _steady_corrected(
     if "corrected" not in {f.name for f in dataclasses.fields(TrainSample)}:  # before the correction existed
         return None
     bucket = open_bucket(f"file://{tmp / 'bucket-corrected'}")
+    kept = _kept_v0(trainer)
     rollouts = _as_rollouts(samples, group, [1, 0])
     for rollout in rollouts:
         rollout.extra.sampler = "vllm"
@@ -322,7 +340,7 @@ def _steady_corrected(
     def rescore() -> None:
         plan = plan_rescoring(trainer, rollouts, owners, base_version=1, first_update=range(len(corrected)),
                               fraction=config.loss.rescore_stale_fraction, seed=0, samples=corrected)
-        rescore_planned(trainer, bucket, "bench", 1, rollouts, corrected, plan)
+        rescore_planned(trainer, bucket, "bench", 1, rollouts, corrected, plan, **kept)
 
     rescore()  # the stale samples' denominators, as the job sets them before the step
     return rescore, lambda: trainer.step(corrected)

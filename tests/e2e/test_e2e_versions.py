@@ -21,7 +21,7 @@ from asyncgrpo.run.creation import load_run
 from tests.support.e2e_harness import records_of, version_reached, wait_for
 from tests.support.fixtures_s3 import open_env_bucket
 from worker.model.policy import Policy
-from worker.optimize.job import run_optimize_step
+from worker.optimize.job import Optimizer
 from worker.optimize.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -79,17 +79,7 @@ def test_a_paused_attempt_cannot_tear_the_version_another_published(
         message = OptimizeTaskMessage(
             run=cluster.run, step=step, base_version=batch.base_version, rollouts=batch.rollouts
         )
-        result = run_optimize_step(
-            run=cluster.run,
-            step=step,
-            base_version=message.base_version,
-            rollout_refs=message.rollouts,
-            config=config,
-            trainer=trainer,
-            bucket=bucket,
-            client=client,
-            worker_id="opt-other",
-        )
+        result = Optimizer(cluster.run, config, trainer, bucket, client, "opt-other").run_task(message)
         assert result.status == "published"
         # Read while the zombie is paused: nothing else trains, so retention cannot collect the version yet.
         manifest, _ = read_manifest(bucket, cluster.run, step)

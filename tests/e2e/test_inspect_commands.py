@@ -24,8 +24,7 @@ from tests.support.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from tests.support.fixtures_redis import free_port
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.transformers_backend import TransformersBackend
-from worker.process import runtime as runtime_module
-from worker.process.celery_app import control_exchange
+from worker.process.celery_app import app, control_exchange
 from worker.process.runtime import RunContext, WorkerRuntime
 from worker.process.settings import WorkerSettings, process_settings
 
@@ -55,7 +54,7 @@ def generate_runtime(
         _, sha = write_version(bucket, RUN, version, files, {})
         cache.get(version, sha)
     runtime.adapter_caches[RUN] = cache
-    monkeypatch.setattr(runtime_module, "_runtime", runtime)
+    monkeypatch.setattr(app, "runtime", runtime)
     yield runtime
 
 

@@ -199,6 +199,7 @@ def test_the_worker_starts_a_prefetcher_only_on_generate_workers_with_the_settin
 ) -> None:
     from tests.support.fixtures_redis import free_port
     from worker.process import runtime
+    from worker.process.celery_app import app
 
     monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
     monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "cache"))
@@ -206,7 +207,7 @@ def test_the_worker_starts_a_prefetcher_only_on_generate_workers_with_the_settin
     monkeypatch.setenv("ASYNCGRPO_PREFETCH_WAIT_S", "0.5")
 
     def started(role: str, setting: str) -> AdapterPrefetcher | None:
-        monkeypatch.setattr(runtime, "_runtime", None)
+        monkeypatch.setattr(app, "runtime", None)
         process_settings.cache_clear()  # the environment above is this test's worker process's
         monkeypatch.setenv("ASYNCGRPO_PREFETCH_ADAPTERS", setting)
         runtime.start_prefetcher(role)

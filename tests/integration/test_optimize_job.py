@@ -22,7 +22,9 @@ from asyncgrpo.protocol.records import RolloutExtra, StepRecord
 from asyncgrpo.protocol.schemas import (
     CorruptResult,
     GroupRef,
+    OptimizeTaskMessage,
     PublishRequest,
+    RepairTaskMessage,
     RolloutRef,
     StaleRolloutError,
     StepStartRequest,
@@ -35,7 +37,7 @@ from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.optimize import rescore
 from worker.optimize.batch import build_train_samples
-from worker.optimize.job import run_optimize_step
+from worker.optimize.job import Optimizer
 from worker.optimize.trainer import Trainer
 from worker.optimize.trainer_state import VERSION_FILE_NAMES as ADAPTER_VERSION_FILES
 
@@ -168,10 +170,7 @@ def test_rollout_from_wrong_weights_is_flagged_with_its_worker(
     bad = make_rollout(bucket, backend, "impostor", "t-bad", "gen-bad", 0)
     proxy = RecordingProxy(current_version=0)
 
-    result = run_optimize_step(
-        run=RUN, step=1, base_version=0, rollout_refs=[good, bad], config=config(), trainer=trainer,
-        bucket=bucket, client=proxy, worker_id="opt-1",
-    )
+    result = Optimizer(RUN, config(), trainer, bucket, proxy, "opt-1").step(1, 0, [good, bad])
 
     assert result.status == "published" and proxy.published[0].version == 1
     assert result.record is not None
@@ -195,10 +194,7 @@ def test_too_stale_rollout_never_reaches_a_gradient(
     before = [p.detach().clone() for p in trainer.lora_parameters]
 
     with pytest.raises(StaleRolloutError, match="max_staleness=1"):
-        run_optimize_step(
-            run=RUN, step=3, base_version=2, rollout_refs=[stale], config=config(), trainer=trainer,
-            bucket=bucket, client=proxy, worker_id="opt-1",
-        )
+        Optimizer(RUN, config(), trainer, bucket, proxy, "opt-1").step(3, 2, [stale])
     assert proxy.published == [] and bucket.head(bucket_keys.manifest_key(RUN, 3)) is None
     assert all((p == b).all() for p, b in zip(trainer.lora_parameters, before, strict=True))
 
@@ -207,10 +203,7 @@ def test_redelivered_step_that_is_published_is_a_no_op(setup: tuple[Trainer, Buc
     # Version 1 is published and already collected (no files, no step record): nothing to do, no error.
     trainer, bucket, _ = setup
     proxy = RecordingProxy(current_version=1)
-    result = run_optimize_step(
-        run=RUN, step=1, base_version=0, rollout_refs=[], config=config(), trainer=trainer,
-        bucket=bucket, client=proxy, worker_id="opt-2",
-    )
+    result = Optimizer(RUN, config(), trainer, bucket, proxy, "opt-2").step(1, 0, [])
     assert result.status == "already_published" and proxy.published == []
 
 
@@ -233,10 +226,7 @@ def test_conflict_on_our_own_adopted_upload_still_records_the_step(
     ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
     proxy = ProxyThatAdoptedOurUpload(current_version=0)
 
-    result = run_optimize_step(
-        run=RUN, step=1, base_version=0, rollout_refs=[ref], config=config(), trainer=trainer,
-        bucket=bucket, client=proxy, worker_id="opt-1",
-    )
+    result = Optimizer(RUN, config(), trainer, bucket, proxy, "opt-1").step(1, 0, [ref])
     assert result.status == "published" and trainer.version == 1
     # The returned record is the stored one, plus the upload time only this attempt measured.
     assert result.record is not None and result.record.step == 1 and result.record.timings.upload_s is not None
@@ -255,24 +245,22 @@ def test_wrong_weights_are_flagged_fresh_and_stale_with_default_rescoring(
     backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
     refs = [make_rollout(bucket, backend, "v0", "t-v0-good", "gen-a", 0),
             make_rollout(bucket, backend, "impostor", "t-v0-bad", "gen-b", 0)]
-    rescore._recent_adapter_weights.clear()  # v0 must come from the bucket, as on a fresh worker
+    optimizer = Optimizer(RUN, cfg, trainer, bucket, RecordingProxy(current_version=0), "opt-1")
+    assert optimizer.recent.versions(RUN) == []  # v0 must come from the bucket, as on a fresh worker
     for step in (1, 2):  # each version differs from the last, so rescoring under the wrong one would drift
         version_dir = tmp_path / f"v{step}"
-        published = run_optimize_step(
-            run=RUN, step=step, base_version=step - 1, rollout_refs=refs[:1], config=cfg, trainer=trainer,
-            bucket=bucket, client=RecordingProxy(current_version=step - 1), worker_id="opt-1",
-        )
+        optimizer.client = RecordingProxy(current_version=step - 1)
+        published = optimizer.step(step, step - 1, refs[:1])
         assert published.status == "published"
         fetch_version(bucket, RUN, step, version_dir)
         backend.load_adapter(f"v{step}", step, version_dir)
         refs += [make_rollout(bucket, backend, f"v{step}", f"t-v{step}-good", "gen-a", step),
                  make_rollout(bucket, backend, "impostor", f"t-v{step}-bad", "gen-b", step)]
-    rescore._recent_adapter_weights.pop((RUN, 0))
+    assert optimizer.recent.versions(RUN) == [0, 1, 2]  # v1 and v2 kept when written, v0 when read for step 2
+    optimizer.recent.forget(RUN, 0)
 
-    result = run_optimize_step(
-        run=RUN, step=3, base_version=2, rollout_refs=refs, config=cfg, trainer=trainer,
-        bucket=bucket, client=RecordingProxy(current_version=2), worker_id="opt-1",
-    )
+    optimizer.client = RecordingProxy(current_version=2)
+    result = optimizer.step(3, 2, refs)
 
     record = result.record
     assert record is not None and result.status == "published"
@@ -304,10 +292,7 @@ def test_rescoring_everything_and_dropout_fall_back_to_separate_forwards(
         run_bucket = open_bucket(f"file://{tmp_path / f'b{rescored}-{reused}'}")
         for ref in refs:
             run_bucket.put(ref.key, bucket.get(ref.key))
-        result = run_optimize_step(
-            run=RUN, step=1, base_version=0, rollout_refs=refs, config=cfg, trainer=trainer,
-            bucket=run_bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
-        )
+        result = Optimizer(RUN, cfg, trainer, run_bucket, RecordingProxy(current_version=0), "opt-1").step(1, 0, refs)
         assert result.record is not None
         assert [f.task_id for f in result.record.flagged_rollouts] == ["t-bad"]
         assert (result.record.rescored_sequences, result.record.reused_sequences) == (rescored, reused)
@@ -324,10 +309,7 @@ def test_a_published_step_writes_metrics_from_memory_without_rereading(
     plain_get = bucket.get
     bucket.get = lambda key: reads.append(key) or plain_get(key)  # type: ignore[method-assign]
 
-    result = run_optimize_step(
-        run=RUN, step=1, base_version=0, rollout_refs=[ref], config=config(), trainer=trainer,
-        bucket=bucket, client=RecordingProxy(current_version=0), worker_id="opt-1",
-    )
+    result = Optimizer(RUN, config(), trainer, bucket, RecordingProxy(current_version=0), "opt-1").step(1, 0, [ref])
 
     # The probe for an earlier upload of the step (absent), the rollout, write_version's own create-only probe;
     # nothing read back after publishing (manifest and record used to be re-read to copy the record).
@@ -375,19 +357,22 @@ def test_rescoring_under_an_older_version_is_pinned_to_the_sha_the_proxy_publish
     """The bucket's manifest of version 0 is not the one the proxy recorded (another attempt's, or replaced):
     its weights are never used to rescore."""
     trainer, bucket, _ = setup
-    rescore.forget_adapter_weights(RUN, 0)
+    recent = rescore.RecentAdapterWeights()  # nothing kept: version 0 is read from the bucket
     sample = RolloutSample(0, [1], [2, 3], [-1.0, -1.0], 0.0, 0.0, "length")
     stale = Rollout(RUN, "t0", 0, "gen", [GroupRef(group_id="g", prompt_index=0)], [sample])
     plan = rescore.RescorePlan(separate={0: [0]})
     train_samples, _ = build_train_samples([stale])
     with pytest.raises(IntegrityError, match="not the one the proxy published"):
         rescore.rescore_planned(
-            trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: "0" * 64
+            trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: "0" * 64,
+            recent=recent,
         )
+    assert recent.versions(RUN) == []  # weights that failed the check are never kept
     scored = rescore.rescore_planned(
-        trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: V0_SHA[0]
+        trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: V0_SHA[0],
+        recent=recent,
     )
-    assert list(scored) == [0]
+    assert list(scored) == [0] and recent.versions(RUN) == [0]
 
 
 def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weighted(
@@ -404,11 +389,10 @@ def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weigh
     noisy = make_rollout(bucket, backend, "v0", "t-v0-vllm", "gen-v", 0, noise=0.3, sampler="vllm")
     plain = make_rollout(bucket, backend, "v0", "t-v0-hf", "gen-t", 0, sampler="transformers")
     refs = [noisy, plain]
+    optimizer = Optimizer(RUN, cfg, trainer, bucket, RecordingProxy(current_version=0), "opt-1")
     for step in (1, 2):
-        published = run_optimize_step(
-            run=RUN, step=step, base_version=step - 1, rollout_refs=[plain], config=cfg, trainer=trainer,
-            bucket=bucket, client=RecordingProxy(current_version=step - 1), worker_id="opt-1",
-        )
+        optimizer.client = RecordingProxy(current_version=step - 1)
+        published = optimizer.step(step, step - 1, [plain])
         assert published.status == "published"
         fetch_version(bucket, RUN, step, tmp_path / f"v{step}")
         backend.load_adapter(f"v{step}", step, tmp_path / f"v{step}")
@@ -423,7 +407,7 @@ def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weigh
         trainer, rollouts, owners, base_version=2, first_update=range(len(samples)), fraction=0.25, seed=0,
         samples=samples,
     )
-    rescore.rescore_planned(trainer, bucket, RUN, 2, rollouts, samples, plan)
+    rescore.rescore_planned(trainer, bucket, RUN, 2, rollouts, samples, plan, recent=optimizer.recent)
     by_task = {rollouts[owner].task_id: [] for owner in owners}
     for sample, owner in zip(samples, owners, strict=True):
         by_task[rollouts[owner].task_id].append(sample)
@@ -437,10 +421,8 @@ def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weigh
     ]
     assert sum(gaps) / len(gaps) == pytest.approx(0.3 * (2 / math.pi) ** 0.5, rel=0.35)
 
-    result = run_optimize_step(
-        run=RUN, step=3, base_version=2, rollout_refs=refs, config=cfg, trainer=trainer,
-        bucket=bucket, client=RecordingProxy(current_version=2), worker_id="opt-1",
-    )
+    optimizer.client = RecordingProxy(current_version=2)
+    result = optimizer.step(3, 2, refs)
     record = result.record
     assert record is not None and result.status == "published"
     assert (record.rescored_sequences, record.reused_sequences) == (2 * 2 * G + 2, 2 * G)
@@ -452,3 +434,30 @@ def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weigh
     manifest, _ = read_manifest(bucket, RUN, 3)
     stored = StepRecord.model_validate_json(bucket.get(manifest.file_key(RUN, bucket_keys.STEP_RECORD_NAME)))
     assert stored.importance_sampling_ratio == figures
+
+
+def test_two_optimizers_keep_their_own_held_version_and_weights(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
+) -> None:
+    # What used to be module globals (the held version, the rescoring weights) is each optimizer's own: one that
+    # trained a step holds it and can repair it; another in the same process holds nothing.
+    trainer, bucket, adapter_dir = setup
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, adapter_dir)
+    ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
+    proxy = RecordingProxy(current_version=0)
+    first = Optimizer(RUN, config(), trainer, bucket, proxy, "opt-1")
+    other = Optimizer(RUN, config(), trainer, bucket, RecordingProxy(current_version=1), "opt-2")
+
+    message = OptimizeTaskMessage(run=RUN, step=1, base_version=0, rollouts=[ref])
+    assert first.run_task(message).status == "published"
+    assert (first.held.version, first.recent.versions(RUN)) == (1, [1])
+    assert (other.held.version, other.recent.versions(RUN)) == (None, [])
+    repair = RepairTaskMessage(
+        run=RUN, version=1, key=bucket_keys.manifest_key(RUN, 1), manifest_sha256=proxy.versions[1]
+    )
+    assert other.repair(repair) == "not_held"
+    assert first.repair(repair) == "repaired"
+    # Step 0 goes to the init path: already published here, so nothing is written.
+    init = OptimizeTaskMessage(run=RUN, step=0, base_version=-1)
+    assert other.run_task(init).status == "already_published"

@@ -27,7 +27,7 @@ from tests.support.proxy_harness import (
     small_config,
     submission,
 )
-from worker.optimize.job import hold_version, repair_object
+from worker.optimize.job import HeldVersion
 
 RUN = "r1"
 
@@ -139,7 +139,8 @@ def test_a_corrupted_object_is_repaired_from_the_holders_memory(coord: Coordinat
     _publish_with_record(coord, 0)
     sha = _publish_with_record(coord, 1, worker_id="opt-a")
     manifest, _ = read_manifest(coord.bucket, RUN, 1)
-    hold_version(RUN, manifest, sha, _files("v1"))  # what opt-a keeps after its upload
+    held = HeldVersion()
+    held.hold(RUN, manifest, sha, _files("v1"))  # what opt-a keeps after its upload
     _heartbeat(coord, "opt-a")
     key = manifest.file_key(RUN, bucket_keys.ADAPTER_WEIGHTS_NAME)
     assert coord.report_corrupt(1, CorruptReport(worker_id="gen-1", key=key)).action == "intact"
@@ -150,12 +151,12 @@ def test_a_corrupted_object_is_repaired_from_the_holders_memory(coord: Coordinat
     dispatcher = coord.dispatcher
     assert isinstance(dispatcher, RecordingDispatcher) and dispatcher.repairs[0][0] == "opt-a"
     # The holder's repair task: same key, same bytes (checked against the manifest's entry).
-    outcome = repair_object(coord.bucket, RepairTaskMessage(**dispatcher.repairs[0][1]))
+    outcome = held.repair(coord.bucket, RepairTaskMessage(**dispatcher.repairs[0][1]))
     assert outcome == "repaired"
     read_verified(coord.bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
     # Bytes that are not the manifest's are never put, not even under a matching key.
-    hold_version(RUN, manifest, sha, _files("something else"))
-    assert repair_object(coord.bucket, RepairTaskMessage(**dispatcher.repairs[0][1])) == "bytes_differ"
+    held.hold(RUN, manifest, sha, _files("something else"))
+    assert held.repair(coord.bucket, RepairTaskMessage(**dispatcher.repairs[0][1])) == "bytes_differ"
 
 
 def test_with_no_alive_holder_the_run_halts_until_the_object_is_restored(

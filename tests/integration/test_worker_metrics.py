@@ -218,10 +218,12 @@ def test_task_in_flight_and_worker_info() -> None:
 def test_endpoint_serves_the_worker_registry_and_promtool_accepts_it(tmp_path) -> None:
     result_metrics.observe_optimize_step(step_record(), "published")
     port = free_port()
-    wm.start_metrics_server(port, addr="127.0.0.1")
-    wm.start_metrics_server(port, addr="127.0.0.1")  # same port again: a no-op
+    endpoint = wm.MetricsEndpoint()
+    endpoint.start(port, addr="127.0.0.1")
+    endpoint.start(port, addr="127.0.0.1")  # same port again: a no-op
     with pytest.raises(RuntimeError, match="already serves metrics"):
-        wm.start_metrics_server(port + 1, addr="127.0.0.1")
+        endpoint.start(port + 1, addr="127.0.0.1")
+    assert (endpoint.port, wm.MetricsEndpoint().port) == (port, None)  # each endpoint's own, not the module's
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     assert "asyncgrpo_trainer_step_seconds_bucket" in text
     assert "asyncgrpo_generate_backpressure_seconds_count" in text

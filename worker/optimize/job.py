@@ -1,7 +1,9 @@
-"""One optimize task as a plain function: one published version from one claimed batch, its step record, and
-why a step could not be trained when it could not.
+"""One optimize step as an object: one published version from one claimed batch, its step record, and why a
+step could not be trained when it could not.
 
-Steps: make sure the trainer holds version ``base_version`` (memory when it matches, else the bucket),
+``Optimizer`` holds what a worker's trainer keeps for its run (config, trainer, bucket, client, the held
+version, the recent versions' weights for rescoring) and runs one task per call, its phases as its methods in
+order. A step's phases: make sure the trainer holds version ``base_version`` (memory when it matches, else the bucket),
 fetch the claimed rollouts (sha256 checked), check staleness again, check each rollout's ratio under the
 version it claims (the check that flags a generator serving the wrong weights: fresh samples reuse the first
 update's training forward, a seeded sample of the others is rescored, see ``worker.optimize.rescore``), take
@@ -13,7 +15,7 @@ Idempotent: a redelivered step that is already published is a no-op; one whose u
 publish did not (the worker died in between) publishes the uploaded version instead of training again. An
 attempt whose manifest write or CAS another attempt won ends with status ``conflict`` (an info line, not an
 error); which manifest won is judged by the sha the proxy recorded, never by the bucket alone. The bytes of
-the last version uploaded or loaded stay in memory (``worker.optimize.job``) to repair the bucket.
+the last version uploaded or loaded stay in memory (``HeldVersion``) to repair the bucket.
 
 Before any work the task tells the proxy it holds the step (``POST /v1/steps/{S}/start``), so the step is
 re-sent at once if this worker dies; a copy whose batch is no longer the step's ends there. A step it cannot
@@ -41,12 +43,12 @@ deleted: a version with a manifest is immutable), the record stored with a versi
 published our manifest. A corrupted object of a published version is reported to the proxy, which repairs it
 from the memory of the trainer holding it or halts the run.
 
-The exact bytes of the last version this trainer uploaded (or loaded), kept to repair the bucket.
+The exact bytes of the last version this trainer uploaded (or loaded), kept to repair the bucket (``HeldVersion``).
 
 A published version's object that the bucket corrupted is put back from here: the proxy sends a repair task
-to the own queue of the worker holding the version, and ``repair_object`` re-puts the object under the same
+to the own queue of the worker holding the version, and ``HeldVersion.repair`` re-puts the object under the same
 key only if these bytes' sha256 equal the manifest's entry (versions stay immutable: same content, same
-key). One version is held per process, replaced by the next upload or load.
+key). One version is held per trainer, replaced by the next upload or load.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from asyncgrpo.protocol.records import (
     UpdateMetrics,
 )
 from asyncgrpo.protocol.schemas import (
+    OptimizeTaskMessage,
     PublishRequest,
     RepairTaskMessage,
     RolloutRef,
@@ -97,16 +100,16 @@ from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
 from worker.algo.rollout import Rollout, decode_rollout
 from worker.corrupt_report import report_corrupt
-from worker.optimize.batch import build_train_samples, split_indices_by_group
+from worker.optimize.batch import TrainSample, build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
+    RecentAdapterWeights,
+    RescorePlan,
     flag_drifting_rollouts,
-    forget_adapter_weights,
     plan_rescoring,
     ratios_by_rollout,
-    remember_adapter_weights,
     rescore_planned,
 )
-from worker.optimize.trainer import Trainer
+from worker.optimize.trainer import RatioSums, Trainer
 
 
 def _mean(values: list[float]) -> float | None:
@@ -302,139 +305,327 @@ class OptimizeResult:
         return {"step": self.step, "status": self.status, "version": self.version, **brief}
 
 
-def run_initialize(
-    *, run: str, trainer: Trainer, bucket: Bucket, client: ProxyClient, worker_id: str
-) -> OptimizeResult:
-    """Version 0: the seeded LoRA init, published by CAS from -1."""
-    if client.run_info().current_version >= 0:
-        return OptimizeResult(step=0, status="already_published", version=0)
-    if not _start(client, 0, -1, [], worker_id):
-        return OptimizeResult(step=0, status="not_claimed", version=-1)
-    files = trainer.version_files(0)
-    try:
-        manifest, manifest_sha = write_version(
-            bucket, run, 0, files, {"step": 0, "base_version": -1, "worker_id": worker_id}
-        )
-    except ObjectExists as error:
-        # An earlier attempt's init won the manifest (and may have died before publishing): publish it.
-        log.info("optimize.upload_lost", step=0, error=str(error))
-        manifest, manifest_sha = read_manifest(bucket, run, 0)
-    try:
-        client.publish(
-            PublishRequest(version=0, base_version=-1, step=0, worker_id=worker_id, manifest_sha256=manifest_sha)
-        )
-    except Conflict as error:
-        if not published_is_ours(0, manifest_sha, client):
-            log.info("optimize.publish_lost", step=0, error=str(error))
-            return OptimizeResult(step=0, status="conflict", version=0)
-    if same_bytes(manifest, files):
-        hold_version(run, manifest, manifest_sha, files)
-    trainer.version = 0
-    return OptimizeResult(step=0, status="published", version=0)
+class Optimizer:
+    """One optimize worker's trainer for one run, and what it keeps between steps: the version it holds for
+    repairs (``held``) and the recent versions' LoRA weights for rescoring (``recent``).
 
+    Built once per run by the worker's runtime (``worker.process.runtime``); each optimize task is one call of
+    ``run_task``. A step's phases are its methods below, in the order a step goes through them.
+    """
 
-def run_optimize_step(
-    *,
-    run: str,
-    step: int,
-    base_version: int,
-    rollout_refs: list[RolloutRef],
-    config: RunConfig,
-    trainer: Trainer,
-    bucket: Bucket,
-    client: ProxyClient,
-    worker_id: str,
-    between_files: Callable[[], None] | None = None,
-) -> OptimizeResult:
-    started = time.perf_counter()
-    if step != base_version + 1:
-        raise ValueError(f"optimize step {step} must start from version {step - 1}, not {base_version}")
-    current = client.run_info().current_version
-    if current >= step:
-        log.info("optimize.step_already_published", step=step, current=current)
-        return OptimizeResult(step=step, status="already_published", version=current)
-    if not _start(client, step, base_version, [ref.task_id for ref in rollout_refs], worker_id):
-        return OptimizeResult(step=step, status="not_claimed", version=current)
+    def __init__(
+        self,
+        run: str,
+        config: RunConfig,
+        trainer: Trainer,
+        bucket: Bucket,
+        client: ProxyClient,
+        worker_id: str,
+        *,
+        between_files: Callable[[], None] | None = None,
+    ) -> None:
+        self.run = run
+        self.config = config
+        self.trainer = trainer
+        self.bucket = bucket
+        self.client = client
+        self.worker_id = worker_id
+        self.between_files = between_files  # the test hook ASYNCGRPO_UPLOAD_PAUSE_S
+        self.held = HeldVersion()
+        self.recent = RecentAdapterWeights()
 
-    record: StepRecord | None = None  # set when this attempt trained the step
-    status = "republished"
-    batch = [ref.task_id for ref in rollout_refs]
-    try:
-        manifest_sha = uploaded_attempt(bucket, run, step, batch, client, worker_id)
-        if manifest_sha is None:
-            status = "published"
-            try:
-                record, manifest_sha = _train_and_upload(
-                    run, step, base_version, rollout_refs, config, trainer, bucket, client, worker_id, started,
-                    between_files,
-                )
-            except ObjectExists as error:
-                # Another attempt of this step won the create-only manifest while we trained. Publish its
-                # upload (it may have died before publishing) unless it was made from another batch.
-                log.info("optimize.upload_lost", step=step, error=str(error))
-                trainer.version = None
-                forget_adapter_weights(run, step)
-                status, manifest_sha = "republished", uploaded_attempt(bucket, run, step, batch, client, worker_id)
-            except BaseException:
-                # Updates may have been applied in memory; the bucket's base_version is the truth again.
-                trainer.version = None
-                raise
-    except UploadConflict as error:
-        forget_adapter_weights(run, step)
-        if client.run_info().current_version >= step:
-            log.info("optimize.upload_lost", step=step, error=str(error))
-            return OptimizeResult(step=step, status="conflict", version=step)
-        # Unpublished and from another batch: it can never publish and blocks this one; the proxy removes it.
-        raise ForeignUpload("foreign_upload", str(error)) from error
-    publish_started = time.perf_counter()
-    try:
-        client.publish(
-            PublishRequest(
-                version=step, base_version=base_version, step=step, worker_id=worker_id, manifest_sha256=manifest_sha
+    def run_task(self, message: OptimizeTaskMessage) -> OptimizeResult:
+        """The optimize task ``message``: version 0 from nothing, or one step from its base version."""
+        if message.step == 0:
+            return self.initialize()
+        return self.step(message.step, message.base_version, message.rollouts)
+
+    def initialize(self) -> OptimizeResult:
+        """Version 0: the seeded LoRA init, published by CAS from -1."""
+        run, trainer, bucket, client, worker_id = self.run, self.trainer, self.bucket, self.client, self.worker_id
+        if client.run_info().current_version >= 0:
+            return OptimizeResult(step=0, status="already_published", version=0)
+        if not self._start(0, -1, []):
+            return OptimizeResult(step=0, status="not_claimed", version=-1)
+        files = trainer.version_files(0)
+        try:
+            manifest, manifest_sha = write_version(
+                bucket, run, 0, files, {"step": 0, "base_version": -1, "worker_id": worker_id}
             )
-        )
-    except Conflict as error:
-        if not published_is_ours(step, manifest_sha, client):
-            # Someone else published this version (we were a zombie or a redelivery): drop our work.
-            log.info("optimize.publish_lost", step=step, error=str(error))
-            trainer.version = None  # force a reload from the bucket next time
-            forget_adapter_weights(run, step)
+        except ObjectExists as error:
+            # An earlier attempt's init won the manifest (and may have died before publishing): publish it.
+            log.info("optimize.upload_lost", step=0, error=str(error))
+            manifest, manifest_sha = read_manifest(bucket, run, 0)
+        try:
+            client.publish(
+                PublishRequest(version=0, base_version=-1, step=0, worker_id=worker_id, manifest_sha256=manifest_sha)
+            )
+        except Conflict as error:
+            if not published_is_ours(0, manifest_sha, client):
+                log.info("optimize.publish_lost", step=0, error=str(error))
+                return OptimizeResult(step=0, status="conflict", version=0)
+        if same_bytes(manifest, files):
+            self.held.hold(run, manifest, manifest_sha, files)
+        trainer.version = 0
+        return OptimizeResult(step=0, status="published", version=0)
+
+    def step(self, step: int, base_version: int, rollout_refs: list[RolloutRef]) -> OptimizeResult:
+        """Step ``step`` from ``base_version`` over the claimed ``rollout_refs``: trained, uploaded and published
+        (or an earlier attempt's upload published, or nothing to do)."""
+        started = time.perf_counter()
+        if step != base_version + 1:
+            raise ValueError(f"optimize step {step} must start from version {step - 1}, not {base_version}")
+        current = self.client.run_info().current_version
+        if current >= step:
+            log.info("optimize.step_already_published", step=step, current=current)
+            return OptimizeResult(step=step, status="already_published", version=current)
+        batch = [ref.task_id for ref in rollout_refs]
+        if not self._start(step, base_version, batch):
+            return OptimizeResult(step=step, status="not_claimed", version=current)
+
+        record: StepRecord | None = None  # set when this attempt trained the step
+        status = "republished"
+        try:
+            manifest_sha = self.uploaded_attempt(step, batch)
+            if manifest_sha is None:
+                status = "published"
+                try:
+                    record, manifest_sha = self._train_and_upload(step, base_version, rollout_refs, started)
+                except ObjectExists as error:
+                    # Another attempt of this step won the create-only manifest while we trained. Publish its
+                    # upload (it may have died before publishing) unless it was made from another batch.
+                    log.info("optimize.upload_lost", step=step, error=str(error))
+                    self._drop(step)
+                    status, manifest_sha = "republished", self.uploaded_attempt(step, batch)
+                except BaseException:
+                    # Updates may have been applied in memory; the bucket's base_version is the truth again.
+                    self.trainer.version = None
+                    raise
+        except UploadConflict as error:
+            self.recent.forget(self.run, step)
+            if self.client.run_info().current_version >= step:
+                log.info("optimize.upload_lost", step=step, error=str(error))
+                return OptimizeResult(step=step, status="conflict", version=step)
+            # Unpublished and from another batch: it can never publish and blocks this one; the proxy removes it.
+            raise ForeignUpload("foreign_upload", str(error)) from error
+        publish_started = time.perf_counter()
+        if not self._publish(step, base_version, manifest_sha):
             return OptimizeResult(step=step, status="conflict", version=step)
-        # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
-        # publish went through and only its answer was lost.
-        log.info("optimize.upload_already_published", step=step)
-    if record is None:
-        # Republished an earlier attempt's upload: its record is only in the bucket.
-        return OptimizeResult(step=step, status=status, version=step, record=stored_step_record(bucket, run, step))
-    # The proxy copied the version's record to metrics/ before answering; the in-memory one adds the upload
-    # and publish times for this worker's metrics.
-    record.timings.publish_s = time.perf_counter() - publish_started
-    return OptimizeResult(step=step, status=status, version=step, record=record)
+        if record is None:
+            # Republished an earlier attempt's upload: its record is only in the bucket.
+            record = stored_step_record(self.bucket, self.run, step)
+            return OptimizeResult(step=step, status=status, version=step, record=record)
+        # The proxy copied the version's record to metrics/ before answering; the in-memory one adds the upload
+        # and publish times for this worker's metrics.
+        record.timings.publish_s = time.perf_counter() - publish_started
+        return OptimizeResult(step=step, status=status, version=step, record=record)
 
+    def repair(self, message: RepairTaskMessage) -> str:
+        """Put a corrupted object of the held version back (``HeldVersion.repair``)."""
+        return self.held.repair(self.bucket, message)
 
-def _start(client: ProxyClient, step: int, base_version: int, task_ids: list[str], worker_id: str) -> bool:
-    """Become the step's holder; False for a copy the proxy no longer wants (published, or claimed again)."""
-    try:
-        client.start_step(
-            step,
-            StepStartRequest(
-                worker_id=worker_id, base_version=base_version, task_ids=task_ids, incarnation=process_incarnation()
+    # ---- the phases of a step, in order ----
+
+    def _start(self, step: int, base_version: int, task_ids: list[str]) -> bool:
+        """Become the step's holder; False for a copy the proxy no longer wants (published, or claimed again)."""
+        request = StepStartRequest(
+            worker_id=self.worker_id, base_version=base_version, task_ids=task_ids, incarnation=process_incarnation()
+        )
+        try:
+            self.client.start_step(step, request)
+        except StepGone as error:
+            log.info("optimize.step_not_claimed", step=step, error=str(error))
+            return False
+        return True
+
+    def _train_and_upload(
+        self, step: int, base_version: int, refs: list[RolloutRef], started: float
+    ) -> tuple[StepRecord, str]:
+        """Every phase of a step this attempt trains, from its base version to its uploaded files."""
+        config = self.config
+        self._load_base(base_version)
+
+        fetch_started = time.perf_counter()
+        rollouts = _fetch_rollouts(self.bucket, refs)
+        fetch_s = time.perf_counter() - fetch_started
+        for rollout in rollouts:
+            # Invariant 2, checked again where the gradient is made: the proxy should never send these.
+            check_fresh(base_version, rollout.version, config.async_.max_staleness)
+
+        samples, sample_keys = build_train_samples(rollouts, config.loss)
+        sample_rollout = [owner for owner, _ in sample_keys]
+        chunks = split_indices_by_group(sample_keys, config.async_.publish_every)
+        plan = plan_rescoring(
+            self.trainer,
+            rollouts,
+            sample_rollout,
+            base_version=base_version,
+            first_update=chunks[0],
+            fraction=config.loss.rescore_stale_fraction,
+            seed=config.seed * 2**32 + step,
+            samples=samples,
+        )
+        rescore_started = time.perf_counter()
+        ratio_sums = self._rescore(base_version, rollouts, samples, plan)
+        rescore_s = time.perf_counter() - rescore_started
+
+        updates = self._update(samples, chunks, plan, ratio_sums)
+        rollout_ratios = ratios_by_rollout(samples, ratio_sums, sample_rollout, len(rollouts))
+        flagged = flag_drifting_rollouts(rollouts, rollout_ratios, config.loss.ratio_flag_tolerance)
+
+        serialize_started = time.perf_counter()
+        files = self.trainer.version_files(step)
+        serialize_s = time.perf_counter() - serialize_started
+        record = build_step_record(
+            run=self.run,
+            step=step,
+            base_version=base_version,
+            worker_id=self.worker_id,
+            rollouts=rollouts,
+            ratios=rollout_ratios.mean,
+            flagged=flagged,
+            updates=updates,
+            timings=StepTimings(
+                fetch_s=fetch_s, rescore_s=rescore_s, serialize_s=serialize_s, step_s=time.perf_counter() - started
             ),
         )
-    except StepGone as error:
-        log.info("optimize.step_not_claimed", step=step, error=str(error))
-        return False
-    return True
+        record.rescored_sequences = plan.rescored
+        record.reused_sequences = len(plan.reused)
+        record.importance_sampling_ratio = CorrectionFigures.combine(
+            [update.importance_sampling_ratio for update in updates if update.importance_sampling_ratio is not None]
+        )
+        files[bucket_keys.STEP_RECORD_NAME] = _record_bytes(record)
+        upload_started = time.perf_counter()
+        manifest_sha = self._upload(step, base_version, rollouts, files)
+        record.timings.upload_s = time.perf_counter() - upload_started
+        return record, manifest_sha
 
+    def _load_base(self, base_version: int) -> None:
+        """The trainer at ``base_version``: memory when it matches, else the bucket; a failure to load it is
+        this step's ``BaseUnloadable`` (reported, not retried)."""
+        if self.trainer.version == base_version:
+            return
+        load_started = time.perf_counter()
+        try:
+            self.load_version(base_version)
+        except (IntegrityError, ObjectNotFound, NotFound) as error:
+            raise BaseUnloadable("base_unloadable", f"version {base_version}: {error}") from error
+        log.info("optimize.trainer_state_loaded", version=base_version, seconds=time.perf_counter() - load_started)
 
-def _load_base(
-    trainer: Trainer, bucket: Bucket, run: str, version: int, client: ProxyClient, worker_id: str
-) -> None:
-    """``load_trainer_version``, a failure of which is this step's ``BaseUnloadable`` (reported, not retried)."""
-    try:
-        load_trainer_version(trainer, bucket, run, version, client, worker_id)
-    except (IntegrityError, ObjectNotFound, NotFound) as error:
-        raise BaseUnloadable("base_unloadable", f"version {version}: {error}") from error
+    def _rescore(
+        self, base_version: int, rollouts: list[Rollout], samples: list[TrainSample], plan: RescorePlan
+    ) -> dict[int, RatioSums]:
+        """The plan's separate rescoring, before any update: those samples need the weights of the versions
+        they claim."""
+        return rescore_planned(
+            self.trainer,
+            self.bucket,
+            self.run,
+            base_version,
+            rollouts,
+            samples,
+            plan,
+            recorded_sha=lambda version: self.client.version_info(version).manifest_sha256,
+            recent=self.recent,
+        )
+
+    def _update(
+        self, samples: list[TrainSample], chunks: list[list[int]], plan: RescorePlan, ratio_sums: dict[int, RatioSums]
+    ) -> list[UpdateMetrics]:
+        """``publish_every`` optimizer updates; the first one's forward also rescores the fresh samples."""
+        updates = []
+        for number, chunk in enumerate(chunks):
+            metrics, sums = self.trainer.step_with_ratio_sums([samples[i] for i in chunk])
+            updates.append(metrics)
+            if number == 0:  # the first update's forward ran under base_version: the fresh samples' rescoring
+                reused = set(plan.reused)
+                ratio_sums.update((index, value) for index, value in zip(chunk, sums, strict=True) if index in reused)
+        self.trainer.version = None  # dirty until the new version's files are written
+        return updates
+
+    def _upload(self, step: int, base_version: int, rollouts: list[Rollout], files: dict[str, bytes]) -> str:
+        """Write version ``step`` (its files, then the create-only manifest); the manifest's sha."""
+        metadata = {
+            "step": step,
+            "base_version": base_version,
+            "worker_id": self.worker_id,
+            "rollouts": [r.task_id for r in rollouts],
+        }
+        manifest, manifest_sha = write_version(
+            self.bucket, self.run, step, files, metadata, between_files=self.between_files
+        )
+        if same_bytes(manifest, files):  # a redelivery may get an earlier attempt's manifest back
+            self.held.hold(self.run, manifest, manifest_sha, files)
+        # The in-memory LoRA is exactly the uploaded version: keep a copy for rescoring its rollouts next step.
+        self.recent.remember(self.run, step, [parameter.detach().clone() for parameter in self.trainer.lora_parameters])
+        return manifest_sha
+
+    def _publish(self, step: int, base_version: int, manifest_sha: str) -> bool:
+        """Ask the proxy to publish our manifest as version ``step`` (CAS); False if another attempt's won."""
+        request = PublishRequest(
+            version=step, base_version=base_version, step=step, worker_id=self.worker_id, manifest_sha256=manifest_sha
+        )
+        try:
+            self.client.publish(request)
+        except Conflict as error:
+            if not published_is_ours(step, manifest_sha, self.client):
+                # Someone else published this version (we were a zombie or a redelivery): drop our work.
+                log.info("optimize.publish_lost", step=step, error=str(error))
+                self._drop(step)  # force a reload from the bucket next time
+                return False
+            # Our upload is the published version: a rebuilt proxy adopted it from the bucket, or our first
+            # publish went through and only its answer was lost.
+            log.info("optimize.upload_already_published", step=step)
+        return True
+
+    def _drop(self, step: int) -> None:
+        """Our version ``step`` lost to another attempt's: the trainer and its kept weights are not it."""
+        self.trainer.version = None
+        self.recent.forget(self.run, step)
+
+    # ---- the step's versions in the bucket ----
+
+    def load_version(self, version: int) -> None:
+        """Load version ``version`` (weights, optimizer moments, step, RNG) from the bucket, verified against the
+        manifest sha the proxy recorded at publish; a corrupted object is reported to the proxy, then raised."""
+        run = self.run
+        expected = self.client.version_info(version).manifest_sha256
+        try:
+            manifest, manifest_sha, files = read_version_files(
+                self.bucket, run, version, expected, skip=(bucket_keys.STEP_RECORD_NAME,)
+            )
+        except IntegrityError as error:
+            report_corrupt(self.client, version, self.worker_id, error, role="optimize")
+            raise
+        loaded = self.trainer.load_version_files(files)
+        if loaded != version:
+            key = bucket_keys.manifest_key(run, version)
+            raise IntegrityError(f"trainer state of version {version} ({key}) says version {loaded}", key=key)
+        self.held.hold(run, manifest, manifest_sha, files)
+
+    def uploaded_attempt(self, step: int, rollout_ids: list[str]) -> str | None:
+        """sha256 of a complete earlier upload of this very step (same base, same batch), if one exists.
+
+        Never deletes it: a manifest is create-only and a version with one is immutable. One made from another
+        batch is a conflict (``UploadConflict``), never adopted.
+        """
+        run, bucket = self.run, self.bucket
+        try:
+            manifest, manifest_sha = read_manifest(bucket, run, step)
+        except ObjectNotFound:
+            return None
+        meta = manifest.metadata
+        if meta.get("base_version") != step - 1 or sorted(meta.get("rollouts", [])) != sorted(rollout_ids):
+            key = bucket_keys.manifest_key(run, step)
+            raise UploadConflict(f"version {step} was uploaded from another batch ({key})")
+        try:
+            for name, entry in manifest.files.items():
+                read_verified(bucket, manifest.file_key(run, name), entry.sha256)
+        except IntegrityError as error:
+            if self.client.run_info().current_version >= step:
+                report_corrupt(self.client, step, self.worker_id, error, role="optimize")
+            raise
+        return manifest_sha
 
 
 def _record_bytes(record: StepRecord) -> bytes:
@@ -467,191 +658,59 @@ def _fetch_rollouts(bucket: Bucket, refs: list[RolloutRef]) -> list[Rollout]:
     return rollouts
 
 
-def _train_and_upload(
-    run: str,
-    step: int,
-    base_version: int,
-    refs: list[RolloutRef],
-    config: RunConfig,
-    trainer: Trainer,
-    bucket: Bucket,
-    client: ProxyClient,
-    worker_id: str,
-    started: float,
-    between_files: Callable[[], None] | None,
-) -> tuple[StepRecord, str]:
-    if trainer.version != base_version:
-        load_started = time.perf_counter()
-        _load_base(trainer, bucket, run, base_version, client, worker_id)
-        load_s = time.perf_counter() - load_started
-        log.info("optimize.trainer_state_loaded", version=base_version, seconds=load_s)
-
-    fetch_started = time.perf_counter()
-    rollouts = _fetch_rollouts(bucket, refs)
-    fetch_s = time.perf_counter() - fetch_started
-    max_staleness = config.async_.max_staleness
-    for rollout in rollouts:
-        # Invariant 2, checked again where the gradient is made: the proxy should never send these.
-        check_fresh(base_version, rollout.version, max_staleness)
-
-    samples, sample_keys = build_train_samples(rollouts, config.loss)
-    sample_rollout = [owner for owner, _ in sample_keys]
-    chunks = split_indices_by_group(sample_keys, config.async_.publish_every)
-    plan = plan_rescoring(
-        trainer,
-        rollouts,
-        sample_rollout,
-        base_version=base_version,
-        first_update=chunks[0],
-        fraction=config.loss.rescore_stale_fraction,
-        seed=config.seed * 2**32 + step,
-        samples=samples,
-    )
-    rescore_started = time.perf_counter()
-    # Before any update: the separately rescored samples need the weights of the versions they claim.
-    ratio_sums = rescore_planned(
-        trainer, bucket, run, base_version, rollouts, samples, plan,
-        recorded_sha=lambda version: client.version_info(version).manifest_sha256,
-    )
-    rescore_s = time.perf_counter() - rescore_started
-
-    updates = []
-    for number, chunk in enumerate(chunks):
-        metrics, sums = trainer.step_with_ratio_sums([samples[i] for i in chunk])
-        updates.append(metrics)
-        if number == 0:  # the first update's forward ran under base_version: the fresh samples' rescoring
-            reused = set(plan.reused)
-            ratio_sums.update((index, value) for index, value in zip(chunk, sums, strict=True) if index in reused)
-    trainer.version = None  # dirty until the new version's files are written
-    rollout_ratios = ratios_by_rollout(samples, ratio_sums, sample_rollout, len(rollouts))
-    flagged = flag_drifting_rollouts(rollouts, rollout_ratios, config.loss.ratio_flag_tolerance)
-
-    serialize_started = time.perf_counter()
-    files = trainer.version_files(step)
-    serialize_s = time.perf_counter() - serialize_started
-    record = build_step_record(
-        run=run,
-        step=step,
-        base_version=base_version,
-        worker_id=worker_id,
-        rollouts=rollouts,
-        ratios=rollout_ratios.mean,
-        flagged=flagged,
-        updates=updates,
-        timings=StepTimings(
-            fetch_s=fetch_s, rescore_s=rescore_s, serialize_s=serialize_s, step_s=time.perf_counter() - started
-        ),
-    )
-    record.rescored_sequences = plan.rescored
-    record.reused_sequences = len(plan.reused)
-    record.importance_sampling_ratio = CorrectionFigures.combine(
-        [update.importance_sampling_ratio for update in updates if update.importance_sampling_ratio is not None]
-    )
-    files[bucket_keys.STEP_RECORD_NAME] = _record_bytes(record)
-    publish_started = time.perf_counter()
-    metadata = {
-        "step": step,
-        "base_version": base_version,
-        "worker_id": worker_id,
-        "rollouts": [r.task_id for r in rollouts],
-    }
-    manifest, manifest_sha = write_version(bucket, run, step, files, metadata, between_files=between_files)
-    if same_bytes(manifest, files):  # a redelivery may get an earlier attempt's manifest back
-        hold_version(run, manifest, manifest_sha, files)
-    # The in-memory LoRA is exactly the uploaded version: keep a copy for rescoring its rollouts next step.
-    remember_adapter_weights(run, step, [parameter.detach().clone() for parameter in trainer.lora_parameters])
-    record.timings.upload_s = time.perf_counter() - publish_started
-    return record, manifest_sha
+# ---- the version held to repair the bucket ----
 
 
-# ---- a step's versions in the bucket ----
 @dataclass(frozen=True)
-class HeldVersion:
+class HeldFiles:
     run: str
     manifest: Manifest
     manifest_sha256: str
     files: dict[str, bytes]
 
 
-_lock = threading.Lock()
-_held: HeldVersion | None = None
+class HeldVersion:
+    """The exact bytes of the last version this trainer uploaded (or loaded), kept to repair the bucket; one
+    version at a time, replaced by the next upload or load (see the module docstring)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: HeldFiles | None = None
 
-def hold_version(run: str, manifest: Manifest, manifest_sha256: str, files: dict[str, bytes]) -> None:
-    """Keep ``files`` (the bytes just uploaded or verified) as the held copy of ``manifest.version``."""
-    global _held
-    with _lock:
-        _held = HeldVersion(run, manifest, manifest_sha256, dict(files))
+    @property
+    def version(self) -> int | None:
+        with self._lock:
+            return None if self._held is None else self._held.manifest.version
 
+    def hold(self, run: str, manifest: Manifest, manifest_sha256: str, files: dict[str, bytes]) -> None:
+        """Keep ``files`` (the bytes just uploaded or verified) as the held copy of ``manifest.version``."""
+        with self._lock:
+            self._held = HeldFiles(run, manifest, manifest_sha256, dict(files))
 
-def repair_object(bucket: Bucket, message: RepairTaskMessage) -> str:
-    """Put ``message.key`` back from the held bytes; returns what happened (a bounded word for the log)."""
-    with _lock:
-        held = _held
-    if held is None or held.run != message.run or held.manifest.version != message.version:
-        return "not_held"
-    if held.manifest_sha256 != message.manifest_sha256:
-        return "other_manifest"  # we hold a losing attempt's bytes: never put them under the published keys
-    if message.key == bucket_keys.manifest_key(message.run, message.version):
-        data = held.manifest.to_bytes()
-        expected = message.manifest_sha256
-    else:
-        name = held.manifest.name_of_key(message.run, message.key)
-        if name is None or name not in held.files:
+    def repair(self, bucket: Bucket, message: RepairTaskMessage) -> str:
+        """Put ``message.key`` back from the held bytes; returns what happened (a bounded word for the log)."""
+        with self._lock:
+            held = self._held
+        if held is None or held.run != message.run or held.manifest.version != message.version:
             return "not_held"
-        data, expected = held.files[name], held.manifest.files[name].sha256
-    if sha256_hex(data) != expected:
-        return "bytes_differ"
-    bucket.put(message.key, data)
-    read_verified(bucket, message.key, expected)  # it reads back intact, or the task fails loudly
-    return "repaired"
+        if held.manifest_sha256 != message.manifest_sha256:
+            return "other_manifest"  # we hold a losing attempt's bytes: never put them under the published keys
+        if message.key == bucket_keys.manifest_key(message.run, message.version):
+            data = held.manifest.to_bytes()
+            expected = message.manifest_sha256
+        else:
+            name = held.manifest.name_of_key(message.run, message.key)
+            if name is None or name not in held.files:
+                return "not_held"
+            data, expected = held.files[name], held.manifest.files[name].sha256
+        if sha256_hex(data) != expected:
+            return "bytes_differ"
+        bucket.put(message.key, data)
+        read_verified(bucket, message.key, expected)  # it reads back intact, or the task fails loudly
+        return "repaired"
 
 
-
-
-def load_trainer_version(
-    trainer: Trainer, bucket: Bucket, run: str, version: int, client: ProxyClient, worker_id: str
-) -> None:
-    """Load version ``version`` (weights, optimizer moments, step, RNG) from the bucket, verified against the
-    manifest sha the proxy recorded at publish; a corrupted object is reported to the proxy, then raised."""
-    expected = client.version_info(version).manifest_sha256
-    try:
-        manifest, manifest_sha, files = read_version_files(
-            bucket, run, version, expected, skip=(bucket_keys.STEP_RECORD_NAME,)
-        )
-    except IntegrityError as error:
-        report_corrupt(client, version, worker_id, error, role="optimize")
-        raise
-    loaded = trainer.load_version_files(files)
-    if loaded != version:
-        key = bucket_keys.manifest_key(run, version)
-        raise IntegrityError(f"trainer state of version {version} ({key}) says version {loaded}", key=key)
-    hold_version(run, manifest, manifest_sha, files)
-
-
-def uploaded_attempt(
-    bucket: Bucket, run: str, step: int, rollout_ids: list[str], client: ProxyClient, worker_id: str
-) -> str | None:
-    """sha256 of a complete earlier upload of this very step (same base, same batch), if one exists.
-
-    Never deletes it: a manifest is create-only and a version with one is immutable. One made from another
-    batch is a conflict (``UploadConflict``), never adopted.
-    """
-    try:
-        manifest, manifest_sha = read_manifest(bucket, run, step)
-    except ObjectNotFound:
-        return None
-    meta = manifest.metadata
-    if meta.get("base_version") != step - 1 or sorted(meta.get("rollouts", [])) != sorted(rollout_ids):
-        raise UploadConflict(f"version {step} was uploaded from another batch ({bucket_keys.manifest_key(run, step)})")
-    try:
-        for name, entry in manifest.files.items():
-            read_verified(bucket, manifest.file_key(run, name), entry.sha256)
-    except IntegrityError as error:
-        if client.run_info().current_version >= step:
-            report_corrupt(client, step, worker_id, error, role="optimize")
-        raise
-    return manifest_sha
+# ---- a step's versions in the bucket ----
 
 
 class UploadConflict(Exception):

@@ -129,29 +129,25 @@ class Ranks:
             raise RankLost(f"rank {self.rank}: an all-reduce failed: {error}") from error
 
 
-_joined: Ranks | None = None
-
-
 def join(timeout_s: float, device: str, world: int, local_rank: int) -> Ranks:
-    """Join this worker's ``world`` ranks (once per process; one rank needs no process group). ``world`` and
-    ``local_rank`` are what ``torch.distributed.run`` set for this process (the rendezvous reads the rest).
+    """Join this worker's ``world`` ranks (one rank needs no process group). ``world`` and ``local_rank`` are
+    what ``torch.distributed.run`` set for this process (the rendezvous reads the rest). Once per process: the
+    caller keeps the answer (``worker.process.runtime.WorkerRuntime.join_ranks``); a second join is refused.
 
     ``timeout_s`` bounds every collective inside a call; the wait for the leader's next call has no such
     bound. GPUs: NCCL between the ranks of this machine for tensors, gloo for the announced calls."""
-    global _joined
-    if _joined is not None:
-        return _joined
     if world == 1:
-        _joined = Ranks()
-        return _joined
+        return Ranks()
+    if dist.is_initialized():
+        raise RuntimeError("this process already joined its ranks: keep the Ranks that join returned")
     cuda = device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     commands = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    _joined = Ranks(rank=dist.get_rank(), world=world, local_rank=local_rank, commands=commands)
-    log.info("optimize.ranks_joined", rank=_joined.rank, world=world, backend=dist.get_backend(), timeout_s=timeout_s)
-    return _joined
+    joined = Ranks(rank=dist.get_rank(), world=world, local_rank=local_rank, commands=commands)
+    log.info("optimize.ranks_joined", rank=joined.rank, world=world, backend=dist.get_backend(), timeout_s=timeout_s)
+    return joined
 
 
 def shard(model: torch.nn.Module, layers: list[torch.nn.Module], ranks: Ranks, dtype: torch.dtype) -> None:
@@ -254,7 +250,5 @@ def leave(ranks: Ranks) -> None:
 def _part() -> None:
     """Destroy this process's process group, so its transport threads are joined before the interpreter exits
     (left running, their C++ destructors aborted the process at exit, now and then)."""
-    global _joined
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _joined = None

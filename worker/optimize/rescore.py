@@ -39,11 +39,37 @@ from worker.optimize.trainer import RatioSums, Trainer
 
 log = structlog.get_logger()
 
-# LoRA weights of recent versions, by (run, version): the versions this process published or fetched for
-# rescoring, as safetensors bytes or, once decoded, as tensors in the trainer's parameter order (a swap is
-# then a copy, not a parse and a PEFT state-dict load). Versions are immutable, so a copy is as good as the
-# bucket's, and steady-state rescoring of stale rollouts reads nothing from the bucket.
-_recent_adapter_weights: dict[tuple[str, int], bytes | list[torch.Tensor]] = {}
+
+class RecentAdapterWeights:
+    """LoRA weights of recent versions, by (run, version): the versions this process published or fetched for
+    rescoring, as safetensors bytes or, once decoded, as tensors in the trainer's parameter order (a swap is
+    then a copy, not a parse and a PEFT state-dict load). Versions are immutable, so a copy is as good as the
+    bucket's, and steady-state rescoring of stale rollouts reads nothing from the bucket. One per trainer
+    (``worker.optimize.job.Optimizer``); an empty one rescores from the bucket alone."""
+
+    def __init__(self) -> None:
+        self._weights: dict[tuple[str, int], bytes | list[torch.Tensor]] = {}
+
+    def get(self, run: str, version: int) -> bytes | list[torch.Tensor] | None:
+        return self._weights.get((run, version))
+
+    def remember(self, run: str, version: int, weights: bytes | list[torch.Tensor]) -> None:
+        """Keep the weights of a version this process just wrote or read (its safetensors bytes, or copies of
+        the trainer's LoRA parameters in their order): rescoring its rollouts then reads and parses nothing."""
+        self._weights[(run, version)] = weights
+
+    def forget(self, run: str, version: int) -> None:
+        """Drop a version this process wrote but lost to another trainer: the published one differs."""
+        self._weights.pop((run, version), None)
+
+    def keep_from(self, run: str, oldest: int) -> None:
+        """Forget every version older than ``oldest`` and every other run's: only the window can be claimed."""
+        for key in [key for key in self._weights if key[0] != run or key[1] < oldest]:
+            del self._weights[key]
+
+    def versions(self, run: str) -> list[int]:
+        """The versions of ``run`` held (for tests and logs)."""
+        return sorted(version for name, version in self._weights if name == run)
 
 
 def _fits(trainer: Trainer, values: list[torch.Tensor]) -> bool:
@@ -119,6 +145,7 @@ def rescore_planned(
     samples: list[TrainSample],
     plan: RescorePlan,
     recorded_sha: Callable[[int], str] | None = None,
+    recent: RecentAdapterWeights | None = None,
 ) -> dict[int, RatioSums]:
     """Run the plan's separate rescoring: per rescored sample index, the sums over its tokens of
     exp(logprob under its claimed version - behaviour logprob) and of its log. Call before the step changes
@@ -127,16 +154,17 @@ def rescore_planned(
     With the right weights served each term is 1 whatever the staleness. Versions inside the staleness window
     are never collected (invariant 3), so their adapters are still in the bucket; each is checked against
     its manifest, and the manifest against ``recorded_sha(version)``, the sha the proxy recorded at publish.
+    ``recent`` holds the weights already read or written (None: read every version from the bucket).
     """
+    if recent is None:
+        recent = RecentAdapterWeights()
     # Only versions inside the window can be claimed again: forget older weights.
-    oldest = min(r.version for r in rollouts)
-    for stale_key in [k for k in _recent_adapter_weights if k[0] != run or k[1] < oldest]:
-        del _recent_adapter_weights[stale_key]
+    recent.keep_from(run, min(r.version for r in rollouts))
     sums: dict[int, RatioSums] = {}
     for version, indices in sorted(plan.separate.items()):
         weights: bytes | list[torch.Tensor] | None = None
         if version != base_version:
-            weights = _recent_adapter_weights.get((run, version))
+            weights = recent.get(run, version)
             if weights is None or (isinstance(weights, list) and not _fits(trainer, weights)):
                 manifest, manifest_sha = read_manifest(bucket, run, version)
                 if recorded_sha is not None and manifest_sha != recorded_sha(version):
@@ -146,10 +174,10 @@ def rescore_planned(
                     )
                 key = manifest.file_key(run, bucket_keys.ADAPTER_WEIGHTS_NAME)  # the attempt it names
                 weights = read_verified(bucket, key, manifest.files[bucket_keys.ADAPTER_WEIGHTS_NAME].sha256)
-                _recent_adapter_weights[(run, version)] = weights
+                recent.remember(run, version, weights)
             if isinstance(weights, bytes):
                 weights = trainer.lora_values(weights)
-                _recent_adapter_weights[(run, version)] = weights
+                recent.remember(run, version, weights)
         # Under that version's LoRA for the moment (None: the trainer's own); the trainer puts its own back.
         corrected = [i for i in indices if samples[i].corrected]
         checked = [i for i in indices if not samples[i].corrected]
@@ -198,17 +226,6 @@ def ratios_by_rollout(
         mean=[sums[i] / tokens[i] if tokens[i] else None for i in range(count)],
         geometric=[math.exp(log_sums[i] / tokens[i]) if tokens[i] else None for i in range(count)],
     )
-
-
-def remember_adapter_weights(run: str, version: int, weights: bytes | list[torch.Tensor]) -> None:
-    """Keep the weights of a version this process just wrote (its safetensors bytes, or copies of the
-    trainer's LoRA parameters in their order): rescoring its rollouts then reads and parses nothing."""
-    _recent_adapter_weights[(run, version)] = weights
-
-
-def forget_adapter_weights(run: str, version: int) -> None:
-    """Drop a version this process wrote but lost to another trainer: the published one differs."""
-    _recent_adapter_weights.pop((run, version), None)
 
 
 def flag_drifting_rollouts(

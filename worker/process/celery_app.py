@@ -51,14 +51,23 @@ def run_routing(run: str) -> dict[str, Any]:
     }
 
 
-def build_celery_app() -> Celery:
+class WorkerApp(Celery):
+    """The Celery app, which also keeps what its worker process built once: the runtime
+    (``worker.process.runtime.get_runtime``), on the process's own object rather than a module global."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime: Any = None  # a worker.process.runtime.WorkerRuntime once the first task or signal built it
+
+
+def build_celery_app() -> WorkerApp:
     settings = process_settings()
     # A worker process must know its run (SettingsError naming ASYNCGRPO_RUN otherwise); a client may not.
     needs_run = settings.worker_role is not None or settings.run is not None
     run = settings.require_run() if needs_run else None
     # The worker imports these at start: the tasks, and the custom inspect commands it answers. The `celery
     # inspect` client side loads the commands through `-A worker.process.inspect_commands`, which imports this.
-    celery = Celery(
+    celery = WorkerApp(
         "asyncgrpo", broker=settings.redis_url, include=["worker.process.tasks", "worker.process.inspect_commands"]
     )
     celery.conf.update(

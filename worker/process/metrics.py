@@ -265,33 +265,35 @@ def role_registry(role: str) -> CollectorRegistry:
     return registry
 
 
-_server_lock = threading.Lock()
-_server_port: int | None = None
+class MetricsEndpoint:
+    """A worker process's one ``/metrics`` endpoint (its runtime owns it): started once, on one port."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.port: int | None = None
 
-def start_metrics_server(port: int | None, addr: str = "0.0.0.0", role: str | None = None) -> None:
-    """Serve ``REGISTRY`` (only ``role``'s families when given) on ``port`` (no-op for None). A second call
-    with the same port does nothing."""
-    global _server_port
-    if port is None:
-        return
-    with _server_lock:
-        if _server_port == port:
+    def start(self, port: int | None, addr: str = "0.0.0.0", role: str | None = None) -> None:
+        """Serve ``REGISTRY`` (only ``role``'s families when given) on ``port`` (no-op for None). A second call
+        with the same port does nothing."""
+        if port is None:
             return
-        if _server_port is not None:
-            raise RuntimeError(
-                f"this process already serves metrics on port {_server_port}; one endpoint per process "
-                f"(ASYNCGRPO_METRICS_PORT={port} asked for a second one)"
-            )
-        try:
-            start_http_server(port, addr=addr, registry=role_registry(role) if role else REGISTRY)
-        except OSError as error:
-            raise OSError(
-                f"cannot serve worker metrics on {addr}:{port} ({error}); give each worker process its own "
-                "ASYNCGRPO_METRICS_PORT"
-            ) from error
-        _server_port = port
-    log.info("worker.metrics_started", port=port, addr=addr)
+        with self._lock:
+            if self.port == port:
+                return
+            if self.port is not None:
+                raise RuntimeError(
+                    f"this process already serves metrics on port {self.port}; one endpoint per process "
+                    f"(ASYNCGRPO_METRICS_PORT={port} asked for a second one)"
+                )
+            try:
+                start_http_server(port, addr=addr, registry=role_registry(role) if role else REGISTRY)
+            except OSError as error:
+                raise OSError(
+                    f"cannot serve worker metrics on {addr}:{port} ({error}); give each worker process its own "
+                    "ASYNCGRPO_METRICS_PORT"
+                ) from error
+            self.port = port
+        log.info("worker.metrics_started", port=port, addr=addr)
 
 
 def set_worker_info(role: str, worker_id: str, device: str, backend: str) -> None:

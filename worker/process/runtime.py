@@ -1,11 +1,12 @@
 """What a worker process builds once and keeps, and the thread that keeps its adapters current.
 
-The runtime (``WorkerRuntime``) holds the bucket, proxy client, the run's
-config and prompts, the model (a generation backend or a trainer), the adapter cache, the heartbeat and, on
-generate workers, the adapter prefetcher with the lock it shares with the generate task. Built lazily on the
-first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker with the prefetcher on, by
-the prefetcher's thread when it sees the first published version; kept for the life of the process: the base
-model is loaded once, only adapters change between tasks.
+The runtime (``WorkerRuntime``) holds the bucket, proxy client, the run's config and prompts, the model (a
+generation backend or a trainer and its ``Optimizer``), the adapter cache, the heartbeat, the ranks, the
+preemption state, the metrics endpoint and, on generate workers, the adapter prefetcher with the lock it shares
+with the generate task. One per process, kept on the process's Celery app (``get_runtime``), not in a module
+global. Built lazily on the first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker
+with the prefetcher on, by the prefetcher's thread when it sees the first published version; kept for the life
+of the process: the base model is loaded once, only adapters change between tasks.
 
 The prefetcher (``AdapterPrefetcher``): each new adapter version is loaded as soon as it is published, from a
 background thread of a generate worker.
@@ -53,13 +54,17 @@ from asyncgrpo.run.creation import RunNotFound, load_eval_prompts, load_run
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
 from worker.process.heartbeat import Heartbeat
+from worker.process.metrics import MetricsEndpoint
+from worker.process.preemption import Preemption
 from worker.process.settings import RankSettings, WorkerSettings, process_settings
 
 if TYPE_CHECKING:  # the trainer is built lazily, on optimize workers only; reward models on generate workers
     from worker.generate.agent import AgentRun
     from worker.model.reward_models import RewardModels
+    from worker.optimize.job import Optimizer
     from worker.optimize.ranks import Ranks
     from worker.optimize.trainer import Trainer
+    from worker.process.celery_app import WorkerApp
 
 log = structlog.get_logger()
 
@@ -92,6 +97,11 @@ class WorkerRuntime:
     adapter_caches: dict[str, AdapterCache] = field(default_factory=dict)
     trainer: Trainer | None = None  # on optimize workers
     trainer_run: str | None = None
+    optimizer: Optimizer | None = None  # on optimize workers: the trainer's steps, and what they keep between them
+    ranks: Ranks | None = None  # on optimize workers: the ranks this process joined (once: a process group is one)
+    idle_since: float | None = None  # when the last task ended (or the worker became ready), for the idle metric
+    preemption: Preemption = field(default_factory=Preemption)  # SIGTERM: the running task goes back to its queue
+    metrics: MetricsEndpoint = field(default_factory=MetricsEndpoint)  # the process's /metrics endpoint
     current_task: str | None = None
     heartbeat: Heartbeat | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -188,12 +198,35 @@ class WorkerRuntime:
         return self.adapter_cache(context), self.generation_backend(context)
 
     # -- optimize side -------------------------------------------------------------------------------
+    def join_ranks(self) -> Ranks:
+        """This process's ranks, joined on first use (``join_ranks``) and kept."""
+        if self.ranks is None:
+            self.ranks = join_ranks(self.settings)
+        return self.ranks
+
+    def run_optimizer(self, context: RunContext) -> Optimizer:
+        """The optimizer of the run's trainer, built with it (a new trainer starts with nothing kept)."""
+        trainer = self.run_trainer(context)
+        if self.optimizer is None or self.optimizer.trainer is not trainer:
+            from worker.optimize.job import Optimizer
+
+            self.optimizer = Optimizer(
+                context.run,
+                context.config,
+                trainer,
+                self.bucket,
+                self.client,
+                self.settings.worker_id,
+                between_files=_upload_pause(self.settings.upload_pause_s),
+            )
+        return self.optimizer
+
     def run_trainer(self, context: RunContext) -> Any:
         if self.trainer is None or self.trainer_run != context.run:
             from worker.optimize.ranks import BUILD
 
             config = context.config
-            ranks = join_ranks(self.settings)
+            ranks = self.join_ranks()
             if ranks.distributed:  # the other ranks build theirs from the same config (worker.optimize.ranks)
                 ranks.announce(BUILD, (config.model_dump_json(by_alias=True),))
             self.trainer = build_trainer(config, self.settings, ranks)
@@ -204,8 +237,14 @@ class WorkerRuntime:
         return self.trainer
 
 
+def _upload_pause(seconds: float) -> Callable[[], None] | None:
+    """The test hook ``ASYNCGRPO_UPLOAD_PAUSE_S``: sleep between a version's files (None: no pause)."""
+    return None if seconds <= 0 else lambda: time.sleep(seconds)
+
+
 def join_ranks(settings: WorkerSettings) -> Ranks:
-    """This process's ranks: those ``torch.distributed.run`` started it among (one rank without it)."""
+    """This process's ranks: those ``torch.distributed.run`` started it among (one rank without it); call once
+    per process (``WorkerRuntime.join_ranks`` keeps them)."""
     from worker.optimize.ranks import join
 
     place = RankSettings()
@@ -227,22 +266,21 @@ def build_trainer(config: RunConfig, settings: WorkerSettings, ranks: Ranks) -> 
     return Trainer.initial(policy, config, ranks)
 
 
-_runtime: WorkerRuntime | None = None
-
-
-def get_runtime(role: str) -> WorkerRuntime:
-    """The process-wide runtime, built on first use and kept."""
-    global _runtime
-    if _runtime is None:
+def get_runtime(role: str, owner: WorkerApp | None = None) -> WorkerRuntime:
+    """The process's runtime, built on first use and kept on ``owner``, the process's Celery app by default
+    (imported here: a follower rank builds its trainer from this module and has no Celery app)."""
+    if owner is None:
+        from worker.process.celery_app import app as owner
+    if owner.runtime is None:
         settings = process_settings()
-        _runtime = WorkerRuntime(
+        owner.runtime = WorkerRuntime(
             role=role,
             settings=settings,
             bucket=open_bucket(settings.bucket, s3_endpoint_url=settings.s3_endpoint_url),
             client=ProxyClient(settings.proxy_url, settings.token_value()),
         )
         log.info("worker.runtime_ready", role=role, worker_id=settings.worker_id, proxy=settings.proxy_url)
-    return _runtime
+    return owner.runtime
 
 
 def start_heartbeat(role: str) -> None:

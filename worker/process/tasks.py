@@ -1,34 +1,19 @@
-"""A worker process's Celery tasks, and preemption (the runtime they share is ``worker.process.runtime``).
+"""A worker process's Celery tasks (the runtime they share is ``worker.process.runtime``).
 
 The tasks are kept thin: validate the JSON message, bind log context, run the task (a generate or eval task
 is an object built from the worker's runtime), return a small JSON result. All the work is in
 ``worker.generate.job``, ``worker.generate.evals`` and ``worker.optimize.job``. A generate task that failed
 for good is reported to the proxy (``report_task_failure``: cancel it now, count the attempt of its prompts).
 
-Preemption: a SIGTERM (spot reclaim, ``systemctl stop``) hands the running task back to the queue.
-
-Celery's own cold shutdown cannot stop a task in the solo pool (the solo pool has no ``kill_job``; the task
-fails with NotImplementedError, is acknowledged, and its prompts wait for the proxy's timeout). So a worker
-handles SIGTERM itself:
-
-1. it stops taking tasks at once (Celery's warm-shutdown flag);
-2. a running task gets ``ASYNCGRPO_SOFT_SHUTDOWN_S`` seconds to finish (a SIGALRM timer);
-3. past that, ``WorkerPreempted`` is raised inside the task, which the task wrapper turns into
-   ``Reject(requeue=True)``: the message goes straight back to its queue, where another worker takes it
-   without waiting for the broker's visibility timeout. Every task is idempotent by id, so that worker
-   simply does it again.
-
-Signals are delivered to the main thread, which is where a solo worker runs its task, so the exception
-lands in the task's own stack.
+Preemption (a SIGTERM hands the running task back to the queue) is ``worker.process.preemption``; its state, like
+everything a worker process keeps between tasks, lives on the process's runtime, not in module globals.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import structlog
@@ -58,14 +43,14 @@ from worker.generate.job import GenerateTask
 from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
 from worker.model.reward_models import RewardModelError
-from worker.optimize.job import OptimizeResult, repair_object, run_initialize, run_optimize_step, step_failure_of
+from worker.optimize.job import OptimizeResult, step_failure_of
 from worker.optimize.ranks import RankLost, leave
 from worker.process import metrics as worker_metrics
 from worker.process.celery_app import app
+from worker.process.preemption import WorkerPreempted
 from worker.process.runtime import (
     WorkerRuntime,
     get_runtime,
-    join_ranks,
     load_reward_models_at_start,
     start_heartbeat,
     start_prefetcher,
@@ -73,53 +58,6 @@ from worker.process.runtime import (
 from worker.process.settings import RankSettings, process_settings
 
 log = structlog.get_logger()
-
-
-# ---- preemption: SIGTERM hands the running task back ----
-
-
-class WorkerPreempted(BaseException):
-    """Raised inside a running task when the worker was told to stop and the grace period is over."""
-
-
-_grace_s = 0.0
-_task_running = False
-
-
-def install(grace_s: float) -> None:
-    """Take over SIGTERM for this worker process (call from the main thread once the worker is ready)."""
-    global _grace_s
-    _grace_s = max(0.0, grace_s)
-    signal.signal(signal.SIGTERM, _on_terminate)
-    signal.signal(signal.SIGALRM, _on_grace_over)
-
-
-@contextmanager
-def task_running() -> Iterator[None]:
-    """Marks the block as the running task: the one a SIGTERM hands back."""
-    global _task_running
-    _task_running = True
-    try:
-        yield
-    finally:
-        _task_running = False
-        signal.setitimer(signal.ITIMER_REAL, 0)  # the task ended within its grace period
-
-
-def _on_terminate(signum: int, _frame: FrameType | None) -> None:
-    worker_state.should_stop = 0  # warm shutdown: no new task; Celery exits after the current one
-    if not _task_running:
-        log.warning("worker.stopping", signal=signum)
-        return
-    log.warning("worker.stopping_after_grace", signal=signum, grace_s=_grace_s)
-    if _grace_s <= 0:
-        raise WorkerPreempted(f"signal {signum}")
-    signal.setitimer(signal.ITIMER_REAL, _grace_s)
-
-
-def _on_grace_over(_signum: int, _frame: FrameType | None) -> None:
-    if _task_running:
-        raise WorkerPreempted(f"grace period of {_grace_s} s over")
 
 
 # ---- the tasks ----
@@ -156,8 +94,6 @@ _ERROR_KINDS: dict[type[BaseException], str] = {
     Conflict: "conflict",
     ProxyError: "proxy",
 }
-_idle_since: float | None = None
-
 # Transient failures: the proxy restarting, no version published yet, the bucket briefly unreachable. The
 # task is sent again under the same id (every task is idempotent by id) instead of being dropped; the
 # proxy's own timeouts cover a task that keeps failing.
@@ -184,17 +120,16 @@ def _on_setup_logging(**_: Any) -> None:
 
 @signals.worker_ready.connect
 def _on_worker_ready(**_: Any) -> None:
-    global _idle_since
     role = _role()
     runtime = get_runtime(role)
     settings = runtime.settings
     configure_logging(log_format=settings.log_format, level=settings.log_level, role=role, worker=settings.worker_id)
     if runtime.settings.torch_threads is not None:
         torch.set_num_threads(runtime.settings.torch_threads)
-    worker_metrics.start_metrics_server(runtime.settings.metrics_port, role=role)
-    install(runtime.settings.soft_shutdown_s)
+    runtime.metrics.start(runtime.settings.metrics_port, role=role)
+    runtime.preemption.install(runtime.settings.soft_shutdown_s)
     if role == "optimize" and RankSettings().world_size > 1:  # the other ranks wait for this one to join
-        join_ranks(runtime.settings)
+        runtime.join_ranks()
     worker_metrics.set_worker_info(role, runtime.settings.worker_id, runtime.settings.device, "lazy")
     try:
         load_reward_models_at_start(role)
@@ -203,7 +138,7 @@ def _on_worker_ready(**_: Any) -> None:
         return
     start_heartbeat(role)
     start_prefetcher(role)
-    _idle_since = time.monotonic()
+    runtime.idle_since = time.monotonic()
 
 
 EXIT_REWARD_MODEL = 78  # EX_CONFIG: the run's config names a reward model, tool or template this machine cannot use
@@ -232,7 +167,7 @@ def _on_worker_shutdown(**_: Any) -> None:
     # worker_shutting_down): no torch op may run in the prefetcher's daemon thread past this point.
     runtime = get_runtime(_role())
     if _role() == "optimize" and RankSettings().world_size > 1:  # followers of a multi-GPU worker exit with it
-        leave(join_ranks(runtime.settings))
+        leave(runtime.join_ranks())
     if runtime.prefetcher is not None:
         closed = runtime.prefetcher.close()
         (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
@@ -253,13 +188,12 @@ def _refuse_other_run(role: str, task: str, run: str) -> None:
 @contextmanager
 def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[None]:
     """Idle time before the task, in-flight gauge, current task for heartbeats, error counting."""
-    global _idle_since
-    if _idle_since is not None:
-        worker_metrics.observe_idle(role, time.monotonic() - _idle_since)
+    if runtime.idle_since is not None:
+        worker_metrics.observe_idle(role, time.monotonic() - runtime.idle_since)
     runtime.current_task = task_name
     started = time.perf_counter()
     try:
-        with worker_metrics.task_in_flight(role), task_running():
+        with worker_metrics.task_in_flight(role), runtime.preemption.running():
             yield
     except WorkerPreempted as error:
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
@@ -285,7 +219,7 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
         raise
     finally:
         runtime.current_task = None
-        _idle_since = time.monotonic()
+        runtime.idle_since = time.monotonic()
 
 
 def _run(role: str, task_name: str, body: Callable[[WorkerRuntime], dict[str, Any]], **context: Any) -> dict:
@@ -393,32 +327,11 @@ def optimize(**payload: Any) -> dict[str, Any]:
     _refuse_other_run("optimize", f"step-{message.step}", message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        context = runtime.run_context(message.run)
-        trainer = runtime.run_trainer(context)
-        device = str(trainer.policy.device)
+        optimizer = runtime.run_optimizer(runtime.run_context(message.run))
+        device = str(optimizer.trainer.policy.device)
         worker_metrics.set_worker_info("optimize", runtime.settings.worker_id, device, "trainer")
         try:
-            if message.step == 0:
-                result = run_initialize(
-                    run=message.run,
-                    trainer=trainer,
-                    bucket=runtime.bucket,
-                    client=runtime.client,
-                    worker_id=runtime.settings.worker_id,
-                )
-            else:
-                result = run_optimize_step(
-                    run=message.run,
-                    step=message.step,
-                    base_version=message.base_version,
-                    rollout_refs=message.rollouts,
-                    config=context.config,
-                    trainer=trainer,
-                    bucket=runtime.bucket,
-                    client=runtime.client,
-                    worker_id=runtime.settings.worker_id,
-                    between_files=_upload_pause(runtime.settings.upload_pause_s),
-                )
+            result = optimizer.run_task(message)
         except Exception as error:
             failure = _report_step_failure(runtime, message, error)
             if failure is None:
@@ -433,18 +346,14 @@ def optimize(**payload: Any) -> dict[str, Any]:
 # ---- repair of a corrupted version object from this trainer's memory ----
 
 
-def _upload_pause(seconds: float) -> Callable[[], None] | None:
-    """The test hook ``ASYNCGRPO_UPLOAD_PAUSE_S``: sleep between a version's files (None: no pause)."""
-    return None if seconds <= 0 else lambda: time.sleep(seconds)
-
-
 @app.task(name=REPAIR_TASK_NAME, acks_late=True, reject_on_worker_lost=True, **RETRY_OPTIONS)
 def repair_version(**payload: Any) -> dict[str, Any]:
     message = RepairTaskMessage.model_validate(payload)
     _refuse_other_run("optimize", f"repair-{message.version}", message.run)
 
     def body(runtime: WorkerRuntime) -> dict[str, Any]:
-        outcome = repair_object(runtime.bucket, message)
+        # Only a trainer that uploaded or loaded a version holds one; none built yet holds nothing.
+        outcome = runtime.optimizer.repair(message) if runtime.optimizer is not None else "not_held"
         log_line = log.warning if outcome == "repaired" else log.error
         log_line("optimize.repair_done", version=message.version, key=message.key, outcome=outcome)
         return {"version": message.version, "key": message.key, "outcome": outcome}

@@ -1,7 +1,7 @@
 """``math_verify`` scoring keeps the worker's signals: the preemption grace timer holds while it scores.
 
 math-verify's own timeouts use ``signal.alarm``; the reward runs it in a helper process
-(``worker.algo.math_scoring``), so the SIGALRM grace timer of ``worker.process.tasks`` still fires.
+(``worker.algo.math_scoring``), so the SIGALRM grace timer of ``worker.process.preemption`` still fires.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from celery.worker import state as worker_state
 from worker.algo import math_scoring
 from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import math_verify_reward
-from worker.process import tasks as preemption
+from worker.process.preemption import Preemption, WorkerPreempted
 
 pytest.importorskip("math_verify")
 
@@ -62,8 +62,9 @@ def test_answers_score_as_math_verify_says(completion: str, answer: str, expecte
 
 
 def test_grace_timer_armed_before_scoring_still_runs_after_it(worker_signals: None) -> None:
+    preemption = Preemption()
     preemption.install(grace_s=3600.0)
-    with preemption.task_running():
+    with preemption.running():
         _preemption_notice()
         assert math_verify_reward("q", r"The answer is \boxed{42}", "42") == 1.0
         assert math_verify_reward("q", PATHOLOGICAL, "1") == 0.0  # math-verify's own timeout, in the helper
@@ -76,8 +77,9 @@ def test_grace_period_ending_during_scoring_hands_the_task_back(worker_signals: 
     assert math_verify_reward("q", r"\boxed{1}", "1") == 1.0  # the helper is up: the wait below is the scoring
     helper = math_scoring.default_verifier()
     first_pid = helper.pid
+    preemption = Preemption()
     preemption.install(grace_s=0.2)
-    with pytest.raises(preemption.WorkerPreempted, match="grace period"), preemption.task_running():
+    with pytest.raises(WorkerPreempted, match="grace period"), preemption.running():
         _preemption_notice()
         math_verify_reward("q", PATHOLOGICAL, "1")  # takes math-verify's 5 s timeout, far past the grace period
     # The helper was busy with the abandoned completion: it is replaced, and its late answer is never read.

@@ -18,8 +18,8 @@ from worker.generate.evals import EvalResult
 from worker.generate.job import GenerateResult
 from worker.optimize.job import OptimizeResult
 from worker.process import metrics as worker_metrics
-from worker.process import runtime as runtime_module
 from worker.process import tasks
+from worker.process.celery_app import app
 from worker.process.runtime import WorkerRuntime
 from worker.process.settings import WorkerSettings
 
@@ -41,7 +41,7 @@ def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> WorkerRuntime:
     settings = WorkerSettings(bucket=f"file://{tmp_path / 'bucket'}", worker_id="gen-t", cache=tmp_path / "cache")
     bucket, client = open_bucket(settings.bucket), ReportingClient()
     made = WorkerRuntime(role="generate", settings=settings, bucket=bucket, client=client)
-    monkeypatch.setattr(runtime_module, "_runtime", made)
+    monkeypatch.setattr(app, "runtime", made)
     return made
 
 

@@ -1,0 +1,79 @@
+"""What a worker process keeps between tasks lives on objects it owns, not in module globals: two of each keep
+their own state (the held version, the rescoring weights, the preemption state, the ranks, the runtime)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from celery.worker import state as worker_state
+
+from asyncgrpo.bucket.backends import open_bucket
+from asyncgrpo.bucket.layout import read_manifest, write_version
+from asyncgrpo.protocol.client import ProxyClient
+from asyncgrpo.protocol.schemas import RepairTaskMessage
+from worker.optimize.job import HeldVersion
+from worker.optimize.rescore import RecentAdapterWeights
+from worker.process.celery_app import WorkerApp
+from worker.process.preemption import Preemption, WorkerPreempted
+from worker.process.runtime import WorkerRuntime, get_runtime
+from worker.process.settings import WorkerSettings
+
+
+def test_two_held_versions_repair_only_what_each_holds(tmp_path: Path) -> None:
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    files = {"adapter_model.safetensors": b"weights", "adapter_config.json": b"{}"}
+    _, sha = write_version(bucket, "r", 1, files, {})
+    manifest, _ = read_manifest(bucket, "r", 1)
+    holder, other = HeldVersion(), HeldVersion()
+    holder.hold("r", manifest, sha, files)
+    key = manifest.file_key("r", "adapter_model.safetensors")
+    bucket.put(key, b"rotten")
+    message = RepairTaskMessage(run="r", version=1, key=key, manifest_sha256=sha)
+    assert (holder.version, other.version) == (1, None)
+    assert other.repair(bucket, message) == "not_held"
+    assert holder.repair(bucket, message) == "repaired" and bucket.get(key) == b"weights"
+    assert holder.repair(bucket, message.model_copy(update={"run": "other-run"})) == "not_held"
+
+
+def test_two_rescoring_caches_keep_their_own_weights_and_forget_outside_the_window() -> None:
+    first, second = RecentAdapterWeights(), RecentAdapterWeights()
+    first.remember("r", 1, b"v1")
+    first.remember("r", 2, [torch.zeros(2)])
+    first.remember("s", 2, b"other run")
+    assert second.get("r", 1) is None and second.versions("r") == []
+    assert first.get("r", 1) == b"v1" and first.versions("r") == [1, 2]
+    first.keep_from("r", 2)  # only the window can be claimed again, and only this run's
+    assert first.versions("r") == [2] and first.versions("s") == []
+    first.forget("r", 2)
+    assert first.versions("r") == []
+
+
+def test_two_preemptions_hand_back_only_their_own_running_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_state, "should_stop", None)
+    idle, busy = Preemption(), Preemption()
+    with busy.running():
+        assert (busy.task_running, idle.task_running) == (True, False)
+        idle._on_terminate(signal.SIGTERM, None)  # nothing running there: it only stops taking tasks
+        assert worker_state.should_stop == 0
+        with pytest.raises(WorkerPreempted, match="signal"):
+            busy._on_terminate(signal.SIGTERM, None)  # grace 0: handed back at once
+    assert busy.task_running is False
+
+
+def test_a_runtime_is_kept_on_its_own_app_and_joins_its_ranks_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
+    monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "cache"))
+    one, two = WorkerApp("one"), WorkerApp("two")
+    runtime = get_runtime("optimize", one)
+    assert get_runtime("optimize", one) is runtime and get_runtime("optimize", two) is not runtime
+    assert one.runtime is runtime and two.runtime is not None
+    ranks = runtime.join_ranks()
+    assert runtime.join_ranks() is ranks and (ranks.world, ranks.rank) == (1, 0)
+    settings = WorkerSettings(bucket=f"file://{tmp_path / 'bucket'}", cache=tmp_path / "cache")
+    other = WorkerRuntime("optimize", settings, open_bucket(settings.bucket), ProxyClient("http://127.0.0.1:9", "t"))
+    assert other.ranks is None and other.optimizer is None and other.preemption is not runtime.preemption
