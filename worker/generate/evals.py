@@ -13,7 +13,7 @@ without replacement from n sampled ones (c of them correct) is correct, ``1 - C(
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from math import comb
 from typing import Any
 
@@ -49,15 +49,7 @@ class EvalResult:
     reward_mean: float | None = None
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "task_id": self.task_id,
-            "status": self.status,
-            "version": self.version,
-            "prompts": self.prompts,
-            "prompts_failed": self.prompts_failed,
-            "chunks_left": self.chunks_left,
-            "reward_mean": self.reward_mean,
-        }
+        return asdict(self)
 
 
 class EvalTask:
@@ -108,17 +100,24 @@ class EvalTask:
         chats = {id(fed): chat_messages(record, cfg.dataset) for record, fed in zip(prompts, fed_records, strict=True)}
         return usable, chats
 
+    def sampling(self, seed: int) -> dict[str, Any]:
+        """How an eval samples (sampling and conversing alike): [eval]'s settings, the run's completion budget
+        where [eval] sets none, top_p 1."""
+        cfg = self.config.eval
+        return {
+            "samples_per_prompt": cfg.samples_per_prompt,
+            "max_completion_length": cfg.max_completion_length or self.config.sampling.max_completion_length,
+            "temperature": cfg.temperature,
+            "top_p": 1.0,
+            "seed": seed,
+        }
+
     def sample(self, adapter: str, usable: list[dict[str, Any]], seed: int) -> GenerationResult:
         """The usable prompts' completions, sampled with the eval settings."""
-        cfg = self.config.eval
         return self.context.backend.generate(
             [record["prompt"] for record in usable],
             adapter=adapter,
-            samples_per_prompt=cfg.samples_per_prompt,
-            max_completion_length=cfg.max_completion_length or self.config.sampling.max_completion_length,
-            temperature=cfg.temperature,
-            top_p=1.0,
-            seed=seed,
+            **self.sampling(seed),
             add_special_tokens=self.add_special_tokens,
         )
 
@@ -128,7 +127,7 @@ class EvalTask:
         """[agent]: the usable prompts' conversations as a generation result of the prompts whose environments
         served them (a prompt whose environment failed is a failed prompt, as one whose reward raised), those
         prompts, and their environment rewards by name."""
-        context, cfg = self.context, self.config.eval
+        context = self.context
         assert context.agent is not None
         groups, environment_scores, _ = converse(
             context.backend,
@@ -136,11 +135,7 @@ class EvalTask:
             [self.originals[id(record)] for record in usable],
             [chats[id(record)] for record in usable],
             adapter=adapter,
-            samples_per_prompt=cfg.samples_per_prompt,
-            max_completion_length=cfg.max_completion_length or self.config.sampling.max_completion_length,
-            temperature=cfg.temperature,
-            top_p=1.0,
-            seed=seed,
+            **self.sampling(seed),
             task_id=self.task_id,
         )
         served = [index for index, group in enumerate(groups) if group.failure is None]

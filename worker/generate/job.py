@@ -10,7 +10,7 @@ task id at most once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
@@ -54,17 +54,8 @@ class GenerateResult:
 
     def summary(self) -> dict[str, Any]:
         """The task's JSON result (and its log line's fields)."""
-        return {
-            "task_id": self.task_id,
-            "status": self.status,
-            "version": self.version,
-            "groups": self.groups,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "reused_rollout": self.reused_rollout,
-            "reward_mean": self.reward_mean,
-            "timings": {name: round(seconds, 4) for name, seconds in self.timings.model_dump().items()},
-        }
+        timings = {name: round(seconds, 4) for name, seconds in self.timings.model_dump().items()}
+        return {**asdict(self), "timings": timings}
 
 
 @dataclass(frozen=True)
@@ -174,17 +165,23 @@ class GenerateTask:
         self.kept, self.rejected = _split_bad_prompts(self.groups, fed, context.backend, self.config)
         return fed
 
+    def sampling(self) -> dict[str, Any]:
+        """How the task samples (sampling and conversing alike): the run's settings, under the task's seed."""
+        sampling = self.config.sampling
+        return {
+            "samples_per_prompt": sampling.samples_per_prompt,
+            "max_completion_length": sampling.max_completion_length,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": self.seed,
+        }
+
     def sample(self, adapter: str, fed: FedPrompts) -> GenerationResult:
         """The kept groups' completions, sampled with the run's settings."""
-        sampling = self.config.sampling
         return self.context.backend.generate(
             fed.of(self.kept),
             adapter=adapter,
-            samples_per_prompt=sampling.samples_per_prompt,
-            max_completion_length=sampling.max_completion_length,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=self.seed,
+            **self.sampling(),
             add_special_tokens=fed.add_special_tokens,
         )
 
@@ -194,7 +191,7 @@ class GenerateTask:
         """[agent]: the kept groups' conversations as a generation result of the groups whose environments served
         them (the others are rejected with the reason), those groups' chats, and their environment rewards by
         name; the seconds spent on tools go to the timings."""
-        context, sampling = self.context, self.config.sampling
+        context = self.context
         assert context.agent is not None
         groups, scores, self.timings.tools_s = converse(
             context.backend,
@@ -202,11 +199,7 @@ class GenerateTask:
             [context.prompts[group.prompt_index] for group in self.kept],
             chats,
             adapter=adapter,
-            samples_per_prompt=sampling.samples_per_prompt,
-            max_completion_length=sampling.max_completion_length,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=self.seed,
+            **self.sampling(),
             task_id=self.task_id,
         )
         served = [index for index, group in enumerate(groups) if group.failure is None]
