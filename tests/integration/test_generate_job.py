@@ -22,6 +22,8 @@ from asyncgrpo.protocol.schemas import (
     SubmitResult,
 )
 from asyncgrpo.run.config import RunConfig
+from worker.algo.math_scoring import MathVerifier
+from worker.algo.rewards import RewardError
 from worker.algo.rollout import decode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.job import GenerateResult, GenerateTask
@@ -67,12 +69,13 @@ class RecordingProxy:
         return SubmitResult(status=status)
 
 
-def config() -> RunConfig:
+def config(reward: str = "repeat_digit") -> RunConfig:
     return RunConfig.model_validate(
         {
             "model": {"max_prompt_length": 8},
+            "dataset": {"answer_column": "answer"},
             "sampling": {"samples_per_prompt": 2, "max_completion_length": 4},
-            "rewards": [{"name": "repeat_digit"}],
+            "rewards": [{"name": reward}],
         }
     )
 
@@ -128,3 +131,36 @@ def test_generate_sends_typed_messages_that_match_its_rollout(
     resubmitted = proxy.submissions[1]
     fields = ("task_id", "version", "key", "sha256", "group_ids", "num_samples", "rejected_groups")
     assert resubmitted.model_dump(include=set(fields)) == submitted.model_dump(include=set(fields))
+
+
+def test_math_verify_scores_with_the_verifier_of_the_tasks_context(
+    bucket_with_v0: tuple[Bucket, str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("math_verify")
+    bucket, manifest_sha = bucket_with_v0
+    backend = TransformersBackend(str(tiny_model_dir))
+    groups = [GroupRef(group_id=f"{TASK}.0", prompt_index=0), GroupRef(group_id=f"{TASK}.1", prompt_index=1)]
+
+    def generate(task: str, verifier: MathVerifier | None) -> GenerateResult:
+        context = TaskContext(
+            run=RUN,
+            config=config("math_verify"),
+            prompts=PROMPTS,
+            bucket=bucket,
+            client=RecordingProxy(manifest_sha256=manifest_sha),
+            backend=backend,
+            adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
+            worker_id="gen-1",
+            math_verifier=verifier,
+        )
+        return GenerateTask(context, task, groups).run()
+
+    with pytest.raises(RewardError, match="'math_verify' needs a MathVerifier"):
+        generate(f"{TASK}-no-verifier", None)  # no hidden process-wide helper to fall back on
+    verifier = MathVerifier()
+    try:
+        result = generate(TASK, verifier)
+        assert result.status == "admitted" and result.groups == 2 and result.samples == 4
+        assert verifier.pid is not None  # the context's helper scored them
+    finally:
+        verifier.close()

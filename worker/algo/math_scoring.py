@@ -5,6 +5,8 @@ process with the preemption grace timer of a worker (``worker.process.tasks``): 
 replace that timer and then cancel it, and a preemption notice during scoring would never hand the task back.
 So math-verify runs in a child process, where its alarms are its own, and this process only waits on a pipe:
 
+* one ``MathVerifier`` per worker process, owned by its runtime (``worker.process.runtime``) and handed to the
+  tasks in their context; it closes the child at the worker's shutdown;
 * the child is a fresh interpreter (no copy of a CUDA context or of other threads' locks, and unlike
   multiprocessing's ``spawn`` it never re-runs the parent's main script), started on first use; it serves one
   request at a time over a socket pair for the rest of the worker's life: no per-call start-up cost;
@@ -171,16 +173,3 @@ class MathVerifier:
     def close(self) -> None:
         with self._lock:
             self._stop()
-
-
-_default: MathVerifier | None = None
-_default_lock = threading.Lock()
-
-
-def default_verifier() -> MathVerifier:
-    """The process-wide helper the ``math_verify`` reward uses (started on first use)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = MathVerifier()
-        return _default

@@ -11,7 +11,9 @@ reference answer (None when the dataset has none). Built-ins:
   nothing else (whitespace aside), else 0.0 (the DeepSeek-R1 format reward).
 * ``math_verify``: 1.0 when the completion's final math answer is equivalent to the reference, checked by
   the ``math-verify`` package (``pip install 'asyncgrpo[math]'``); 0.0 otherwise, and when math-verify times out
-  (``worker.algo.math_scoring`` runs it in a helper process, away from this process's signals).
+  (``worker.algo.math_scoring`` runs it in a helper process, away from this process's signals). It scores with
+  the ``MathVerifier`` it is given (``resolve_reward``'s and ``score_completions``' ``verifier``: on a worker, the
+  one its runtime owns); without one it raises ``RewardError``.
 
 A reward model (an entry with ``model``, ``worker.model.reward_models``) is scored by the worker over a whole task
 before the groups are; ``score_completions`` takes its values (``scored``) and checks them like a function's.
@@ -19,6 +21,7 @@ before the groups are; ``score_completions`` takes its values (``scored``) and c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
@@ -26,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from worker.algo.math_scoring import default_verifier
+from worker.algo.math_scoring import MathVerifier
 
 RewardFn = Callable[[str, str, "str | None"], float]
 
@@ -96,9 +99,18 @@ def format_reward(prompt: str, completion: str, answer: str | None) -> float:
     return 1.0 if _FORMAT.match(completion) else 0.0
 
 
-def math_verify_reward(prompt: str, completion: str, answer: str | None) -> float:
+NO_VERIFIER = (
+    "reward 'math_verify' needs a MathVerifier (worker.algo.math_scoring): pass verifier= to resolve_reward or "
+    "score_completions (a worker passes its runtime's, TaskContext.math_verifier)"
+)
+
+
+def math_verify_reward(prompt: str, completion: str, answer: str | None, verifier: MathVerifier | None = None) -> float:
     # In a helper process: math-verify's own timeouts use SIGALRM, which would cancel the preemption grace timer.
-    return default_verifier().score(_require_answer("math_verify", answer), completion)
+    reference = _require_answer("math_verify", answer)
+    if verifier is None:
+        raise RewardError(NO_VERIFIER)
+    return verifier.score(reference, completion)
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
@@ -109,8 +121,13 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """A built-in by name, or ``package.module:function`` imported from the worker's Python path."""
+def resolve_reward(name: str, verifier: MathVerifier | None = None) -> RewardFn:
+    """A built-in by name, or ``package.module:function`` imported from the worker's Python path.
+    ``math_verify`` comes bound to ``verifier``, which it needs (``RewardError`` without one)."""
+    if name == "math_verify":
+        if verifier is None:
+            raise RewardError(NO_VERIFIER)
+        return functools.partial(math_verify_reward, verifier=verifier)
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:
@@ -135,11 +152,13 @@ def score_completions(
     completions: Sequence[str],
     answers: Sequence[str | None],
     scored: Mapping[str, Sequence[float]] | None = None,
+    verifier: MathVerifier | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Weighted total reward of each completion, and each reward's raw values by name.
 
     ``prompts``, ``completions`` and ``answers`` are parallel (one entry per completion); ``scored`` holds, by
-    name, the values of the reward models among ``reward_configs``, scored already. A reward that raises or
+    name, the values of the reward models among ``reward_configs``, scored already; ``verifier`` scores
+    ``math_verify`` (needed when it is among them). A reward that raises or
     returns something other than a finite number raises ``RewardFailed`` with the rejection reason.
     """
     if not (len(prompts) == len(completions) == len(answers)):
@@ -156,7 +175,7 @@ def score_completions(
     totals = [0.0] * len(completions)
     per_reward: dict[str, list[float]] = {}
     for config in reward_configs:
-        function = _function_of(config, scored, len(completions))
+        function = _function_of(config, scored, len(completions), verifier)
         values: list[float] = []
         for index, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
             try:
@@ -177,11 +196,11 @@ def score_completions(
 
 
 def _function_of(
-    config: RewardSpec, scored: Mapping[str, Sequence[float]] | None, count: int
+    config: RewardSpec, scored: Mapping[str, Sequence[float]] | None, count: int, verifier: MathVerifier | None
 ) -> Callable[[int, str, str, str | None], object]:
     """The reward as a function of (index, prompt, completion, answer): a reward model's value is looked up."""
     if getattr(config, "model", None) is None and not getattr(config, "prescored", False):
-        function = resolve_reward(config.name)
+        function = resolve_reward(config.name, verifier)
         return lambda _index, prompt, completion, answer: function(prompt, completion, answer)
     values = (scored or {}).get(config.name)
     if values is None or len(values) != count:

@@ -28,6 +28,7 @@ from asyncgrpo.protocol.evals import (
     EvalResultRequest,
 )
 from asyncgrpo.run.config import RunConfig
+from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import RewardFailed, ScoredReward, score_completions
 from worker.generate.agent import AgentCompletion, as_generation_result, converse, environment_rewards
 from worker.generate.backend import GenerationBackend, GenerationResult, Message, chat_messages, fed_prompts
@@ -171,6 +172,7 @@ class EvalTask:
             failed=failed,
             model_scores=model_scores,
             environment_rewards=environment_rewards(context.agent) if context.agent is not None else [],
+            verifier=context.math_verifier,
         )
 
     def post(self, grant: EvalLeaseGrant, summary: EvalChunkSummary) -> EvalResult:
@@ -216,11 +218,13 @@ def summarize(
     failed: int = 0,
     model_scores: list[dict[str, list[float]]] | None = None,
     environment_rewards: list[ScoredReward] | None = None,
+    verifier: MathVerifier | None = None,
 ) -> EvalChunkSummary:
     """Score each prompt's completions on its own (a reward that fails counts the prompt as failed) and sum
     the rewards, per-prompt pass@k and completion lengths; keep the first ``eval.examples`` examples.
     ``model_scores``: per prompt, the reward models' (and ``environment_rewards``') scores of its completions, by
-    name; a completion's tokens are the model's own (an [agent] conversation's tool tokens are left out)."""
+    name; ``verifier`` scores ``math_verify``; a completion's tokens are the model's own (an [agent]
+    conversation's tool tokens are left out)."""
     cfg = config.eval
     rewards = [*(cfg.rewards or config.rewards), *(environment_rewards or [])]
     ks = reported_ks(cfg.samples_per_prompt)
@@ -239,6 +243,7 @@ def summarize(
                 texts,
                 [record.get("answer")] * len(texts),
                 model_scores[index] if model_scores else None,
+                verifier=verifier,
             )
         except RewardFailed as error:
             log.warning("generate.eval_prompt_unscored", prompt=record["prompt"][:80], error=str(error))

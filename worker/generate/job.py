@@ -23,6 +23,7 @@ from asyncgrpo.protocol.records import AgentStats, GenerateTimings, RolloutExtra
 from asyncgrpo.protocol.schemas import GroupRef, LeaseGrant, LeaseRequest, RejectedGroup, RolloutSubmission
 from asyncgrpo.run.config import RunConfig
 from worker.algo.advantages import task_advantages
+from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import RewardFailed, score_completions
 from worker.algo.rollout import Rollout, RolloutSample, encode_rollout, read_rollout_header
 from worker.generate.agent import (
@@ -231,7 +232,9 @@ class GenerateTask:
             for group_scores, values in zip(scored, per_group, strict=True):
                 group_scores[name] = values
         conversed = dict(zip((group.group_id for group in self.kept), result.results, strict=True))
-        self.kept, samples, tokens, unscored = _score(result, self.kept, texts, answers, self.config, scored, rewards)
+        self.kept, samples, tokens, unscored = _score(
+            result, self.kept, texts, answers, self.config, scored, rewards, context.math_verifier
+        )
         self.rejected.extend(unscored)
         stats = agent_stats([conversed[group.group_id] for group in self.kept]) if agent is not None else None
         return samples, tokens, stats
@@ -371,11 +374,13 @@ def _score(
     config: RunConfig,
     scored: list[dict[str, list[float]]] | None = None,
     rewards: list[Any] | None = None,
+    verifier: MathVerifier | None = None,
 ) -> tuple[list[GroupRef], list[RolloutSample], int, list[RejectedGroup]]:
     """Score each group on its own: a group whose reward raises or is not finite is rejected with its reason
     and the others are kept; then the advantages of the kept groups, together (``loss.scale_rewards = "batch"``
     and ``normalize_then_sum`` normalise over the task). ``rewards``: the run's rewards and its environments'
-    (default: ``config.rewards``). Returns (groups kept, their samples, their model tokens, groups rejected)."""
+    (default: ``config.rewards``); ``verifier`` scores ``math_verify``. Returns (groups kept, their samples,
+    their model tokens, groups rejected)."""
     rewards = list(config.rewards) if rewards is None else rewards
     kept: list[tuple[int, list[float], dict[str, list[float]]]] = []
     rejected: list[RejectedGroup] = []
@@ -388,6 +393,7 @@ def _score(
                 [completion.text for completion in completions],
                 [answers[group_index]] * len(completions),
                 scored[group_index] if scored else None,
+                verifier=verifier,
             )
         except RewardFailed as error:
             log.warning("generate.group_unscored", group_id=groups[group_index].group_id, error=str(error))

@@ -3,8 +3,8 @@ lease alive (``LeaseRenewer``) and get the leased version's adapter into the bac
 
 The context is the worker's parts for one run, which the worker's runtime builds once per run and the Celery
 entry (``worker.process.tasks``) hands each task: the run's config and prompts, the bucket, the proxy client, the
-backend, the adapter cache, the reward models and [agent]'s tools. A task holds it and reads it; it never changes
-it.
+backend, the adapter cache, the reward models, the math-verify helper and [agent]'s tools. A task holds it and
+reads it; it never changes it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from asyncgrpo.bucket.layout import IntegrityError
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.errors import LeaseLost, ProxyError
 from asyncgrpo.run.config import RunConfig
+from worker.algo.math_scoring import MathVerifier
 from worker.corrupt_report import report_corrupt
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.agent import AgentRun
@@ -52,6 +53,8 @@ class TaskContext:
     (``worker.process.runtime``) holds to load a version, so neither sees the other half-done."""
     reward_models: RewardModels | None = None
     """The worker's loaded reward models (needed when the run's rewards include one)."""
+    math_verifier: MathVerifier | None = None
+    """The worker's math-verify helper (needed when the run's rewards include ``math_verify``)."""
     agent: AgentRun | None = None
     """The worker's tool processes and schemas (needed when the run has [agent])."""
 

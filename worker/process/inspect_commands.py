@@ -23,7 +23,7 @@ from worker.process.launcher import ROLE_ENV
 from worker.process.runtime import WorkerRuntime, get_runtime
 from worker.process.settings import process_settings
 
-__all__ = ["adapter_versions", "app", "model_info"]
+__all__ = ("adapter_versions", "app", "model_info")  # a tuple: nothing here is module state to change
 
 
 def _role() -> str:

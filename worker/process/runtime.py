@@ -2,8 +2,9 @@
 
 The runtime (``WorkerRuntime``) holds the bucket, proxy client, the run's config and prompts, the model (a
 generation backend or a trainer and its ``Optimizer``), the adapter cache, the heartbeat, the ranks, the
-preemption state, the metrics endpoint and, on generate workers, the adapter prefetcher with the lock it shares
-with the generate task. One per process, kept on the process's Celery app (``get_runtime``), not in a module
+preemption state, the metrics endpoint, the math-verify helper (``MathVerifier``: its process starts with the
+first ``math_verify`` score) and, on generate workers, the adapter prefetcher with the lock it shares with the
+generate task. One per process, kept on the process's Celery app (``get_runtime``), not in a module
 global. Built lazily on the first task (so ``celery inspect`` and start-up stay fast), or, on a generate worker
 with the prefetcher on, by the prefetcher's thread when it sees the first published version; kept for the life
 of the process: the base model is loaded once, only adapters change between tasks.
@@ -51,6 +52,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import RunNotFound, load_eval_prompts, load_run
+from worker.algo.math_scoring import MathVerifier
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
 from worker.process.heartbeat import Heartbeat
@@ -102,6 +104,8 @@ class WorkerRuntime:
     idle_since: float | None = None  # when the last task ended (or the worker became ready), for the idle metric
     preemption: Preemption = field(default_factory=Preemption)  # SIGTERM: the running task goes back to its queue
     metrics: MetricsEndpoint = field(default_factory=MetricsEndpoint)  # the process's /metrics endpoint
+    # The math_verify reward's helper process: started by its first score (nothing until then), closed at shutdown.
+    math_verifier: MathVerifier = field(default_factory=MathVerifier)
     current_task: str | None = None
     heartbeat: Heartbeat | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -173,6 +173,7 @@ def _on_worker_shutdown(**_: Any) -> None:
         (log.info if closed else log.warning)("worker.prefetch_closed", load_in_progress=not closed)
     if runtime.agent is not None:
         runtime.agent.close()  # its tool process too (it would also die with this process)
+    runtime.math_verifier.close()  # its helper process, if a math_verify score started one
 
 
 def _refuse_other_run(role: str, task: str, run: str) -> None:
@@ -267,7 +268,7 @@ def eval_version(**payload: Any) -> dict[str, Any]:
 
 def _task_context(runtime: WorkerRuntime, run: str) -> TaskContext:
     """The context of a generate or eval task of ``run``: the worker's parts for it (the run's config and
-    prompts, backend, adapter cache, reward models and [agent] tools), built on first use."""
+    prompts, backend, adapter cache, reward models, math-verify helper and [agent] tools), built on first use."""
     with runtime.adapter_lock:  # the prefetcher may be building them right now
         context = runtime.run_context(run)
         return TaskContext(
@@ -282,6 +283,7 @@ def _task_context(runtime: WorkerRuntime, run: str) -> TaskContext:
             eval_prompts=context.eval_prompts,
             backend_lock=runtime.adapter_lock,
             reward_models=runtime.run_reward_models(context),
+            math_verifier=runtime.math_verifier,
             agent=runtime.run_agent(context),
         )
 

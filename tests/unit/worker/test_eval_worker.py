@@ -9,6 +9,8 @@ import pytest
 from asyncgrpo.cli.status import eval_line
 from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 from asyncgrpo.run.config import RunConfig
+from worker.algo.math_scoring import MathVerifier
+from worker.algo.rewards import RewardError
 from worker.generate.backend import Completion, GenerationResult, PromptResult
 from worker.generate.evals import pass_at_k, reported_ks, summarize
 
@@ -49,6 +51,29 @@ def test_summary_sums_rewards_pass_at_k_and_keeps_examples() -> None:
     assert summary.pass_at_k_sums == {"1": pytest.approx(0.5), "2": pytest.approx(1.0)}
     assert summary.completion_tokens == 12
     assert [(e.prompt, e.completion, e.answer) for e in summary.examples] == [("3=", "333", "3")]
+
+
+def test_summary_scores_math_verify_with_the_verifier_it_is_given() -> None:
+    pytest.importorskip("math_verify")
+    config = RunConfig.model_validate(
+        {
+            "dataset": {"answer_column": "answer"},
+            "rewards": [{"name": "math_verify"}],
+            "eval": {"every_versions": 1, "samples_per_prompt": 2, "temperature": 1.0},
+        }
+    )
+    prompts = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4"}]
+    result = _result([[r"\boxed{3}", "5"], [r"$4$", r"\boxed{4}"]])
+    with pytest.raises(RewardError, match="'math_verify' needs a MathVerifier"):
+        summarize(result, prompts, config)
+    verifier = MathVerifier()
+    try:
+        summary = summarize(result, prompts, config, verifier=verifier)
+    finally:
+        verifier.close()
+    assert summary.prompts == 2 and summary.prompts_failed == 0
+    assert summary.reward_sums == {"math_verify": pytest.approx(3.0)}
+    assert summary.pass_at_k_sums == {"1": pytest.approx(1.5), "2": pytest.approx(2.0)}
 
 
 def test_status_line_shows_the_newest_eval() -> None:

@@ -1,7 +1,8 @@
 """``math_verify`` scoring keeps the worker's signals: the preemption grace timer holds while it scores.
 
 math-verify's own timeouts use ``signal.alarm``; the reward runs it in a helper process
-(``worker.algo.math_scoring``), so the SIGALRM grace timer of ``worker.process.preemption`` still fires.
+(``worker.algo.math_scoring``), so the SIGALRM grace timer of ``worker.process.preemption`` still fires. The tests
+own their ``MathVerifier`` (a worker's runtime owns its own) and close it.
 """
 
 from __future__ import annotations
@@ -14,15 +15,27 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from celery.worker import state as worker_state
 
-from worker.algo import math_scoring
 from worker.algo.math_scoring import MathVerifier
-from worker.algo.rewards import math_verify_reward
+from worker.algo.rewards import RewardFn, resolve_reward
 from worker.process.preemption import Preemption, WorkerPreempted
 
 pytest.importorskip("math_verify")
 
 # sympy compares this tower by evaluating it: it runs until a timeout stops it.
 PATHOLOGICAL = r"The answer is $\boxed{9^{9^{9^{9}}}}$"
+
+
+@pytest.fixture(scope="module")
+def verifier() -> Iterator[MathVerifier]:
+    helper = MathVerifier()
+    yield helper
+    helper.close()
+
+
+@pytest.fixture
+def math_verify_reward(verifier: MathVerifier) -> RewardFn:
+    """The ``math_verify`` reward as a worker resolves it: bound to the verifier it is given."""
+    return resolve_reward("math_verify", verifier)
 
 
 @pytest.fixture
@@ -57,11 +70,15 @@ def _preemption_notice() -> None:
         (r"\boxed{3}", "not math at all {", 0.0),  # an answer math-verify cannot parse scores 0
     ],
 )
-def test_answers_score_as_math_verify_says(completion: str, answer: str, expected: float) -> None:
+def test_answers_score_as_math_verify_says(
+    math_verify_reward: RewardFn, completion: str, answer: str, expected: float
+) -> None:
     assert math_verify_reward("q", completion, answer) == expected
 
 
-def test_grace_timer_armed_before_scoring_still_runs_after_it(worker_signals: None) -> None:
+def test_grace_timer_armed_before_scoring_still_runs_after_it(
+    math_verify_reward: RewardFn, worker_signals: None
+) -> None:
     preemption = Preemption()
     preemption.install(grace_s=3600.0)
     with preemption.running():
@@ -73,9 +90,11 @@ def test_grace_timer_armed_before_scoring_still_runs_after_it(worker_signals: No
         assert signal.getsignal(signal.SIGALRM) == preemption._on_grace_over
 
 
-def test_grace_period_ending_during_scoring_hands_the_task_back(worker_signals: None) -> None:
+def test_grace_period_ending_during_scoring_hands_the_task_back(
+    verifier: MathVerifier, math_verify_reward: RewardFn, worker_signals: None
+) -> None:
     assert math_verify_reward("q", r"\boxed{1}", "1") == 1.0  # the helper is up: the wait below is the scoring
-    helper = math_scoring.default_verifier()
+    helper = verifier
     first_pid = helper.pid
     preemption = Preemption()
     preemption.install(grace_s=0.2)

@@ -1,8 +1,10 @@
 """What a worker process keeps between tasks lives on objects it owns, not in module globals: two of each keep
-their own state (the held version, the rescoring weights, the preemption state, the ranks, the runtime)."""
+their own state (the held version, the rescoring weights, the preemption state, the ranks, the runtime, the
+math-verify helper)."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from asyncgrpo.bucket.backends import open_bucket
 from asyncgrpo.bucket.layout import read_manifest, write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import RepairTaskMessage
+from worker.algo.math_scoring import MathVerifier
 from worker.optimize.job import HeldVersion
 from worker.optimize.rescore import RecentAdapterWeights
 from worker.process.celery_app import WorkerApp
@@ -77,3 +80,39 @@ def test_a_runtime_is_kept_on_its_own_app_and_joins_its_ranks_once(
     settings = WorkerSettings(bucket=f"file://{tmp_path / 'bucket'}", cache=tmp_path / "cache")
     other = WorkerRuntime("optimize", settings, open_bucket(settings.bucket), ProxyClient("http://127.0.0.1:9", "t"))
     assert other.ranks is None and other.optimizer is None and other.preemption is not runtime.preemption
+
+
+def test_two_runtimes_hold_their_own_math_verifier_which_starts_nothing_until_it_scores(tmp_path: Path) -> None:
+    settings = WorkerSettings(bucket=f"file://{tmp_path / 'bucket'}", cache=tmp_path / "cache")
+    client = ProxyClient("http://127.0.0.1:9", "t")
+    one, two = (WorkerRuntime("generate", settings, open_bucket(settings.bucket), client) for _ in range(2))
+    assert isinstance(one.math_verifier, MathVerifier) and one.math_verifier is not two.math_verifier
+    assert one.math_verifier.pid is None and two.math_verifier.pid is None  # no helper process yet
+    pytest.importorskip("math_verify")
+    try:
+        assert one.math_verifier.score("2", "$2$") == 1.0
+        assert one.math_verifier.pid is not None and two.math_verifier.pid is None
+    finally:
+        one.math_verifier.close()
+    assert one.math_verifier.pid is None
+
+
+def test_the_worker_shutdown_closes_its_runtimes_math_verifier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("math_verify")
+    from worker.process import tasks
+    from worker.process.celery_app import app
+
+    monkeypatch.setattr(tasks, "_role", lambda: "generate")  # the process's settings are parsed once
+    settings = WorkerSettings(bucket=f"file://{tmp_path / 'bucket'}", cache=tmp_path / "cache")
+    runtime = WorkerRuntime("generate", settings, open_bucket(settings.bucket), ProxyClient("http://127.0.0.1:9", "t"))
+    monkeypatch.setattr(app, "runtime", runtime)
+    try:
+        assert runtime.math_verifier.score("2", "$2$") == 1.0
+        helper = runtime.math_verifier.pid
+        assert helper is not None
+        tasks._on_worker_shutdown()
+        assert runtime.math_verifier.pid is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(helper, 0)  # killed and reaped
+    finally:
+        runtime.math_verifier.close()

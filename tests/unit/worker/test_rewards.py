@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import pytest
 
 from asyncgrpo.run.config import RewardConfig
+from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import (
     BUILTIN_REWARDS,
     RewardError,
+    RewardFailed,
     exact_match,
     format_reward,
     math_verify_reward,
@@ -58,9 +60,33 @@ def test_format_reward() -> None:
 
 def test_math_verify_reward() -> None:
     pytest.importorskip("math_verify")
-    assert math_verify_reward("q", r"so the result is $\frac{1}{2}$", "0.5") == 1.0
-    assert math_verify_reward("q", r"The answer is \boxed{42}", "42") == 1.0
-    assert math_verify_reward("q", r"The answer is \boxed{41}", "42") == 0.0
+    verifier = MathVerifier()
+    try:
+        assert math_verify_reward("q", r"so the result is $\frac{1}{2}$", "0.5", verifier) == 1.0
+        assert math_verify_reward("q", r"The answer is \boxed{42}", "42", verifier) == 1.0
+        assert math_verify_reward("q", r"The answer is \boxed{41}", "42", verifier) == 0.0
+        # Resolved by name (as score_completions does), it is bound to the verifier it was given.
+        bound = resolve_reward("math_verify", verifier)
+        assert bound("q", r"\boxed{7}", "7") == 1.0 and bound("q", r"\boxed{8}", "7") == 0.0
+        totals, per_reward = score_completions(
+            [_Spec("math_verify", 2.0)], ["q", "q"], [r"\boxed{3}", "4"], ["3", "3"], verifier=verifier
+        )
+        assert per_reward == {"math_verify": [1.0, 0.0]} and totals == [2.0, 0.0]
+    finally:
+        verifier.close()
+    assert verifier.pid is None
+
+
+def test_math_verify_without_a_verifier_names_what_to_pass() -> None:
+    """No hidden process-wide helper: whoever scores math_verify hands it the verifier it owns."""
+    for call in (
+        lambda: resolve_reward("math_verify"),
+        lambda: math_verify_reward("q", r"\boxed{1}", "1"),
+        lambda: score_completions([_Spec("math_verify")], ["q"], [r"\boxed{1}"], ["1"]),
+    ):
+        with pytest.raises(RewardError, match=r"'math_verify' needs a MathVerifier.*pass verifier=") as error:
+            call()
+        assert not isinstance(error.value, RewardFailed)  # a set-up mistake, not a group's failure
 
 
 def test_resolve_builtin_and_user_code() -> None:
