@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from scripts.config_reference import env_reference, reference
-from tests.support.paths import REPO_ROOT
+from tests.support.paths import PACKAGES, REPO_ROOT
 
 ROOT = REPO_ROOT
 README = (ROOT / "README.md").read_text()
@@ -35,7 +35,7 @@ def test_every_environment_variable_named_in_the_code_is_a_setting() -> None:
     """A variable spelt out anywhere in the packages (an error message, a CLI envvar) is one the settings
     classes declare, so the generated table covers it."""
     names = set()
-    for folder in ("asyncgrpo", "proxy", "worker"):
+    for folder in PACKAGES:
         for path in (ROOT / folder).rglob("*.py"):
             names.update(re.findall(r"ASYNCGRPO_[A-Z0-9_]+", path.read_text()))
     assert "ASYNCGRPO_TOKEN" in names

@@ -6,9 +6,9 @@ from math import comb
 
 import pytest
 
-from asyncgrpo.cli.status import eval_line
 from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 from asyncgrpo.run.config import RunConfig
+from cli.status import eval_line
 from worker.generate.backend import Completion, GenerationResult, PromptResult
 from worker.generate.evaluate import pass_at_k, reported_ks, summarize
 

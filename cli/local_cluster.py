@@ -144,7 +144,7 @@ class LocalCluster:
         self.proxy_url = f"http://127.0.0.1:{port}"
         child = self._spawn(
             "proxy",
-            [sys.executable, "-m", "asyncgrpo.cli.main", "proxy", "--run", self.run, "--host", "127.0.0.1", "--port",
+            [sys.executable, "-m", "cli", "proxy", "--run", self.run, "--host", "127.0.0.1", "--port",
              str(port), "--standby"],  # a restarted proxy waits for the lease of the one it replaces
             env=self.env(),
         )
@@ -161,7 +161,7 @@ class LocalCluster:
         child_env = self.env()
         child_env["ASYNCGRPO_WORKER_ID"] = name
         child_env.update(env or {})
-        argv = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", role]
+        argv = [sys.executable, "-m", "cli", "worker", role]
         if nproc_per_node > 1:
             argv += ["--nproc-per-node", str(nproc_per_node)]
         return self._spawn(name, argv, env=child_env)
