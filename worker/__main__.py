@@ -2,7 +2,8 @@
 
 The one definition of the ``worker`` command (the CLI adds it as ``asyncgrpo worker``, as it does ``python -m
 proxy``), and what an optimize worker's ranks run: they start by module, so the worker does not name the CLI
-above it. Imports only click until the command runs, so ``asyncgrpo --help`` loads no worker code.
+above it. Imports only click and the settings' error until the command runs, as ``proxy.__main__`` does, so the
+CLI loads without torch.
 """
 
 from __future__ import annotations
