@@ -44,12 +44,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.fixtures_s3, from a plain clone too
 
 from asyncgrpo.bucket.layout import write_version
-from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.log_setup import configure_logging
 from asyncgrpo.protocol.schemas import PublishRequest
 from asyncgrpo.run.config import load_run_config
 from asyncgrpo.run.creation import create_run
+from cli.local_cluster import ChildProcess, LocalCluster
 from tests.support.fixtures_s3 import open_env_bucket
 
 # Rank 268 on every linear layer of the tiny model (2 layers, hidden 128) is 268 * 4096 fp32 parameters.
@@ -167,7 +167,7 @@ def measure(backend: str, mode: str, versions: int, rank: int, root: Path, s3: A
         if prefetch:
             feeder = cluster.start_worker("generate", name="feeder", env={"ASYNCGRPO_PREFETCH_ADAPTERS": "false"})
             child_env = {**cluster.env(), "ASYNCGRPO_WORKER_ID": "measured", **measured_env}
-            argv = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", "generate", "--queues", "bench-idle"]
+            argv = [sys.executable, "-m", "cli", "worker", "generate", "--queues", "bench-idle"]
             measured = cluster._spawn("measured", argv, env=child_env)
         else:
             measured = cluster.start_worker("generate", name="measured", env=measured_env)

@@ -49,12 +49,12 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from asyncgrpo.cli.history import load_step_records
-from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.config import RunConfig, load_run_config
 from asyncgrpo.run.creation import create_run
 from asyncgrpo.run.datasets import build_dataset
+from cli.history import load_step_records
+from cli.local_cluster import LocalCluster
 from tests.support.fixtures_s3 import open_env_bucket
 from worker.algo.advantages import group_advantages
 from worker.algo.rewards import score_completions

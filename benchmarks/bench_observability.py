@@ -19,10 +19,10 @@ from prometheus_client import generate_latest
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import open_bucket
-from asyncgrpo.cli.history import load_step_records
-from asyncgrpo.cli.plot import plot_run
 from asyncgrpo.protocol.records import GenerateTimings, StepRecord, StepTimings, UpdateMetrics
 from asyncgrpo.protocol.schemas import GroupRef
+from cli.history import load_step_records
+from cli.plot import plot_run
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.generate.job import GenerateResult
 from worker.optimize.job import build_step_record

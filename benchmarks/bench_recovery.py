@@ -43,8 +43,8 @@ import redis
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.layout import read_manifest
-from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.run.creation import create_run
+from cli.local_cluster import ChildProcess, LocalCluster
 from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import wait_for
 from tests.support.fixtures_s3 import open_env_bucket

@@ -1,6 +1,6 @@
 """The proxy: the coordinator of one run, its HTTP face and its experiment trackers.
 
-Never imports `worker`, torch, transformers or peft; it meets the workers over HTTP, Redis and the bucket,
+Never imports `worker`, `cli`, torch, transformers or peft; it meets the workers over HTTP, Redis and the bucket,
 in the vocabulary of `asyncgrpo` (protocol, bucket, run). Import-linter contracts in pyproject.toml check it.
 
 Packages:

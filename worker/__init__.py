@@ -1,7 +1,8 @@
 """The worker processes: generate and optimize Celery workers.
 
-Never imports `proxy`: a worker meets the coordinator over HTTP, its Celery queues and the bucket, in the
+Imports neither `proxy` nor `cli`: a worker meets the coordinator over HTTP, its Celery queues and the bucket, in the
 vocabulary of `asyncgrpo` (protocol, bucket, run). Import-linter contracts in pyproject.toml check it.
+`python -m worker ROLE` (`__main__`) is the worker's command, which `cli` offers as `asyncgrpo worker ROLE`.
 
 Packages:
     process   Celery process plumbing shared by both roles: app, launcher, tasks and their runtime, prefetch,

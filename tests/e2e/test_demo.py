@@ -29,7 +29,7 @@ SUMMARY_KEYS = {
 
 def demo_command(workdir: Path, steps: int, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "asyncgrpo.cli.main", "demo", "--steps", str(steps), "--workdir", str(workdir), *extra
+        sys.executable, "-m", "cli", "demo", "--steps", str(steps), "--workdir", str(workdir), *extra
     ]
 
 

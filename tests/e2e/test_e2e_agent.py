@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.protocol.records import StepRecord
+from cli.local_cluster import LocalCluster
 from tests.support.e2e_harness import records_of, version_reached, wait_for
 from tests.support.faulty_environment import FAULTS, SPACING, script_file
 

@@ -14,11 +14,11 @@ import pytest
 from rich.console import Console
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.cli.history import load_eval_records, load_step_records
-from asyncgrpo.cli.local_cluster import LocalCluster, free_port
-from asyncgrpo.cli.plot import EVAL_PANEL_TITLE, draw_records, plot_run
-from asyncgrpo.cli.status import collect_status, render_status
 from asyncgrpo.protocol.client import ProxyClient
+from cli.history import load_eval_records, load_step_records
+from cli.local_cluster import LocalCluster, free_port
+from cli.plot import EVAL_PANEL_TITLE, draw_records, plot_run
+from cli.status import collect_status, render_status
 from tests.support.e2e_harness import assert_run_invariants, metric_value, records_of, scrape, wait_for
 from tests.support.fixtures_s3 import open_env_bucket
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.run.datasets import repeat_digit_prompts
+from cli.local_cluster import ChildProcess, LocalCluster
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (

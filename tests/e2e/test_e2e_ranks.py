@@ -18,9 +18,9 @@ import torch
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.layout import read_verified, read_version_files
-from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.run.creation import load_run
+from cli.local_cluster import ChildProcess, LocalCluster
 from tests.support.e2e_harness import (
     assert_run_invariants,
     records_of,

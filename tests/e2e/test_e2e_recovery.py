@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from asyncgrpo.cli.local_cluster import LocalCluster, free_port
+from cli.local_cluster import LocalCluster, free_port
 from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (
     assert_run_invariants,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
+from cli.local_cluster import ChildProcess, LocalCluster
 from proxy.coordinator.redis_store import RunKeys
 from tests.support.e2e_harness import (
     assert_run_invariants,

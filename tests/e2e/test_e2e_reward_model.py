@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.cli.local_cluster import LocalCluster
+from cli.local_cluster import LocalCluster
 from tests.support.e2e_harness import assert_run_invariants, records_of, version_reached, wait_for
 from tests.support.fixtures_s3 import open_env_bucket
 from worker.algo.rollout import decode_rollout

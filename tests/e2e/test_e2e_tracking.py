@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.cli.local_cluster import LocalCluster
+from cli.local_cluster import LocalCluster
 from tests.support.e2e_harness import assert_run_invariants, metric_value, records_of, version_reached, wait_for
 from tests.support.tracker_doubles import trackio_dir, trackio_logs, write_fake_wandb
 

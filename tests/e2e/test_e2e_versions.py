@@ -14,10 +14,10 @@ import pytest
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import ObjectNotFound
 from asyncgrpo.bucket.layout import read_manifest, read_version_files
-from asyncgrpo.cli.local_cluster import LocalCluster
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import OptimizeTaskMessage
 from asyncgrpo.run.creation import load_run
+from cli.local_cluster import LocalCluster
 from tests.support.e2e_harness import records_of, version_reached, wait_for
 from tests.support.fixtures_s3 import open_env_bucket
 from worker.model.policy import Policy

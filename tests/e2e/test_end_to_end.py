@@ -12,7 +12,7 @@ import redis
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.layout import latest_complete_version, read_manifest
-from asyncgrpo.cli.local_cluster import LocalCluster, free_port
+from cli.local_cluster import LocalCluster, free_port
 from proxy.coordinator.redis_store import RunKeys
 from proxy.coordinator.snapshot import StoredState, load_stored_state
 from tests.support.e2e_harness import (

@@ -623,9 +623,9 @@ def run_locally(workdir: Path, backend: str) -> tuple[list[dict[str, Any]], str]
     on this interpreter; returns the step records and the generate worker's log."""
     import time
 
-    from asyncgrpo.cli.history import load_step_records
-    from asyncgrpo.cli.local_cluster import LocalCluster
     from asyncgrpo.run.creation import create_run
+    from cli.history import load_step_records
+    from cli.local_cluster import LocalCluster
 
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCGRPO_HEARTBEAT_S": "0.5"}
     cluster = LocalCluster(workdir=workdir, run=f"e2e-{backend}", extra_env=threads)

@@ -126,7 +126,7 @@ def test_a_real_worker_process_answers_the_custom_commands(redis_url: str, tmp_p
         "ASYNCGRPO_CACHE": str(tmp_path / "cache"),
         "ASYNCGRPO_TORCH_THREADS": "1",  # torch's default here is every core (2 or more)
     }
-    command = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", "generate"]
+    command = [sys.executable, "-m", "cli", "worker", "generate"]
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.cli.local_run import torch_threads_env
+from cli.local_run import torch_threads_env
 from proxy.coordinator.redis_store import RunKeys
 from tests.support.paths import REPO_ROOT
 from worker.process.settings import WorkerSettings
@@ -84,7 +84,7 @@ def local_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def local_command(config: Path, workdir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "asyncgrpo.cli.main", "local", str(config), "--workdir", str(workdir), *extra]
+    return [sys.executable, "-m", "cli", "local", str(config), "--workdir", str(workdir), *extra]
 
 
 def run_local_json(tmp_path: Path, config: Path, *, timeout_s: float) -> subprocess.CompletedProcess[str]:

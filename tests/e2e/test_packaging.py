@@ -22,15 +22,15 @@ import httpx
 import pytest
 
 from tests.support.fixtures_redis import free_port
-from tests.support.paths import REPO_ROOT
+from tests.support.paths import PACKAGES, REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
 ROOT = REPO_ROOT
 TOKEN = "packaging-test-token"
 RUN = "pkg-run"
-# What `pip install .` reads: the metadata, the readme it names and the three packages.
-SOURCES = ("pyproject.toml", "README.md", "asyncgrpo", "proxy", "worker")
+# What `pip install .` reads: the metadata, the readme it names and the packages.
+SOURCES = ("pyproject.toml", "README.md", *PACKAGES)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

@@ -132,7 +132,7 @@ def test_two_runs_on_one_redis_take_only_their_own_tasks(redis_url: str, tmp_pat
     log_path = tmp_path / "worker-b.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "asyncgrpo.cli.main", "worker", "optimize"],
+            [sys.executable, "-m", "cli", "worker", "optimize"],
             env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from redis import Redis
 
-from asyncgrpo.cli.local_cluster import free_port
+from cli.local_cluster import free_port
 from proxy.api.app import create_app
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.paths import REPO_ROOT
@@ -42,7 +42,7 @@ def fake_systemctl(tmp_path: Path, units: dict[str, str], refuse: str | None = N
 def scale(url: str, systemctl: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     args = ["scale-generate", "--once", "--proxy", url, "--token", API_TOKEN, "--systemctl", str(systemctl)]
     return subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli.main", *args, *extra],
+        [sys.executable, "-m", "cli", *args, *extra],
         capture_output=True,
         text=True,
         timeout=120,

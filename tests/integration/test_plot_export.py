@@ -16,12 +16,12 @@ from peft import PeftModel, get_peft_model, load_peft_weights, set_peft_model_st
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.layout import IntegrityError, write_version
-from asyncgrpo.cli.export import ADAPTER_FILES, ExportError, export_version
-from asyncgrpo.cli.main import main
-from asyncgrpo.cli.plot import PlotError, plot_run
 from asyncgrpo.protocol.records import StepRecord, StepTimings, UpdateMetrics
 from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.creation import create_run
+from cli.export import ADAPTER_FILES, ExportError, export_version
+from cli.main import main
+from cli.plot import PlotError, plot_run
 from worker.algo.rollout import Rollout, RolloutSample
 from worker.model.policy import Policy, peft_lora_config
 from worker.optimize.job import build_step_record

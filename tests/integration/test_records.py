@@ -10,8 +10,8 @@ import structlog
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import open_bucket
-from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.protocol.records import RolloutHeader, StepRecord
+from cli.history import load_step_records
 
 # As the untyped writers wrote them (worker/optimize/job.py and worker/algo/rollout.py before the models).
 OLD_HEADER = {

@@ -152,7 +152,7 @@ def test_load_missing_run_says_how_to_create_it(tmp_path: Path) -> None:
 
 
 def test_cli_run_create(tmp_path: Path) -> None:
-    from asyncgrpo.cli.main import main
+    from cli.main import main
 
     url = f"file://{tmp_path / 'bucket'}"
     runner = CliRunner()
@@ -169,7 +169,7 @@ def test_cli_run_create(tmp_path: Path) -> None:
 
 def test_prompts_with_unicode_line_breaks_load_back(tmp_path: Path) -> None:
     """A prompt holding U+2028, U+2029 or U+0085 is created and read back whole (the run is usable)."""
-    from asyncgrpo.cli.main import main
+    from cli.main import main
 
     prompts = [f"one{brk}two" for brk in ("\u2028", "\u2029", "\x85", "\x0b", "\x1c", "\r")]
     rows = [{"prompt": prompt, "answer": f"{i}\u2029"} for i, prompt in enumerate(prompts)]
@@ -212,7 +212,7 @@ FIXED_REWARD = '[[rewards]]\nname = "repeat_digit"\n'
 )
 def test_cli_run_create_refuses_unusable_rewards(tmp_path: Path, rewards: str, dataset: str, expected: str) -> None:
     """A reward the workers could not use is refused by `run create`, which stores nothing: the name stays free."""
-    from asyncgrpo.cli.main import main
+    from cli.main import main
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
     url = f"file://{tmp_path / 'bucket'}"
@@ -235,7 +235,7 @@ def test_cli_run_create_refuses_unusable_rewards(tmp_path: Path, rewards: str, d
 def test_cli_run_create_refuses_a_reward_model_that_does_not_load(tmp_path: Path, tiny_reward_model_dir: Path) -> None:
     """A reward model whose config or tokenizer does not load is refused by `run create` with its name, before
     anything is stored; a relative folder is read from the config file's folder and stored as an absolute path."""
-    from asyncgrpo.cli.main import main
+    from cli.main import main
 
     url = f"file://{tmp_path / 'bucket'}"
     (tmp_path / "broken-rm").mkdir()

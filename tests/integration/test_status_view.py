@@ -15,12 +15,12 @@ from rich.console import Console
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
-from asyncgrpo.cli.main import main
-from asyncgrpo.cli.status import collect_status, render_status, show_status, sparkline
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.records import StepRecord, StepTimings
 from asyncgrpo.protocol.schemas import FleetView, HeartbeatRequest
 from asyncgrpo.run.creation import create_run
+from cli.main import main
+from cli.status import collect_status, render_status, show_status, sparkline
 from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served

@@ -26,10 +26,10 @@ import httpx
 import pytest
 import redis
 
-from asyncgrpo.cli.history import load_step_records
-from asyncgrpo.cli.local_cluster import ChildProcess, LocalCluster
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.creation import create_run
+from cli.history import load_step_records
+from cli.local_cluster import ChildProcess, LocalCluster
 from proxy.coordinator.redis_store import RunKeys
 from tests.support.fixtures_s3 import S3Endpoint, open_env_bucket
 

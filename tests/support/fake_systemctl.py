@@ -1,7 +1,7 @@
 """A stand-in for ``systemctl`` on a machine without systemd as PID 1: the scaler's commands against a JSON file.
 
 Run as ``python fake_systemctl.py STATE_FILE <systemctl arguments>`` (the tests write a one-line wrapper that
-passes the file). It answers the three commands ``asyncgrpo.cli.scaler.SystemdUnits`` sends, in systemctl's
+passes the file). It answers the three commands ``cli.scaler.SystemdUnits`` sends, in systemctl's
 output format, and keeps each unit's ACTIVE state (``active``, ``inactive``, ``failed``...) in the file, with
 every command it was given, so a test reads what was started and stopped.
 """

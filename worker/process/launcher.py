@@ -4,10 +4,11 @@ The queues are those of the run named by ``ASYNCGRPO_RUN`` (``asyncgrpo.protocol
 does not start.
 
 ``asyncgrpo worker optimize --nproc-per-node N`` (N > 1) starts one optimize worker over N local GPUs: it
-replaces itself with ``torch.distributed.run``, which starts this same command once per rank. Rank 0 becomes
-the Celery worker (the leader); every other rank becomes a follower (``follow_leader``), which takes part in
-the leader's trainer calls and talks to nothing else (``worker.optimize.ranks``). When one rank exits, the
-launcher stops the others and exits non-zero, and the unit restarts the whole worker.
+replaces itself with ``torch.distributed.run``, which starts the same command (``python -m worker optimize``)
+once per rank. Rank 0 becomes the Celery worker (the leader); every other rank becomes a follower
+(``follow_leader``), which takes part in the leader's trainer calls and talks to nothing else
+(``worker.optimize.ranks``). When one rank exits, the launcher stops the others and exits non-zero, and the unit
+restarts the whole worker.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def celery_worker_argv(
 
 
 def ranks_argv(nproc_per_node: int, extra_args: list[str]) -> list[str]:
-    """``torch.distributed.run`` starting ``asyncgrpo worker optimize`` on ``nproc_per_node`` local ranks."""
+    """``torch.distributed.run`` starting ``python -m worker optimize`` (the same command as ``asyncgrpo worker
+    optimize``, by module so that the worker need not name the CLI above it) on ``nproc_per_node`` local ranks."""
     return [
         sys.executable,
         "-m",
@@ -74,7 +76,6 @@ def ranks_argv(nproc_per_node: int, extra_args: list[str]) -> list[str]:
         "--monitor-interval",
         "0.5",
         "-m",
-        "asyncgrpo.cli.main",
         "worker",
         "optimize",
         *extra_args,

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from asyncgrpo.bucket.backends import S3Bucket, open_bucket
-from asyncgrpo.cli.main import main as cli_main
 from asyncgrpo.protocol.settings import CacheSettings, LogSettings, SettingsError, StorageSettings, env_name, variables
+from cli.main import main as cli_main
 from proxy.__main__ import main as proxy_main
 from proxy.api.settings import ProxySettings
-from tests.support.paths import REPO_ROOT
+from tests.support.paths import PACKAGES, REPO_ROOT
 from worker.process import launcher
 from worker.process.settings import WorkerSettings
 
@@ -221,7 +221,7 @@ def _environment_reads(path: Path) -> list[int]:
 
 def test_only_the_settings_modules_read_the_environment() -> None:
     offenders = {}
-    for folder in ("asyncgrpo", "proxy", "worker"):
+    for folder in PACKAGES:
         for path in sorted((ROOT / folder).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             if relative not in SETTINGS_MODULES and (lines := _environment_reads(path)):
@@ -229,26 +229,6 @@ def test_only_the_settings_modules_read_the_environment() -> None:
     assert not offenders, (
         f"read these through a settings class (asyncgrpo/protocol/settings.py or a role's): {offenders}"
     )
-
-
-def test_the_command_line_takes_its_defaults_from_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = CliRunner()
-    out = str(tmp_path / "plot.png")
-    missing = runner.invoke(cli_main, ["plot", "--out", out])
-    assert missing.exit_code == 2 and "missing --run: pass it or set ASYNCGRPO_RUN" in missing.output
-
-    monkeypatch.setenv("ASYNCGRPO_RUN", "from-env")
-    monkeypatch.setenv("ASYNCGRPO_BUCKET", "nope")
-    bad = runner.invoke(cli_main, ["plot", "--out", out])
-    assert bad.exit_code == 2 and "ASYNCGRPO_BUCKET='nope' is invalid" in bad.output
-
-    # Both values come from the environment: the plot finds the (empty) run in that bucket.
-    monkeypatch.setenv("ASYNCGRPO_BUCKET", f"file://{tmp_path / 'bucket'}")
-    empty = runner.invoke(cli_main, ["plot", "--out", out])
-    assert empty.exit_code == 1 and "run 'from-env' has no step records" in empty.output
-    # An option given on the command line wins over the variable.
-    flag = runner.invoke(cli_main, ["plot", "--run", "from-flag", "--out", out])
-    assert "run 'from-flag' has no step records" in flag.output
 
 
 def test_an_optimize_worker_consumes_its_own_queue_too() -> None:
@@ -280,11 +260,11 @@ def test_a_worker_without_a_usable_run_or_id_does_not_start(monkeypatch: pytest.
     assert result.exit_code == 1 and "Error: ASYNCGRPO_RUN is not set" in result.output, result.output
 
 
-# Where a process reads its environment: its entry, once (`asyncgrpo.cli.main` for every command, `proxy.__main__`
+# Where a process reads its environment: its entry, once (`cli.main` for every command, `proxy.__main__`
 # for the proxy, `worker.process.settings.process_settings` for a worker process, the launcher before it execs
 # Celery). Everything else is handed the settings object.
 SETTINGS_ENTRIES = {
-    "asyncgrpo/cli/main.py",
+    "cli/main.py",
     "proxy/__main__.py",
     "worker/process/settings.py",
     "worker/process/launcher.py",
@@ -314,20 +294,9 @@ def _settings_parsed(path: Path) -> list[int]:
 
 def test_settings_are_parsed_only_at_a_process_entry() -> None:
     offenders = {}
-    for folder in ("asyncgrpo", "proxy", "worker"):
+    for folder in PACKAGES:
         for path in sorted((ROOT / folder).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             if relative not in SETTINGS_ENTRIES and (lines := _settings_parsed(path)):
                 offenders[relative] = lines
     assert not offenders, f"pass the process's settings object down instead of parsing them here: {offenders}"
-
-
-def test_a_local_run_uses_only_the_services_the_user_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's own default bucket (``file://work/bucket``) is not a bucket the user named: the local run
-    keeps its bucket in its work folder unless ASYNCGRPO_BUCKET is set."""
-    from asyncgrpo.cli.local_run import configured_services
-
-    assert configured_services(WorkerSettings()) == (None, None)
-    monkeypatch.setenv("ASYNCGRPO_BUCKET", "file:///data/bucket")
-    monkeypatch.setenv("ASYNCGRPO_REDIS_URL", "redis://10.0.0.5:6379/0")
-    assert configured_services(WorkerSettings()) == ("redis://10.0.0.5:6379/0", "file:///data/bucket")

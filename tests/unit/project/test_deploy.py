@@ -16,13 +16,13 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import generate_latest
 
-from asyncgrpo.cli.main import main as cli_main
 from asyncgrpo.protocol import log_setup
 from asyncgrpo.protocol.schemas import FleetView, LeaseRecord, StatusResponse
 from asyncgrpo.protocol.settings import env_name, variables
+from cli.main import main as cli_main
 from proxy.api.settings import ProxySettings
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits
-from tests.support.paths import REPO_ROOT
+from tests.support.paths import PACKAGES, REPO_ROOT
 from worker.process import metrics as worker_metrics
 from worker.process.settings import WorkerSettings
 
@@ -176,7 +176,7 @@ def settings_env_vars() -> set[str]:
     """Every variable a process reads: the settings classes' fields (the only code that reads the environment),
     every name spelled out in the packages (error messages, CLI envvars), and those the units use."""
     names = {name for cls in (ProxySettings, WorkerSettings) for name in variables(cls)}
-    for module in sorted(path for top in ("asyncgrpo", "proxy", "worker") for path in (ROOT / top).rglob("*.py")):
+    for module in sorted(path for top in PACKAGES for path in (ROOT / top).rglob("*.py")):
         names |= set(ENV_NAME.findall(module.read_text()))
     names |= {log_setup.LOG_FORMAT_ENV, log_setup.LOG_LEVEL_ENV}
     return names | unit_env_vars()

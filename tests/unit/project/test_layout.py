@@ -11,24 +11,36 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests.support.paths import REPO_ROOT
+from tests.support.paths import PACKAGES, REPO_ROOT
 
 ROOT = REPO_ROOT
-TOP_PACKAGES = ("asyncgrpo", "proxy", "worker")
 MAP_ENTRY = re.compile(r"^    (\w+)\s{2,}\S")
 MAX_MODULE_LINES = 800
 
 
+def test_every_package_is_shipped_and_under_the_import_contracts() -> None:
+    """A top package that pip does not ship, or that import-linter does not see, escapes the architecture."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert sorted(shipped) == sorted(f"{top}*" for top in PACKAGES)
+    assert sorted(pyproject["tool"]["importlinter"]["root_packages"]) == sorted(PACKAGES)
+    on_disk = {init.parent.name for init in ROOT.glob("*/__init__.py")} - {"tests", "scripts"}
+    assert on_disk == set(PACKAGES)
+    entry = pyproject["project"]["scripts"]["asyncgrpo"]
+    assert entry.split(".")[0] == "cli", "the asyncgrpo binary is the top floor's command line"
+
+
 def packages() -> list[Path]:
-    return sorted(init.parent for top in TOP_PACKAGES for init in (ROOT / top).rglob("__init__.py"))
+    return sorted(init.parent for top in PACKAGES for init in (ROOT / top).rglob("__init__.py"))
 
 
 def modules() -> list[Path]:
-    return sorted(path for top in TOP_PACKAGES for path in (ROOT / top).rglob("*.py"))
+    return sorted(path for top in PACKAGES for path in (ROOT / top).rglob("*.py"))
 
 
 def module_name(path: Path) -> str:

@@ -13,7 +13,7 @@ from asyncgrpo.protocol.errors import ERROR_CODES
 from asyncgrpo.run.config import parse_run_config
 from scripts import config_reference
 from scripts.config_reference import TABLES, current_table, env_reference, reference, with_tables
-from tests.support.paths import REPO_ROOT
+from tests.support.paths import PACKAGES, REPO_ROOT
 
 ROOT = REPO_ROOT
 DOCS = ROOT / "docs"
@@ -21,9 +21,6 @@ README = (ROOT / "README.md").read_text()
 CONFIGURATION = (DOCS / "configuration.md").read_text()
 MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 README_MAX_LINES = 300
-# Paths the docs name before the tree has them: each maps to why. Remove an entry once its path exists
-# (test_pending_paths_do_not_exist_yet fails then, to say so).
-PENDING_PATHS = {"cli": "the command line's top-level package, moving there from asyncgrpo/cli (issue 40)"}
 
 
 def test_config_reference_table_matches_the_model() -> None:
@@ -75,7 +72,7 @@ def test_every_environment_variable_named_in_the_code_is_a_setting() -> None:
     """A variable spelt out anywhere in the packages (an error message, a CLI envvar) is one the settings
     classes declare, so the generated table covers it."""
     names = set()
-    for folder in ("cli", "asyncgrpo", "proxy", "worker"):
+    for folder in PACKAGES:
         for path in (ROOT / folder).rglob("*.py"):
             names.update(re.findall(r"ASYNCGRPO_[A-Z0-9_]+", path.read_text()))
     assert "ASYNCGRPO_TOKEN" in names
@@ -207,9 +204,9 @@ def _top_level() -> set[str]:
 
 
 def repo_paths(text: str) -> set[str]:
-    """Backticked repository paths in ``text``: ones whose first part is a top-level entry (or a pending one),
-    without placeholders (``tests/unit/<package>/``, ``runs/<run>/...``)."""
-    roots = _top_level() | set(PENDING_PATHS)
+    """Backticked repository paths in ``text``: ones whose first part is a top-level entry, without placeholders
+    (``tests/unit/<package>/``, ``runs/<run>/...``)."""
+    roots = _top_level()
     found = set()
     for token in re.findall(r"`([^`\s]+)`", text):
         if re.search(r"[<>*{}|…]|\.\.\.", token) or ":" in token:
@@ -222,10 +219,6 @@ def repo_paths(text: str) -> set[str]:
     return found
 
 
-def _exists(path: str) -> bool:
-    return (ROOT / path).exists() or path.rstrip("/").split("/")[0] in PENDING_PATHS
-
-
 def test_repo_paths_finds_paths_and_skips_placeholders() -> None:
     text = (
         "`worker/model/attention.py`, `Makefile`, `deploy/nothing/`, `tests/unit/<package>/`, `runs/<run>/x`, "
@@ -236,13 +229,8 @@ def test_repo_paths_finds_paths_and_skips_placeholders() -> None:
 
 @pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_backticked_repo_path_exists(page: Path) -> None:
-    missing = sorted(path for path in repo_paths(page.read_text()) if not _exists(path))
+    missing = sorted(path for path in repo_paths(page.read_text()) if not (ROOT / path).exists())
     assert not missing, f"{page.relative_to(ROOT)} names paths the tree lacks: {missing}"
-
-
-def test_pending_paths_do_not_exist_yet() -> None:
-    landed = sorted(path for path in PENDING_PATHS if (ROOT / path).exists())
-    assert not landed, f"{landed} exist now: remove them from PENDING_PATHS in {Path(__file__).name}"
 
 
 def test_the_layout_tree_names_folders_that_exist() -> None:
@@ -263,7 +251,7 @@ def test_the_layout_tree_names_folders_that_exist() -> None:
         if "<" not in name:
             named.append(path)
     assert "proxy/coordinator" in named and "worker/algo" in named
-    missing = [path for path in named if not ((ROOT / path).is_dir() or path.split("/")[0] in PENDING_PATHS)]
+    missing = [path for path in named if not (ROOT / path).is_dir()]
     assert not missing, f"docs/layout.md's tree names folders that do not exist: {missing}"
 
 

@@ -6,9 +6,9 @@ from math import comb
 
 import pytest
 
-from asyncgrpo.cli.status import eval_line
 from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 from asyncgrpo.run.config import RunConfig
+from cli.status import eval_line
 from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import RewardError
 from worker.generate.backend import Completion, GenerationResult, PromptResult

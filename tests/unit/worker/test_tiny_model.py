@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.cli.main import main
+from cli.main import main
 from worker.model.policy import Policy
 from worker.model.tiny_model import (
     EOS_TOKEN,

@@ -1,4 +1,4 @@
-"""``asyncgrpo demo``: ``asyncgrpo local`` (``asyncgrpo.cli.local_run``) on an embedded config, the tiny model
+"""``asyncgrpo demo``: ``asyncgrpo local`` (``cli.local_run``) on an embedded config, the tiny model
 and the toy task.
 
 The demo always keeps its ``file://`` bucket in its work folder (a temporary one by default), whatever
@@ -12,7 +12,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from asyncgrpo.cli.local_run import configured_services, run_local
+from cli.local_run import configured_services, run_local
 from worker.process.settings import WorkerSettings
 
 RUN_NAME = "demo"

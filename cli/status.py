@@ -20,12 +20,12 @@ from rich.table import Table
 from rich.text import Text
 
 from asyncgrpo.bucket.backends import Bucket, BucketError
-from asyncgrpo.cli.history import load_step_records
 from asyncgrpo.protocol.client import ProxyClient, ProxyError
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.protocol.schemas import StatusResponse, WorkerRecord
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
+from cli.history import load_step_records
 
 log = structlog.get_logger()
 

@@ -15,6 +15,7 @@ import click
 
 from asyncgrpo.protocol.settings import CacheSettings, CommonSettings, SettingsError, StorageSettings, env_name
 from proxy.__main__ import main as proxy_main
+from worker.__main__ import main as worker_main
 from worker.process.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -116,25 +117,9 @@ def model_tiny(out_dir: Path, seed: int) -> None:
     click.echo(f"tiny model written to {out_dir}")
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("role", type=click.Choice(["generate", "optimize"]))
-@click.option(
-    "--nproc-per-node",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="optimize only: train on this many local GPUs (ranks, FSDP2) as one worker.",
-)
-@click.pass_context
-def worker(ctx: click.Context, role: str, nproc_per_node: int) -> None:
-    """Start a Celery worker for ROLE on the queues of ASYNCGRPO_RUN, with the right pool and flags (extra args
-    go to celery)."""
-    from worker.process.launcher import run_worker
-
-    try:
-        sys.exit(run_worker(role, list(ctx.args), nproc_per_node))
-    except SettingsError as error:  # a missing run or a bad variable: say which, not a traceback
-        raise click.ClickException(str(error)) from None
+# One definition of the worker's command too: ``python -m worker ROLE`` (what an optimize worker's ranks run) and
+# ``asyncgrpo worker ROLE`` are the same command.
+main.add_command(worker_main, "worker")
 
 
 @main.command()
@@ -145,7 +130,7 @@ def worker(ctx: click.Context, role: str, nproc_per_node: int) -> None:
 def demo(steps: int | None, as_json: bool, workdir: Path | None, generate_workers: int) -> None:
     """Run the whole system locally on a tiny model: Redis, proxy, workers, a file:// bucket (`asyncgrpo local`
     on an embedded config)."""
-    from asyncgrpo.cli.demo import run_demo
+    from cli.demo import run_demo
 
     try:
         settings = WorkerSettings()  # this command's environment, parsed once
@@ -185,7 +170,7 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
     130 when interrupted.
     """
     from asyncgrpo.bucket.layout import InvalidKeyPart, check_run_name
-    from asyncgrpo.cli.local_run import configured_services, run_local
+    from cli.local_run import configured_services, run_local
 
     try:
         run_name = check_run_name(run_name or config_path.stem)
@@ -223,8 +208,8 @@ def local(config_path: Path, run_name: str | None, workdir: Path | None, generat
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2), help="Seconds.")
 def status(proxy_url: str, token: str | None, bucket: str | None, watch: bool, interval: float) -> None:
     """Show the run: version, step, reward trend, staleness, buffer, workers and their heartbeats."""
-    from asyncgrpo.cli.status import show_status
     from asyncgrpo.protocol.client import ProxyClient, ProxyError
+    from cli.status import show_status
 
     with ProxyClient(proxy_url, token, retries=1) as client:
         try:
@@ -261,9 +246,9 @@ def scale_generate(
     """Start and stop this host's asyncgrpo-generate@N instances to follow the proxy's generate workers wanted."""
     import structlog
 
-    from asyncgrpo.cli.scaler import ScalePolicy, Scaler, SystemdUnits, run_scaler
     from asyncgrpo.protocol.client import ProxyClient, ProxyError
     from asyncgrpo.protocol.log_setup import configure_logging
+    from cli.scaler import ScalePolicy, Scaler, SystemdUnits, run_scaler
 
     configure_logging(role="scaler")
     try:
@@ -300,7 +285,7 @@ def scale_generate(
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file.")
 def plot(run_name: str, bucket: str, out_path: Path) -> None:
     """Plot reward, ratio, staleness and throughput against step, from the run's step records."""
-    from asyncgrpo.cli.plot import PlotError, plot_run
+    from cli.plot import PlotError, plot_run
 
     try:
         written = plot_run(_open_bucket(bucket), run_name, out_path)
@@ -333,7 +318,7 @@ def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool,
 
     from asyncgrpo.bucket.backends import ObjectNotFound
     from asyncgrpo.bucket.layout import IntegrityError
-    from asyncgrpo.cli.export import ExportError, export_version
+    from cli.export import ExportError, export_version
 
     try:
         cache = CacheSettings().cache
@@ -343,7 +328,3 @@ def export(run_name: str, bucket: str, version: str, out_dir: Path, merge: bool,
     except (ExportError, IntegrityError, ObjectNotFound) as error:
         raise click.ClickException(str(error)) from error
     click.echo(json.dumps(result.summary(), indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ proxy rebuilds its state from the bucket), then runs Redis (a private ``redis-se
 ASYNCGRPO_REDIS_URL names), the proxy, one optimize worker and ``generate_workers`` generate workers. The
 bucket is ASYNCGRPO_BUCKET when set, else a ``file://`` bucket in the work folder. Shows live progress, ends
 with a summary (``--json``: one JSON line on stdout), and stops every child on the way out (Ctrl-C, SIGTERM
-and SIGHUP included). ``asyncgrpo demo`` is this on an embedded config (``asyncgrpo.cli.demo``).
+and SIGHUP included). ``asyncgrpo demo`` is this on an embedded config (``cli.demo``).
 
 Nothing is started before the config is valid and the run is stored, so a bad config leaves no process.
 """
@@ -28,14 +28,14 @@ from rich.table import Table
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, BucketError, open_bucket
 from asyncgrpo.bucket.layout import IntegrityError
-from asyncgrpo.cli.history import load_step_records
-from asyncgrpo.cli.local_cluster import ClusterError, LocalCluster, redis_reachable
 from asyncgrpo.protocol.log_setup import configure_logging
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.protocol.schemas import StatusResponse
 from asyncgrpo.protocol.settings import CommonSettings
 from asyncgrpo.run.config import load_run_config
 from asyncgrpo.run.creation import RunExistsError, create_run
+from cli.history import load_step_records
+from cli.local_cluster import ClusterError, LocalCluster, redis_reachable
 from proxy.coordinator.redis_store import RunKeys
 from worker.generate.agent import check_agent_of
 from worker.model.reward_models import check_reward_models_of

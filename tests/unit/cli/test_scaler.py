@@ -1,10 +1,10 @@
-"""The systemd scaler's decisions (``asyncgrpo.cli.scaler``) with its default policy: pure logic, a fake clock."""
+"""The systemd scaler's decisions (``cli.scaler``) with its default policy: pure logic, a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.cli.scaler import ScalePolicy, Scaler, scale_once
+from cli.scaler import ScalePolicy, Scaler, scale_once
 
 
 class RecordingUnits:

@@ -15,8 +15,8 @@ from typing import Any
 import structlog
 
 from asyncgrpo.bucket.backends import Bucket
-from asyncgrpo.cli.history import load_eval_records, load_step_records
 from asyncgrpo.protocol.records import EvalRecord, StepRecord
+from cli.history import load_eval_records, load_step_records
 
 log = structlog.get_logger()
 

@@ -147,7 +147,7 @@ class LocalCluster:
             [
                 sys.executable,
                 "-m",
-                "asyncgrpo.cli.main",
+                "cli",
                 "proxy",
                 "--run",
                 self.run,
@@ -172,7 +172,7 @@ class LocalCluster:
         child_env = self.env()
         child_env["ASYNCGRPO_WORKER_ID"] = name
         child_env.update(env or {})
-        argv = [sys.executable, "-m", "asyncgrpo.cli.main", "worker", role]
+        argv = [sys.executable, "-m", "cli", "worker", role]
         if nproc_per_node > 1:
             argv += ["--nproc-per-node", str(nproc_per_node)]
         return self._spawn(name, argv, env=child_env)
