@@ -18,11 +18,12 @@ test: install
 	lint-imports
 	$(PYTHON) -m pytest -q -rs
 
-# The edit loop: unit and integration tests only (no real processes), about 3 minutes on 2 cores; no install.
+# The edit loop: unit and contract tests in this one process against Redis and the bucket (no child process:
+# tests/conftest.py refuses one where a test is not marked `processes`); the e2e tests are `make test`'s.
 test-fast:
 	ruff check .
 	lint-imports
-	$(PYTHON) -m pytest -q tests/unit tests/integration
+	ASYNCGRPO_TESTS_NO_PROCESSES=1 $(PYTHON) -m pytest -q -m "not processes and not slow" tests/unit tests/integration
 
 lint:
 	ruff check .

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import structlog
@@ -43,21 +44,30 @@ def fresh_worker_settings() -> Iterator[None]:
 
 
 # `make test-fast` sets this: its layer (unit and contract tests) starts no process of its own, so a test that
-# does fails there with the marker it needs. Services the session shares (Redis, SeaweedFS) start in
-# session-scoped fixtures, before this one, and are allowed.
+# does fails there, naming the marker it needs. The services the suite shares (Redis, SeaweedFS) are allowed:
+# they are what the layer tests against, as a user's Redis and bucket.
 NO_PROCESSES_ENV = "ASYNCGRPO_TESTS_NO_PROCESSES"
+SERVICES = frozenset({"redis-server", "weed"})
 
 
 @pytest.fixture(autouse=True)
 def no_processes_in_the_fast_layer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.environ.get(NO_PROCESSES_ENV) != "1" or request.node.get_closest_marker("processes"):
         return
+    refusal = (
+        f"{request.node.nodeid} starts a process: mark it @pytest.mark.processes "
+        f"(the fast layer, {NO_PROCESSES_ENV}=1, starts none but {sorted(SERVICES)})"
+    )
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def services_only(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        program = args if isinstance(args, str | bytes | os.PathLike) else args[0]
+        if os.path.basename(os.fsdecode(program)) not in SERVICES:
+            raise RuntimeError(refusal)
+        execute_child(self, args, *rest, **kwargs)
 
     def refuse(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError(
-            f"{request.node.nodeid} starts a process: mark it @pytest.mark.processes "
-            f"(the fast layer, {NO_PROCESSES_ENV}=1, runs none)"
-        )
+        raise RuntimeError(refusal)
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", services_only)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -34,6 +34,8 @@ from worker.model.tiny_model import ensure_tiny_model
 from worker.optimize.batch import build_train_samples
 from worker.optimize.trainer import Trainer
 
+pytestmark = pytest.mark.processes  # a child process per test (see tests/conftest.py)
+
 RUN = "gen-job"  # RecordingProxy's run
 TASK = "gen-agent-0-00000001"
 PROMPTS = [

@@ -133,6 +133,7 @@ def test_generate_sends_typed_messages_that_match_its_rollout(
     assert resubmitted.model_dump(include=set(fields)) == submitted.model_dump(include=set(fields))
 
 
+@pytest.mark.processes
 def test_math_verify_scores_with_the_verifier_of_the_tasks_context(
     bucket_with_v0: tuple[Bucket, str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:

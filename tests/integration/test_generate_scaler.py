@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from redis import Redis
 
 from cli.local_cluster import free_port
@@ -25,6 +26,8 @@ from tests.support.proxy_harness import (
     paced_coordinator,
     step_at_pace,
 )
+
+pytestmark = pytest.mark.processes  # a child process per test (see tests/conftest.py)
 
 FAKE_SYSTEMCTL = REPO_ROOT / "tests" / "support" / "fake_systemctl.py"
 

@@ -23,7 +23,7 @@ from tests.support.train_samples import synthetic_samples
 from worker.model.policy import Policy
 from worker.optimize.trainer import Trainer
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.processes]
 
 TOLERANCE = 1e-5
 RANKS_PLAN = Path(ranks_plan.__file__)

@@ -66,6 +66,7 @@ def _config(tracker: str) -> RunConfig:
     return RunConfig(tracking=TrackingConfig(report_to=[tracker], project=f"test-{uuid.uuid4().hex[:8]}"))
 
 
+@pytest.mark.processes
 def test_wandb_offline_gets_every_step_and_eval_against_its_version_and_resumes_its_run(
     redis_client: redis.Redis, bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -106,6 +106,7 @@ def test_generate_instances_get_their_gpu_and_their_own_metrics_port() -> None:
     assert " exec " in exec_start
 
 
+@pytest.mark.processes
 def test_systemd_analyze_accepts_the_units(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:

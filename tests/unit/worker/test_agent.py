@@ -240,6 +240,7 @@ def _run(tokenizer: Any, turns: list[str], *, budget: int = 200, cut: set[int] |
     return groups[0], backend
 
 
+@pytest.mark.processes
 def test_each_tool_fault_is_an_observation_and_a_counted_failure(scripted_tokenizer: Any) -> None:
     faults = [
         _call("fail", '{"reason": "no"}'),
@@ -273,6 +274,7 @@ def test_each_tool_fault_is_an_observation_and_a_counted_failure(scripted_tokeni
     assert last_context.endswith("<tool>5<assistant>")
 
 
+@pytest.mark.processes
 def test_max_tool_calling_iterations_ends_the_conversation_at_the_next_call(scripted_tokenizer: Any) -> None:
     add = _call("add", '{"a": 2, "b": 3}')
     group, backend = _run(scripted_tokenizer, [add, add, add, "7"], max_tool_calling_iterations=1)
@@ -281,6 +283,7 @@ def test_max_tool_calling_iterations_ends_the_conversation_at_the_next_call(scri
     assert backend.calls == 2
 
 
+@pytest.mark.processes
 def test_a_cut_turn_and_a_tool_answer_past_the_budget_end_the_conversation_truncated(scripted_tokenizer: Any) -> None:
     add = _call("add", '{"a": 2, "b": 3}')
     group, _ = _run(scripted_tokenizer, [add, "777"], cut={1})
@@ -293,6 +296,7 @@ def test_a_cut_turn_and_a_tool_answer_past_the_budget_end_the_conversation_trunc
     assert backend.calls == 1
 
 
+@pytest.mark.processes
 def test_a_crash_that_loses_the_environment_fails_its_group_not_the_task(scripted_tokenizer: Any) -> None:
     config = AgentConfig.model_validate(
         {"tools": [f"{TOOLS}:exit_hard"], "environment": f"{TOOLS}:Counter", "tool_timeout_s": 5}
@@ -328,6 +332,7 @@ class FailingSecondTurn(ScriptedBackend):
         return super().generate_from_ids(sequences, **options)
 
 
+@pytest.mark.processes
 def test_a_task_that_fails_mid_conversation_can_run_again_on_the_same_worker(scripted_tokenizer: Any) -> None:
     config = AgentConfig.model_validate({"environment": f"{TOOLS}:Counter", "tools": [f"{TOOLS}:add"]})
     run = AgentRun.start(config, scripted_tokenizer)

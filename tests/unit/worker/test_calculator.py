@@ -152,6 +152,7 @@ def test_json_schema_describes_the_expression_parameter() -> None:
     assert function["return"]["type"] == "string"
 
 
+@pytest.mark.processes
 def test_the_tool_process_answers_results_and_shows_refusals_to_the_model() -> None:
     with ToolProcess([CALCULATOR], None, timeout_s=5) as process:
         (schemas,) = process.describe().values()

@@ -53,6 +53,7 @@ def test_summary_sums_rewards_pass_at_k_and_keeps_examples() -> None:
     assert [(e.prompt, e.completion, e.answer) for e in summary.examples] == [("3=", "333", "3")]
 
 
+@pytest.mark.processes
 def test_summary_scores_math_verify_with_the_verifier_it_is_given() -> None:
     pytest.importorskip("math_verify")
     config = RunConfig.model_validate(

@@ -19,6 +19,8 @@ from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import RewardFn, resolve_reward
 from worker.process.preemption import Preemption, WorkerPreempted
 
+pytestmark = pytest.mark.processes  # a child process per test (see tests/conftest.py)
+
 pytest.importorskip("math_verify")
 
 # sympy compares this tower by evaluating it: it runs until a timeout stops it.

@@ -82,6 +82,7 @@ def test_a_runtime_is_kept_on_its_own_app_and_joins_its_ranks_once(
     assert other.ranks is None and other.optimizer is None and other.preemption is not runtime.preemption
 
 
+@pytest.mark.processes
 def test_two_runtimes_hold_their_own_math_verifier_which_starts_nothing_until_it_scores(tmp_path: Path) -> None:
     settings = WorkerSettings(bucket=f"file://{tmp_path / 'bucket'}", cache=tmp_path / "cache")
     client = ProxyClient("http://127.0.0.1:9", "t")
@@ -97,6 +98,7 @@ def test_two_runtimes_hold_their_own_math_verifier_which_starts_nothing_until_it
     assert one.math_verifier.pid is None
 
 
+@pytest.mark.processes
 def test_the_worker_shutdown_closes_its_runtimes_math_verifier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("math_verify")
     from worker.process import tasks

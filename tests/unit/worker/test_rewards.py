@@ -58,6 +58,7 @@ def test_format_reward() -> None:
     assert format_reward("q", "<think>x</think><answer>4</answer> trailing", None) == 0.0
 
 
+@pytest.mark.processes
 def test_math_verify_reward() -> None:
     pytest.importorskip("math_verify")
     verifier = MathVerifier()

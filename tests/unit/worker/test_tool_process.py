@@ -20,6 +20,8 @@ import pytest
 
 from worker.generate.tool_process import LOST, EnvironmentFailed, ToolAnswer, ToolProcess, ToolSetupError
 
+pytestmark = pytest.mark.processes  # a child process per test (see tests/conftest.py)
+
 T = "tests.support.agent_tools:"
 TOOLS = [T + name for name in ("add", "fail", "as_dict", "hang", "exit_hard", "segfault", "sys_exit")]
 TIMEOUT_S = 1.0
