@@ -113,6 +113,13 @@ def wrong_weights(adapter_dir: Path, out: Path) -> Path:
     return out
 
 
+def backend_at_v0(tiny_model_dir: Path, adapter_dir: Path) -> TransformersBackend:
+    """A generate backend holding version 0's adapter, to make the rollouts a step trains on."""
+    backend = TransformersBackend(str(tiny_model_dir))
+    backend.load_adapter("v0", 0, adapter_dir)
+    return backend
+
+
 def make_rollout(
     bucket: Bucket,
     backend: TransformersBackend,
@@ -163,8 +170,7 @@ def test_rollout_from_wrong_weights_is_flagged_with_its_worker(
     setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     trainer, bucket, adapter_dir = setup
-    backend = TransformersBackend(str(tiny_model_dir))
-    backend.load_adapter("v0", 0, adapter_dir)
+    backend = backend_at_v0(tiny_model_dir, adapter_dir)
     backend.load_adapter("impostor", 0, wrong_weights(adapter_dir, tmp_path / "wrong"))
     good = make_rollout(bucket, backend, "v0", "t-good", "gen-good", 0)
     bad = make_rollout(bucket, backend, "impostor", "t-bad", "gen-bad", 0)
@@ -184,8 +190,7 @@ def test_too_stale_rollout_never_reaches_a_gradient(
     setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
 ) -> None:
     trainer, bucket, adapter_dir = setup
-    backend = TransformersBackend(str(tiny_model_dir))
-    backend.load_adapter("v0", 0, adapter_dir)
+    backend = backend_at_v0(tiny_model_dir, adapter_dir)
     stale = make_rollout(bucket, backend, "v0", "t-old", "gen-1", 0)
     for version in (1, 2):  # versions 1 and 2 exist; a step from 2 may use samples of 1 or 2 only
         metadata = {"step": version, "base_version": version - 1}
@@ -221,8 +226,7 @@ def test_conflict_on_our_own_adopted_upload_still_records_the_step(
     setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
 ) -> None:
     trainer, bucket, adapter_dir = setup
-    backend = TransformersBackend(str(tiny_model_dir))
-    backend.load_adapter("v0", 0, adapter_dir)
+    backend = backend_at_v0(tiny_model_dir, adapter_dir)
     ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
     proxy = ProxyThatAdoptedOurUpload(current_version=0)
 
@@ -302,8 +306,7 @@ def test_a_published_step_writes_metrics_from_memory_without_rereading(
     setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
 ) -> None:
     trainer, bucket, adapter_dir = setup
-    backend = TransformersBackend(str(tiny_model_dir))
-    backend.load_adapter("v0", 0, adapter_dir)
+    backend = backend_at_v0(tiny_model_dir, adapter_dir)
     ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
     reads: list[str] = []
     plain_get = bucket.get
@@ -442,8 +445,7 @@ def test_two_optimizers_keep_their_own_held_version_and_weights(
     # What used to be module globals (the held version, the rescoring weights) is each optimizer's own: one that
     # trained a step holds it and can repair it; another in the same process holds nothing.
     trainer, bucket, adapter_dir = setup
-    backend = TransformersBackend(str(tiny_model_dir))
-    backend.load_adapter("v0", 0, adapter_dir)
+    backend = backend_at_v0(tiny_model_dir, adapter_dir)
     ref = make_rollout(bucket, backend, "v0", "t-1", "gen-1", 0)
     proxy = RecordingProxy(current_version=0)
     first = Optimizer(RUN, config(), trainer, bucket, proxy, "opt-1")
