@@ -9,10 +9,10 @@ workers) >
 Every change to the state is one Lua script (`lua/<seam>/<name>.lua`, beside the seam module of that name that
 runs it, with `prelude.lua` prepended; its header is the one statement of its KEYS, ARGV and reply fields),
 declared in `scripts` with the exception of every refusal. Scripts write through the prelude's `call()`, which
-notes each change for the snapshot log (`snapshot_log`). Four writes are Redis commands from Python instead,
-atomic on their own and outside any invariant: a lease's first-use time (`leases`, HSETNX, not in the snapshot),
-the corrupt-object check a halt waits on (`steps`) and the trackers' progress (`proxy.tracking.forwarder`), both
-a field of a logged hash written with its note in one transaction (`redis_store.write_logged_field`), and an
+notes each change for the snapshot log (`snapshot_log`); so does `RedisStore.write_logged_field` (the
+corrupt-object check a halt waits on, `steps`, and the trackers' progress, `proxy.tracking.forwarder`), which
+refuses once Redis emptied. Two writes are Redis commands from Python instead, atomic on their own and outside
+any invariant: a lease's first-use time (`leases`, HSETNX, not in the snapshot) and an
 eval task's failure report (`evals`, ZADD XX, not in the snapshot). The proxy's leadership
 (`snapshot`) runs two inline scripts of its own: it guards the state, it is not part of it.
 

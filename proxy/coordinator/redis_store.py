@@ -274,20 +274,6 @@ class RunKeys:
         return self._item(WORKER_KIND, worker_id)
 
 
-def write_logged_field(redis: Redis, keys: RunKeys, section: str, field: str, value: str | int | None) -> None:
-    """Set (or, with None, delete) one field of a logged hash from Python, noted for the snapshot log as a
-    script's ``call()`` notes it (``lua/prelude.lua``), in one transaction."""
-    if LOGGED_KEYS.get(section) != "hash":
-        raise ValueError(f"{section!r} is not a hash the snapshot log holds ({sorted(LOGGED_KEYS)})")
-    pipe = redis.pipeline(transaction=True)
-    if value is None:
-        pipe.hdel(getattr(keys, section), field)
-    else:
-        pipe.hset(getattr(keys, section), field, value)
-    pipe.sadd(keys.log_dirty, f"h\t{section}\t{field}")
-    pipe.execute()
-
-
 # ---- the store ----
 
 RECORD_TTL_S = 7 * 24 * 3600
@@ -396,6 +382,16 @@ class RedisStore:
             release_lease=self.bind_async(redis, RELEASE_LEASE),
             submit_rollout=self.bind_async(redis, SUBMIT_ROLLOUT),
         )
+
+    def write_logged_field(self, section: str, field: str, value: str | int | None) -> None:
+        """Set (or, with None, delete) one field of a logged hash from Python, noted for the snapshot log as a
+        script's ``call()`` notes it (``lua/prelude.lua``). Refused with ``StateMissing`` while Redis holds no
+        state for the run: a write into an emptied Redis would leave a partial state behind."""
+        if LOGGED_KEYS.get(section) != "hash":
+            raise ValueError(f"{section!r} is not a hash the snapshot log holds ({sorted(LOGGED_KEYS)})")
+        name = getattr(self.keys, section).removeprefix(self.keys.prefix)
+        op, text = ("del", "") if value is None else ("set", str(value))
+        self.scripts.set_logged_field(section=name, field=field, op=op, value=text)
 
     def has_state(self) -> bool:
         return bool(self.redis.exists(self.keys.state))

@@ -680,6 +680,11 @@ CLEAR_HALT = LuaScript(
     name="clear_halt",
 )
 
+SET_LOGGED_FIELD = LuaScript(
+    name="set_logged_field",
+    errors=_NO_STATE,
+)
+
 
 # ---- the snapshot and the rebuild (``snapshot``, ``rebuild``): they must never start another rebuild ----
 
@@ -727,6 +732,7 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ADD_COUNTER,
     SET_HALT,
     CLEAR_HALT,
+    SET_LOGGED_FIELD,
     SNAPSHOT_JSON,
     LOG_SEGMENT,
     RESTORE_STATE,
@@ -762,6 +768,7 @@ class Scripts:
         self.add_counter = bind(ADD_COUNTER)
         self.set_halt = bind(SET_HALT)
         self.clear_halt = bind(CLEAR_HALT)
+        self.set_logged_field = bind(SET_LOGGED_FIELD)
         self.snapshot_json = bind(SNAPSHOT_JSON)
         self.log_segment = bind(LOG_SEGMENT)
         self.restore_state = bind(RESTORE_STATE)

@@ -85,7 +85,7 @@ from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.leases import track_flag
 from proxy.coordinator.metrics import ProxyMetrics
-from proxy.coordinator.redis_store import RedisStore, clear_halt, halt, halted_reason, write_logged_field
+from proxy.coordinator.redis_store import RedisStore, clear_halt, halt, halted_reason
 from proxy.coordinator.rollouts import normalise_reason
 from proxy.coordinator.scripts import (
     BadStepFailure,
@@ -515,7 +515,7 @@ class Versions:
                     log.warning("proxy.repair_send_failed", version=version, error=str(error))
             return CorruptResult(action="repair_sent", holder=holder)
         check = json.dumps({"version": version, "key": report.key})
-        write_logged_field(self.store.redis, self.store.keys, "state", HALT_CHECK_FIELD, check)
+        self.store.write_logged_field("state", HALT_CHECK_FIELD, check)
         halt(
             self.store,
             f"object {report.key!r} of published version {version} is corrupted (expected sha256 {expected}) and "
@@ -543,7 +543,7 @@ class Versions:
             return reason
         if action == "corrupt":
             return reason
-        write_logged_field(self.store.redis, self.store.keys, "state", HALT_CHECK_FIELD, None)
+        self.store.write_logged_field("state", HALT_CHECK_FIELD, None)
         clear_halt(self.store, by=CORRUPT_HALT)
         log.warning("proxy.corrupt_object_restored", version=check["version"], key=check["key"])
         return None

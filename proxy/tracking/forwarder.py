@@ -17,8 +17,9 @@ The progress survives an empty Redis: each advance calls ``on_progress`` (the se
 restores it (``proxy.coordinator.snapshot``). A tracker gets again at most what it was sent after the last
 snapshot put before Redis emptied: one tick's worth, more only while the bucket refuses snapshots. While Redis
 holds no state for the run a follower sends nothing (it would start again from step 1) and waits for the
-rebuild; a running follower never moves its cursor back (it keeps the highest step it sent and writes it
-over an older restored one).
+rebuild (a write of its progress is refused once the state is gone: ``RedisStore.write_logged_field``, so it
+leaves no partial state in an emptied Redis); a running follower never moves its cursor back (it keeps the
+highest step it sent and writes it over an older restored one).
 
 A tracker never stops the run. Every exception from it (start, log, finish) is logged as
 ``proxy.tracker_failed`` with the tracker's name and counted in ``asyncgrpo_tracker_errors_total{tracker}``;
@@ -45,13 +46,8 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, ObjectNotFound
 from asyncgrpo.protocol.records import StepRecord
 from asyncgrpo.run.config import RunConfig
-from proxy.coordinator.redis_store import (
-    RunKeys,
-    tracking_eval_field,
-    tracking_eval_prefix,
-    tracking_step_field,
-    write_logged_field,
-)
+from proxy.coordinator.redis_store import RedisStore, tracking_eval_field, tracking_eval_prefix, tracking_step_field
+from proxy.coordinator.scripts import StateMissing
 from proxy.tracking.metric_names import eval_metrics, step_metrics
 from proxy.tracking.trackers import TRACKERS, Tracker, TrackerRun, install_hint
 
@@ -98,7 +94,8 @@ class TrackerFollower:
         self.redis = redis
         self.bucket = bucket
         self.run = run
-        self.keys = RunKeys(run)
+        self.store = RedisStore(redis, run)
+        self.keys = self.store.keys
         self.metrics = metrics
         self.keep_going = keep_going
         self.on_progress = on_progress
@@ -142,6 +139,12 @@ class TrackerFollower:
 
     def forward_once(self) -> int:
         """Send what is new; return how many records the tracker took."""
+        try:
+            return self._forward()
+        except StateMissing:  # Redis emptied during the round: nothing was written; wait for the rebuild
+            return 0
+
+    def _forward(self) -> int:
         if not self.started:
             self.started = self._call("start", self.tracker.start)
             if not self.started:
@@ -179,8 +182,7 @@ class TrackerFollower:
                 ):
                     return sent
                 sent += 1
-            field = tracking_eval_field(self.tracker.name, version)
-            write_logged_field(self.redis, self.keys, "tracking", field, int(time.time()))
+            self.store.write_logged_field("tracking", tracking_eval_field(self.tracker.name, version), int(time.time()))
             self._evals_sent.add(version)  # type: ignore[union-attr]
             self.on_progress()
         return sent
@@ -197,8 +199,8 @@ class TrackerFollower:
         return int(self.redis.hget(self.keys.tracking, tracking_step_field(self.tracker.name)) or 0)
 
     def _mark_step(self, step: int) -> None:
-        write_logged_field(self.redis, self.keys, "tracking", tracking_step_field(self.tracker.name), step)
-        self._sent_through = max(self._sent_through, step)
+        self._sent_through = max(self._sent_through, step)  # the tracker has it, whether or not Redis takes it
+        self.store.write_logged_field("tracking", tracking_step_field(self.tracker.name), step)
         self.on_progress()
 
     def _current_version(self) -> int:

@@ -17,7 +17,7 @@ from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.protocol.errors import ProxyError
 from asyncgrpo.protocol.schemas import HeartbeatRequest, StaleRolloutError, StepFailureReport, TaskFailureReport
-from proxy.coordinator.redis_store import LOGGED_KEYS, tracking_eval_field, tracking_step_field, write_logged_field
+from proxy.coordinator.redis_store import LOGGED_KEYS, tracking_eval_field, tracking_step_field
 from proxy.coordinator.scripts import ALL_SCRIPTS, CoordinatorError, lua_text
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot, load_stored_state, read_state_document
@@ -152,12 +152,12 @@ class BusyRun:
 
     def track(self) -> None:
         tracker = self.rng.choice(["wandb", "mlflow"])
-        redis, keys = self.coord.redis, self.coord.keys
+        store = self.coord.store
         if self.rng.random() < 0.5:
-            write_logged_field(redis, keys, "tracking", tracking_step_field(tracker), self.rng.randrange(10))
+            store.write_logged_field("tracking", tracking_step_field(tracker), self.rng.randrange(10))
         else:
             field = tracking_eval_field(tracker, self.rng.randrange(10))
-            write_logged_field(redis, keys, "tracking", field, self.rng.randrange(10**9))
+            store.write_logged_field("tracking", field, self.rng.randrange(10**9))
 
     def wait(self) -> None:
         self.clock.advance(self.rng.choice([1, 5, 30, 200]))  # past deadlines now and then: tasks cancelled

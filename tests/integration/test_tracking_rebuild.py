@@ -20,6 +20,7 @@ from redis import Redis
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.run.config import RunConfig, TrackingConfig
+from proxy.coordinator.scripts import StateMissing
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot, seal
 from proxy.tracking.forwarder import Forwarder, TrackerFollower, TrackerMetrics, start_forwarding
@@ -177,6 +178,44 @@ def test_a_snapshot_older_than_the_last_send_never_moves_a_running_follower_back
     # A proxy started now resumes from step 3: nothing again.
     again = _RecordingTracker()
     assert _follower(redis_client, bucket, fresh, again).forward_once() == 0 and again.sent == []
+
+
+class _FlushingTracker(_RecordingTracker):
+    """Redis empties while the tracker takes a step: the follower's progress write comes after the flush."""
+
+    def __init__(self, redis_client: Redis) -> None:
+        super().__init__()
+        self.redis_client = redis_client
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        super().log(metrics, step)
+        self.redis_client.flushall()
+
+
+def test_progress_written_after_redis_emptied_leaves_no_partial_state(
+    redis_client: Redis, bucket: Bucket, clock: ManualClock
+) -> None:
+    """The follower found the state, then Redis emptied under it: its write of the step is refused, so Redis
+    stays empty (a lone ``tracking`` or ``state`` field would read as a state the rebuild must not trust)."""
+    coord = make_coordinator(redis_client, bucket, clock=clock)
+    submitted: set[str] = set()
+    coord.tick()
+    publish_next(coord)
+    _publish_with_record(coord, submitted)
+    coord.snapshots.write()
+    tracker = _FlushingTracker(redis_client)
+    follower = _follower(redis_client, bucket, coord, tracker)
+    assert follower.forward_once() == 0, "the round ends when its write is refused"
+    assert tracker.sent == [("step", 1)]
+    assert redis_client.dbsize() == 0, f"left behind: {sorted(redis_client.keys())}"
+    with pytest.raises(StateMissing):
+        coord.store.write_logged_field("state", "halt_check", "{}")
+    assert redis_client.dbsize() == 0
+
+    fresh = _rebuilt(redis_client, bucket, clock)
+    assert follower.forward_once() == 0
+    assert _tracking(redis_client, fresh)["recording:step"] == "1", "the follower's cursor, written back"
+    assert tracker.sent == [("step", 1)]
 
 
 def test_a_snapshot_without_tracking_progress_still_rebuilds(
