@@ -1,4 +1,4 @@
-"""The worker's side of ``[eval]``, pure parts: the pass@k estimator, a chunk's summary, the status line."""
+"""The worker's side of ``[eval]``, pure parts: the pass@k estimator, a chunk's summary."""
 
 from __future__ import annotations
 
