@@ -19,11 +19,12 @@ test: install
 	$(PYTHON) -m pytest -q -rs
 
 # The edit loop: unit and contract tests in this one process against Redis and the bucket (no child process:
-# tests/conftest.py refuses one where a test is not marked `processes`); the e2e tests are `make test`'s.
+# tests/conftest.py refuses one where a test is not marked `processes`); the e2e tests are `make test`'s. One
+# pytest-xdist worker a core: each has its own private Redis and SeaweedFS.
 test-fast:
 	ruff check .
 	lint-imports
-	ASYNCGRPO_TESTS_NO_PROCESSES=1 $(PYTHON) -m pytest -q -m "not processes and not slow" tests/unit tests/integration
+	ASYNCGRPO_TESTS_NO_PROCESSES=1 $(PYTHON) -m pytest -q -n auto -m "not processes and not slow" tests/unit tests/integration
 
 lint:
 	ruff check .

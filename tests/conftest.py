@@ -1,5 +1,6 @@
 """Fixtures live in role-named plugin modules; this file loads them, and sets how this process logs."""
 
+import contextlib
 import multiprocessing.process
 import os
 import subprocess
@@ -48,6 +49,15 @@ def fresh_worker_settings() -> Iterator[None]:
 # they are what the layer tests against, as a user's Redis and bucket.
 NO_PROCESSES_ENV = "ASYNCGRPO_TESTS_NO_PROCESSES"
 SERVICES = frozenset({"redis-server", "weed"})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def library_caches_built() -> None:
+    """matplotlib builds its font cache on its first import on a machine, running ``fc-list``: a library's
+    one-time set-up, not a process a test starts. The fast layer builds it here, before its guard is on."""
+    if os.environ.get(NO_PROCESSES_ENV) == "1":
+        with contextlib.suppress(ImportError):
+            import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

@@ -18,8 +18,8 @@ eval task's failure report (`evals`, ZADD XX, not in the snapshot). The proxy's 
 
 Modules:
     service         `Coordinator` (the facade the HTTP app and tests call; a missing state is rebuilt here),
-                    `Housekeeping` (the round `tick()` runs), `StateRestorer`; the views of the state
-                    (`/v1/status`, `/v1/run`)
+                    `Housekeeping` (the round `tick()` runs: each part its own `tick`), `StateRestorer`; the
+                    views of the state (`/v1/status`, `/v1/run`)
     leases          grant, renew, release and expire leases on adapter versions; first-use latency; retention:
                     collect old adapter versions and rollout objects that no lease, window or evaluation holds
     generate_tasks  dispatch generate tasks (requeue line, seeded prompt order), cancel, expire; in-flight pacing

@@ -89,13 +89,18 @@ class Evals:
 
     def tick(self, dispatcher: Dispatcher, alive_s: float, *, send: bool = True) -> list[str]:
         """Record finished versions; with ``send`` (a generate worker is alive) re-send lost tasks and send the
-        tasks of newly due versions. Returns the task ids sent."""
+        tasks of newly due versions. Returns the task ids sent. A bucket that fails is logged and tried again
+        next tick."""
         if not self.enabled:
             return []
-        self._record_complete()
-        if not send:
+        try:
+            self._record_complete()
+            if not send:
+                return []
+            return self._retry(dispatcher, alive_s) + self._schedule(dispatcher)
+        except (BucketError, OSError) as error:
+            log.warning("proxy.eval_tick_failed", error=str(error))
             return []
-        return self._retry(dispatcher, alive_s) + self._schedule(dispatcher)
 
     def _schedule(self, dispatcher: Dispatcher) -> list[str]:
         store = self.store

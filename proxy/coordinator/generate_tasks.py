@@ -59,6 +59,7 @@ import structlog
 
 from asyncgrpo.protocol.schemas import FleetView, GenerateTaskMessage, GroupRef
 from asyncgrpo.run.config import AsyncConfig, RunConfig
+from proxy.coordinator.dispatch import Dispatcher, DispatchError
 from proxy.coordinator.leases import track_flag
 from proxy.coordinator.redis_store import RedisStore, halt
 from proxy.coordinator.rollouts import MAX_REJECT_REASONS, normalise_reason
@@ -354,6 +355,40 @@ class GenerateTasks:
                 run=store.run, task_id=reply["task_id"], groups=groups, expires_at=deadline / 1000.0
             )
         raise RuntimeError("dispatch_generate kept seeing the epoch position move; is a second proxy running?")
+
+    def dispatch(self, most: int) -> tuple[list[GenerateTaskMessage], int]:
+        """Up to ``most`` new tasks while the buffer has room (the caller snapshots, then sends them), and the
+        groups in flight that no worker is known to work on (``unattended_groups``, left out of the paced limit
+        but not out of ``queue_maxsize``)."""
+        unattended = self.unattended_groups()
+        messages: list[GenerateTaskMessage] = []
+        while len(messages) < most:
+            message = self.dispatch_one(unattended)
+            if message is None:
+                break
+            messages.append(message)
+        return messages, unattended
+
+    def send(self, messages: list[GenerateTaskMessage], dispatcher: Dispatcher) -> list[str]:
+        """Send new tasks to the queue; a task the broker refused is cancelled at once (its groups go back in
+        line). Returns the ids sent."""
+        sent, unsent = [], []
+        for message in messages:
+            try:
+                dispatcher.send_generate(message)
+                sent.append(message.task_id)
+            except DispatchError as error:
+                log.warning("proxy.generate_send_failed", task_id=message.task_id, error=str(error))
+                unsent.append(message.task_id)
+        self.cancel(unsent, force=True)
+        return sent
+
+    def tick(self, alive_s: float) -> tuple[int, int]:
+        """Housekeeping's part here: cancel the tasks past their deadline, then those whose worker was not heard
+        from within ``alive_s`` (invariant 8: back in line now, not at their deadline). Returns how many of
+        each."""
+        cancelled, _ = self.expire()
+        return cancelled, self.reap_dead(alive_s)
 
     def cancel(self, task_ids: list[str], *, force: bool) -> tuple[int, int]:
         """Cancel in-flight tasks (past their deadline, or any if ``force``); returns (tasks, groups requeued)."""

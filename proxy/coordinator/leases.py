@@ -206,6 +206,16 @@ class Retention:
         """After a rebuild: collect at the next tick whatever the last collection saw."""
         self._last_gc = None
 
+    def tick(self) -> tuple[list[int], list[str]]:
+        """Housekeeping's part here: the versions and the rollout objects collected. A bucket that fails the
+        versions' listing or deletes is logged and tried again next tick; the rollouts' go on meanwhile."""
+        try:
+            versions = self.collect_versions()
+        except (BucketError, OSError) as error:
+            log.warning("proxy.gc_failed", error=str(error))
+            versions = []
+        return versions, self.collect_rollouts()
+
     def collect_versions(self) -> list[int]:
         """Delete versions older than ``current - max_staleness - 1`` that no live lease holds.
 

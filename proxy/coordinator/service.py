@@ -43,7 +43,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from asyncgrpo.bucket import layout as bucket_keys
-from asyncgrpo.bucket.backends import Bucket, BucketError
+from asyncgrpo.bucket.backends import Bucket
 from asyncgrpo.protocol.evals import EvalLeaseGrant, EvalResultAnswer, EvalResultRequest
 from asyncgrpo.protocol.schemas import (
     CorruptReport,
@@ -71,7 +71,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
-from proxy.coordinator.dispatch import Dispatcher, DispatchError
+from proxy.coordinator.dispatch import Dispatcher
 from proxy.coordinator.evals import Evals
 from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
 from proxy.coordinator.leases import Leases, Retention
@@ -153,7 +153,8 @@ class TickReport:
 
 
 class Housekeeping:
-    """``tick()`` over the parts of one run's coordinator, handed in by ``Coordinator`` (``service``)."""
+    """``tick()``: one round over the parts of one run's coordinator, in order, each doing its own part of it
+    (``tick``, ``dispatch``, ``send_due``); the parts are handed in by ``Coordinator`` (``service``)."""
 
     def __init__(
         self,
@@ -164,7 +165,6 @@ class Housekeeping:
         leases: Leases,
         tasks: GenerateTasks,
         steps: Steps,
-        sending: StepSending,
         step_failures: StepFailures,
         versions: Versions,
         evals: Evals,
@@ -182,7 +182,6 @@ class Housekeeping:
         self.leases = leases
         self.tasks = tasks
         self.steps = steps
-        self.sending = sending
         self.step_failures = step_failures
         self.versions = versions
         self.evals = evals
@@ -204,11 +203,8 @@ class Housekeeping:
         if outcome != "present":
             report.rebuilt = outcome
         report.leases_expired = self.leases.expire()
-        report.tasks_cancelled, _ = self.tasks.expire()
-        # Invariant 8: a task whose worker stopped sending heartbeats goes back in line now, not at its deadline.
-        report.tasks_worker_lost = self.tasks.reap_dead(self.heartbeats.alive_s)
-        self.versions.repair_missing_record()
-        self.versions.recheck_halt()  # a corrupted object restored by an operator lifts its halt
+        report.tasks_cancelled, report.tasks_worker_lost = self.tasks.tick(self.heartbeats.alive_s)
+        self.versions.tick()
         # The run ends at its final version (optimizer.total_steps): nothing more is claimed or dispatched.
         finished = self.store.current_version() >= self.config.final_version
         # A halted run claims no step (proxy.coordinator.steps); generation goes on until the buffer is full.
@@ -220,42 +216,19 @@ class Housekeeping:
         # Generate tasks wait for version 0 (nothing can be leased before), for the bucket to take snapshots
         # again after an outage, and for a generate worker to be alive (no queue grows that nobody consumes).
         if not finished and self.store.current_version() >= 0 and not self.bucket_outage and self._generate_consumed():
-            # Ghosts (leased tasks nobody renews) are left out of the paced limit, not out of queue_maxsize.
-            unattended = self.tasks.unattended_groups()
+            new_tasks, unattended = self.tasks.dispatch(MAX_TASKS_PER_TICK)
             self.metrics.groups_unattended.set(unattended)
-            while len(new_tasks) < MAX_TASKS_PER_TICK:
-                message = self.tasks.dispatch_one(unattended)
-                if message is None:
-                    break
-                new_tasks.append(message)
         if not self._write_tick_snapshot(new_tasks, report):
             self.accounting.account()
             return report
-        unsent = []
-        for message in new_tasks:
-            try:
-                dispatcher.send_generate(message)
-                report.tasks_sent.append(message.task_id)
-            except DispatchError as error:
-                log.warning("proxy.generate_send_failed", task_id=message.task_id, error=str(error))
-                unsent.append(message.task_id)
-        self.tasks.cancel(unsent, force=True)
-        # Send or re-send the step in flight if due (``steps.StepSending``): claimed, dead holder, timeout.
-        self.step_failures.review_halt()
-        report.step_sent = self.sending.send_due(dispatcher)
+        report.tasks_sent = self.tasks.send(new_tasks, dispatcher)
+        report.step_sent = self.step_failures.send_due(dispatcher)
         if report.step_sent is not None:
             self.pacer.step_sent(report.step_sent)
-        try:
-            # Before GC, so a version that just became due is protected; sent only while a generate worker
-            # is alive (they run the eval tasks), or every attempt would time out unconsumed.
-            report.evals_sent = self.evals.tick(dispatcher, self.heartbeats.alive_s, send=self._generate_consumed())
-        except (BucketError, OSError) as error:
-            log.warning("proxy.eval_tick_failed", error=str(error))
-        try:
-            report.versions_deleted = self.retention.collect_versions()
-        except (BucketError, OSError) as error:
-            log.warning("proxy.gc_failed", error=str(error))
-        report.rollouts_deleted = self.retention.collect_rollouts()
+        # Before GC, so a version that just became due is protected; sent only while a generate worker is alive
+        # (they run the eval tasks), or every attempt would time out unconsumed.
+        report.evals_sent = self.evals.tick(dispatcher, self.heartbeats.alive_s, send=self._generate_consumed())
+        report.versions_deleted, report.rollouts_deleted = self.retention.tick()
         self.accounting.account()
         if report.busy():
             log.debug("proxy.tick", **{k: v for k, v in report.__dict__.items() if v})
@@ -371,7 +344,6 @@ class Coordinator:
             leases=self.leases,
             tasks=self.tasks,
             steps=self.steps,
-            sending=self.sending,
             step_failures=self.step_failures,
             versions=self.versions,
             evals=self.evals,

@@ -183,6 +183,13 @@ class StepFailures:
         failed = {w for w in base_failed.split(",") if w}
         return not self.sending.holders_of(base_version, alive) and set(alive) <= failed
 
+    def send_due(self, dispatcher: Dispatcher) -> int | None:
+        """Housekeeping's part here: lift this module's halt if its cause is gone, then send or re-send the step
+        in flight if it is due (``StepSending.send_due``: claimed, dead holder, timeout); the step sent, or
+        None."""
+        self.review_halt()
+        return self.sending.send_due(dispatcher)
+
     def review_halt(self) -> None:
         """Lift this module's halt once a live worker holds the base or has not tried to load it (tick)."""
         store = self.store
@@ -524,6 +531,12 @@ class Versions:
         )
         self._last_recheck_ms = now
         return CorruptResult(action="halted")
+
+    def tick(self) -> None:
+        """Housekeeping's part here: copy a published version's step record that a crash left uncopied, and read
+        a corrupted object again (one an operator restored lifts its halt)."""
+        self.repair_missing_record()
+        self.recheck_halt()
 
     def recheck_halt(self) -> str | None:
         """While halted for a corrupted object, read it again every ``RECHECK_S``; the halt reason, or None."""

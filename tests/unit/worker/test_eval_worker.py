@@ -1,4 +1,4 @@
-"""The worker's side of ``[eval]``, pure parts: the pass@k estimator, a chunk's summary, the status line."""
+"""The worker's side of ``[eval]``, pure parts: the pass@k estimator, a chunk's summary."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ from math import comb
 
 import pytest
 
-from asyncgrpo.protocol.schemas import EvalSummary, StatusResponse
 from asyncgrpo.run.config import RunConfig
-from cli.status import eval_line
 from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import RewardError
 from worker.generate.backend import Completion, GenerationResult, PromptResult
@@ -75,29 +73,3 @@ def test_summary_scores_math_verify_with_the_verifier_it_is_given() -> None:
     assert summary.prompts == 2 and summary.prompts_failed == 0
     assert summary.reward_sums == {"math_verify": pytest.approx(3.0)}
     assert summary.pass_at_k_sums == {"1": pytest.approx(1.5), "2": pytest.approx(2.0)}
-
-
-def test_status_line_shows_the_newest_eval() -> None:
-    status = StatusResponse.model_validate(
-        {
-            "run": "r",
-            "current_version": 4,
-            "final_version": 4,
-            "finished": True,
-            "step_inflight": None,
-            "epoch": 0,
-            "epoch_pos": 0,
-            "groups_buffered": 0,
-            "groups_inflight": 0,
-            "groups_requeued": 0,
-            "tasks_inflight": 0,
-            "counters": {},
-            "rejected_by_reason": {},
-            "leases": [],
-            "workers_alive_by_role": {},
-            "evals_pending": 1,
-        }
-    )
-    assert eval_line(status) == "none yet; 1 version(s) pending"
-    status.eval_latest = EvalSummary(version=2, metrics={"reward": 0.5, "pass@4": 0.75, "pass@1": 0.25})
-    assert eval_line(status) == "v2: reward 0.5, pass@1 0.25, pass@4 0.75; 1 version(s) pending"

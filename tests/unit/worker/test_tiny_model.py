@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from cli.main import main
 from worker.model.policy import Policy
 from worker.model.tiny_model import (
     EOS_TOKEN,
@@ -118,11 +116,3 @@ def test_ensure_builds_once_and_reuses(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("ASYNCGRPO_CACHE", str(tmp_path / "elsewhere"))  # read by a process's entry, not here
     assert resolve_base_model("tiny", tmp_path) == str(path)
     assert resolve_base_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-
-
-def test_cli_builds_the_model(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["model", "tiny", "--out", str(tmp_path / "tiny"), "--seed", "3"])
-    assert result.exit_code == 0, result.output
-    assert (tmp_path / "tiny" / "config.json").is_file()
-    assert (tmp_path / "tiny" / "tokenizer.json").is_file()
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").num_parameters() > 0
