@@ -15,6 +15,7 @@ demo: install
 # lint-imports checks the architecture contracts in pyproject.toml ([tool.importlinter]).
 test: install
 	ruff check .
+	ruff format --check .
 	lint-imports
 	$(PYTHON) -m pytest -q -rs
 
@@ -23,9 +24,11 @@ test: install
 # pytest-xdist worker a core: each has its own private Redis and SeaweedFS.
 test-fast:
 	ruff check .
+	ruff format --check .
 	lint-imports
 	ASYNCGRPO_TESTS_NO_PROCESSES=1 $(PYTHON) -m pytest -q -n auto -m "not processes and not slow" tests/unit tests/integration
 
 lint:
 	ruff check .
+	ruff format --check .
 	lint-imports

@@ -40,10 +40,17 @@ def _build(out: Path, hidden: int, layers: int, vocab: int) -> Path:
     tokenizer = train_tiny_tokenizer()
     heads = max(hidden // 64, 1)
     config = Qwen2Config(
-        vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, intermediate_size=hidden * 3,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        vocab_size=max(vocab, len(tokenizer)),
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -59,19 +66,28 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def measure(base: Path, dtype: str, device: str, args: argparse.Namespace) -> dict[str, float | str]:
-    config = RunConfig.model_validate({
-        "model": {"dtype": dtype},
-        "sampling": {"samples_per_prompt": args.group, "max_completion_length": args.tokens},
-        "optimizer": {"micro_batch_tokens": 1 << 20},
-    })
+    config = RunConfig.model_validate(
+        {
+            "model": {"dtype": dtype},
+            "sampling": {"samples_per_prompt": args.group, "max_completion_length": args.tokens},
+            "optimizer": {"micro_batch_tokens": 1 << 20},
+        }
+    )
     policy = Policy.load(str(base), dtype=dtype, device=device)
     trainer = Trainer.initial(policy, config)
     prompts = [[1 + (i % 10), 11] for i in range(args.prompts)]
     rows = [prompt for prompt in prompts for _ in range(args.group)]
     with torch.no_grad():
         tokens, sampled = sample_completions(
-            trainer.model, rows, max_completion_length=args.tokens, temperature=1.0, top_p=1.0, seed=1,
-            eos_token_id=-1, pad_token_id=policy.pad_token_id, device=policy.device,
+            trainer.model,
+            rows,
+            max_completion_length=args.tokens,
+            temperature=1.0,
+            top_p=1.0,
+            seed=1,
+            eos_token_id=-1,
+            pad_token_id=policy.pad_token_id,
+            device=policy.device,
         )
     advantages = [float((i % args.group) - (args.group - 1) / 2) for i in range(len(rows))]
     samples = [TrainSample(rows[i], tokens[i], sampled[i], advantages[i]) for i in range(len(rows))]
@@ -83,8 +99,10 @@ def measure(base: Path, dtype: str, device: str, args: argparse.Namespace) -> di
         for trained, sampler in zip(scored, sampled, strict=True)
     ]
     clip = config.loss.vllm_importance_sampling_clip_max or math.inf
-    corrected = [TrainSample(s.prompt_token_ids, s.completion_token_ids, s.behavior_logprobs, s.advantage,
-                             corrected=True) for s in samples]
+    corrected = [
+        TrainSample(s.prompt_token_ids, s.completion_token_ids, s.behavior_logprobs, s.advantage, corrected=True)
+        for s in samples
+    ]
     times: dict[str, list[float]] = {"step": [], "step_corrected": []}
     for rep in range(args.reps + 1):
         for name, batch in (("step", samples), ("step_corrected", corrected)):

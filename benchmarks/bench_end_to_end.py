@@ -98,18 +98,31 @@ def build_compute_model(out_dir: Path, vocab_fillers: int = 2035) -> Path:
     """
     if (out_dir / "config.json").exists():
         return out_dir
-    vocab = {token: index for index, token in enumerate(["<eos>", "<pad>", "<unk>", *"0123456789=",
-                                                          *(f"<x{i}>" for i in range(vocab_fillers))])}
+    vocab = {
+        token: index
+        for index, token in enumerate(
+            ["<eos>", "<pad>", "<unk>", *"0123456789=", *(f"<x{i}>" for i in range(vocab_fillers))]
+        )
+    }
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
-                                      unk_token="<unk>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
     wrapped.padding_side = "left"
     config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=wrapped.eos_token_id, pad_token_id=wrapped.pad_token_id, bos_token_id=None,
+        vocab_size=len(vocab),
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=wrapped.eos_token_id,
+        pad_token_id=wrapped.pad_token_id,
+        bos_token_id=None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -120,8 +133,9 @@ def build_compute_model(out_dir: Path, vocab_fillers: int = 2035) -> Path:
     return out_dir
 
 
-def config_toml(base: str, workload: Workload, steps: int, max_staleness: int, queue_maxsize: int,
-                adaptive: bool) -> str:
+def config_toml(
+    base: str, workload: Workload, steps: int, max_staleness: int, queue_maxsize: int, adaptive: bool
+) -> str:
     return f"""\
 seed = 0
 
@@ -180,9 +194,14 @@ def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]
         with torch.no_grad():
             trainer.model.eval()
             tokens, logprobs = sample_completions(
-                trainer.model, rows, max_completion_length=config.sampling.max_completion_length,
-                temperature=config.sampling.temperature, top_p=config.sampling.top_p, seed=step + 1,
-                eos_token_id=trainer.policy.eos_token_id, pad_token_id=trainer.policy.pad_token_id,
+                trainer.model,
+                rows,
+                max_completion_length=config.sampling.max_completion_length,
+                temperature=config.sampling.temperature,
+                top_p=config.sampling.top_p,
+                seed=step + 1,
+                eos_token_id=trainer.policy.eos_token_id,
+                pad_token_id=trainer.policy.pad_token_id,
                 device=trainer.policy.device,
             )
         generated = time.perf_counter()
@@ -194,9 +213,7 @@ def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]
             [record.get("answer") for record in batch for _ in range(group)],
         )
         advantages = group_advantages(totals, group, scale=config.loss.scale_rewards != "none").tolist()
-        samples = [
-            TrainSample(rows[i], tokens[i], logprobs[i], advantages[i]) for i in range(len(rows)) if tokens[i]
-        ]
+        samples = [TrainSample(rows[i], tokens[i], logprobs[i], advantages[i]) for i in range(len(rows)) if tokens[i]]
         trainer.step(samples)
         ended = time.perf_counter()
         rewards.append(sum(totals) / len(totals))
@@ -216,8 +233,9 @@ def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]
         "reward_last10": _mean(rewards[-10:]),
         "breakdown_s": {
             "generate": round(statistics.median(generate_times), 4),
-            "score_and_train": round(statistics.median(t - g for t, g in zip(step_times, generate_times,
-                                                                              strict=True)), 4),
+            "score_and_train": round(
+                statistics.median(t - g for t, g in zip(step_times, generate_times, strict=True)), 4
+            ),
         },
         "threads": torch.get_num_threads(),
     }
@@ -263,8 +281,9 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
 
-def summarize_system(records: list[StepRecord], logs: Path, generate_workers: int, samples_per_step: int,
-                     warmup_steps: int) -> dict[str, Any]:
+def summarize_system(
+    records: list[StepRecord], logs: Path, generate_workers: int, samples_per_step: int, warmup_steps: int
+) -> dict[str, Any]:
     window = records[warmup_steps:] if len(records) > warmup_steps + 2 else records
     start, end = window[0].published_at, window[-1].published_at
     steps_per_s = (len(window) - 1) / max(end - start, 1e-9)
@@ -303,11 +322,20 @@ def summarize_system(records: list[StepRecord], logs: Path, generate_workers: in
     }
 
 
-def run_system(workdir: Path, toml: str, run: str, generate_workers: int, bucket_url: str | None,
-               bucket_env: dict[str, str], timeout_s: float) -> tuple[list[StepRecord], Path]:
+def run_system(
+    workdir: Path,
+    toml: str,
+    run: str,
+    generate_workers: int,
+    bucket_url: str | None,
+    bucket_env: dict[str, str],
+    timeout_s: float,
+) -> tuple[list[StepRecord], Path]:
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(
-        workdir=workdir, run=run, bucket_url=bucket_url,
+        workdir=workdir,
+        run=run,
+        bucket_url=bucket_url,
         extra_env={"ASYNCGRPO_LOG_FORMAT": "json", "ASYNCGRPO_LOG_LEVEL": "info", **bucket_env},
     )
     try:
@@ -377,11 +405,15 @@ def main() -> None:
                     line: dict[str, Any] = {"workload": workload_name, "config": "sync", **figures}
                 else:
                     run = f"{workload_name}-{name}"
-                    records, logs = run_system(workdir / run, toml, run, gen_workers, bucket_url(run), bucket_env,
-                                               workload.timeout_s)
+                    records, logs = run_system(
+                        workdir / run, toml, run, gen_workers, bucket_url(run), bucket_env, workload.timeout_s
+                    )
                     line = {
-                        "workload": workload_name, "config": name, "max_staleness": staleness,
-                        "generate_workers": gen_workers, "bucket": args.bucket,
+                        "workload": workload_name,
+                        "config": name,
+                        "max_staleness": staleness,
+                        "generate_workers": gen_workers,
+                        "bucket": args.bucket,
                         **summarize_system(records, logs, gen_workers, 64, workload.warmup_steps),
                     }
                 line["steps"] = steps

@@ -88,7 +88,9 @@ def _bare_step(trainer: Trainer, optimizer: torch.optim.Optimizer, batches: list
     for batch in batches:
         if batch.padding_free:
             out = model(
-                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
                 logits_to_keep=batch.logit_positions,
             )
             logits = out.logits[0] / trainer.temperature  # (K, V): the positions predicting completion tokens
@@ -98,8 +100,11 @@ def _bare_step(trainer: Trainer, optimizer: torch.optim.Optimizer, batches: list
         else:
             width = batch.completion_ids.shape[1]
             out = model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False, logits_to_keep=width + 1,
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=width + 1,
             )
             logits = out.logits[:, -width - 1 : -1, :] / trainer.temperature
             targets, behavior, adv = batch.completion_ids, batch.behavior_logprobs, batch.advantages.unsqueeze(1)
@@ -118,9 +123,18 @@ def _hf_generate(model: torch.nn.Module, rows: list[list[int]], pad: int, eos: i
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     attention = (torch.arange(width).unsqueeze(0) >= torch.tensor([width - len(r) for r in rows]).unsqueeze(1)).long()
     out = model.generate(
-        input_ids=ids, attention_mask=attention, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-        max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=eos, pad_token_id=pad,
-        output_scores=True, return_dict_in_generate=True,
+        input_ids=ids,
+        attention_mask=attention,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=0,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
     new = out.sequences[:, width:]
     scores = torch.stack(out.scores, dim=1).float()
@@ -134,16 +148,24 @@ def _make_batch(backend: TransformersBackend, args: argparse.Namespace, long: bo
     eos = -1 if long else backend.eos_token_id  # -1: never stop early, so completions are long
     with torch.no_grad():
         tokens, logprobs = sample_completions(
-            backend._select("v0"), rows, max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0,
-            seed=1, eos_token_id=eos, pad_token_id=backend.policy.pad_token_id, device=backend.policy.device,
+            backend._select("v0"),
+            rows,
+            max_completion_length=args.max_completion_length,
+            temperature=1.0,
+            top_p=1.0,
+            seed=1,
+            eos_token_id=eos,
+            pad_token_id=backend.policy.pad_token_id,
+            device=backend.policy.device,
         )
     cut = random.Random(0)
     samples = []
     for p_index, prompt in enumerate(prompts):
         group = range(p_index * args.group, (p_index + 1) * args.group)
         texts = [backend.policy.tokenizer.decode(tokens[row], skip_special_tokens=True) for row in group]
-        advantages = group_advantages([repeat_digit(prompt, text, None) + 0.01 * i for i, text in enumerate(texts)],
-                                      args.group).tolist()
+        advantages = group_advantages(
+            [repeat_digit(prompt, text, None) + 0.01 * i for i, text in enumerate(texts)], args.group
+        ).tolist()
         for row, advantage in zip(group, advantages, strict=True):
             longest = args.max_completion_length
             length = cut.randint(min(128, longest), longest) if long else len(tokens[row])
@@ -159,8 +181,9 @@ def _as_rollouts(samples: list[TrainSample], group: int, versions: list[int]) ->
     for index, start in enumerate(range(0, len(samples), per_rollout)):
         chunk = samples[start : start + per_rollout]
         rollout_samples = [
-            RolloutSample(i // group, s.prompt_token_ids, s.completion_token_ids, s.behavior_logprobs, 0.0,
-                          s.advantage, "length")
+            RolloutSample(
+                i // group, s.prompt_token_ids, s.completion_token_ids, s.behavior_logprobs, 0.0, s.advantage, "length"
+            )
             for i, s in enumerate(chunk)
         ]
         groups = [GroupRef(group_id=f"t{index}.{g}", prompt_index=g) for g in range(4)]
@@ -180,8 +203,12 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--layout", choices=("padding-free", "padded"), default="padding-free",
-                        help="micro-batch layout of the trainer and of the bare floor (optimizer.padding_free)")
+    parser.add_argument(
+        "--layout",
+        choices=("padding-free", "padded"),
+        default="padding-free",
+        help="micro-batch layout of the trainer and of the bare floor (optimizer.padding_free)",
+    )
     args = parser.parse_args()
     defaults = WORKLOADS[args.workload]
     args.prompts = args.prompts or defaults[0]
@@ -214,9 +241,15 @@ def main() -> None:
         def ours_sampling() -> None:
             with torch.no_grad():
                 sample_completions(
-                    peft, rows, max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0, seed=2,
+                    peft,
+                    rows,
+                    max_completion_length=args.max_completion_length,
+                    temperature=1.0,
+                    top_p=1.0,
+                    seed=2,
                     eos_token_id=-1 if long else backend.eos_token_id,
-                    pad_token_id=backend.policy.pad_token_id, device=backend.policy.device,
+                    pad_token_id=backend.policy.pad_token_id,
+                    device=backend.policy.device,
                 )
 
         actions: dict[str, Callable[[], object]] = {
@@ -258,7 +291,10 @@ def main() -> None:
         ratios["correction_cost"] = statistics.median(
             (rc + sc) / (r + t) - 1
             for rc, sc, r, t in zip(
-                times["rescore_corrected"], times["step_corrected"], times["rescore_steady"], times["trainer_step"],
+                times["rescore_corrected"],
+                times["step_corrected"],
+                times["rescore_steady"],
+                times["trainer_step"],
                 strict=True,
             )
         )
@@ -272,13 +308,22 @@ def main() -> None:
         print(f"{name:<20}{statistics.median(values):>12.4f}{min(values):>12.4f}")
     for name, value in ratios.items():
         print(f"{name:<20}{value:>12.3f}")
-    print(json.dumps({
-        "workload": args.workload, "sequences": len(samples), "tokens": tokens,
-        "max_completion_length": args.max_completion_length,
-        "layout": layout, "micro_batches": len(batches), "threads": args.threads, "reps": args.reps,
-        **{f"{name}_median_s": round(statistics.median(values), 5) for name, values in times.items()},
-        **{name: round(value, 4) for name, value in ratios.items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "workload": args.workload,
+                "sequences": len(samples),
+                "tokens": tokens,
+                "max_completion_length": args.max_completion_length,
+                "layout": layout,
+                "micro_batches": len(batches),
+                "threads": args.threads,
+                "reps": args.reps,
+                **{f"{name}_median_s": round(statistics.median(values), 5) for name, values in times.items()},
+                **{name: round(value, 4) for name, value in ratios.items()},
+            }
+        )
+    )
 
 
 def _kept_v0(trainer: Trainer) -> dict[str, Any]:
@@ -311,8 +356,15 @@ def _steady_rescore(
     owners = [index for index, r in enumerate(rollouts) for _ in r.samples]
 
     def action() -> None:
-        plan = plan_rescoring(trainer, rollouts, owners, base_version=1, first_update=range(len(samples)),
-                              fraction=config.loss.rescore_stale_fraction, seed=0)
+        plan = plan_rescoring(
+            trainer,
+            rollouts,
+            owners,
+            base_version=1,
+            first_update=range(len(samples)),
+            fraction=config.loss.rescore_stale_fraction,
+            seed=0,
+        )
         rescore_planned(trainer, bucket, "bench", 1, rollouts, samples, plan, **kept)
 
     return action
@@ -338,8 +390,16 @@ def _steady_corrected(
     owners = [owner for owner, _ in keys]
 
     def rescore() -> None:
-        plan = plan_rescoring(trainer, rollouts, owners, base_version=1, first_update=range(len(corrected)),
-                              fraction=config.loss.rescore_stale_fraction, seed=0, samples=corrected)
+        plan = plan_rescoring(
+            trainer,
+            rollouts,
+            owners,
+            base_version=1,
+            first_update=range(len(corrected)),
+            fraction=config.loss.rescore_stale_fraction,
+            seed=0,
+            samples=corrected,
+        )
         rescore_planned(trainer, bucket, "bench", 1, rollouts, corrected, plan, **kept)
 
     rescore()  # the stale samples' denominators, as the job sets them before the step

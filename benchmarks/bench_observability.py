@@ -42,18 +42,46 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 def make_record(step: int, samples: int) -> StepRecord:
     per_rollout = max(samples // 64, 1)
     rollouts = [
-        Rollout("bench", f"t{step}-{i}", max(step - 1 - i % 3, 0), "gen-1",
-                [GroupRef(group_id=f"g{step}-{i}", prompt_index=i)],
-                [RolloutSample(0, [1] * 32, [2] * 128, [-0.5] * 128, 0.5, 0.0, "stop", {"r": 0.5})
-                 for _ in range(per_rollout)])
+        Rollout(
+            "bench",
+            f"t{step}-{i}",
+            max(step - 1 - i % 3, 0),
+            "gen-1",
+            [GroupRef(group_id=f"g{step}-{i}", prompt_index=i)],
+            [
+                RolloutSample(0, [1] * 32, [2] * 128, [-0.5] * 128, 0.5, 0.0, "stop", {"r": 0.5})
+                for _ in range(per_rollout)
+            ],
+        )
         for i in range(64)
     ]
-    update = UpdateMetrics(update=step, loss=0.1, ratio=1.0, kl=0.001, clip_low=0.0, clip_high=0.01, clip_region=0.01,
-                         entropy=1.0, grad_norm=0.5, lr=1e-3, tokens=samples * 128, sequences=samples,
-                         micro_batches=8, forward_backward_s=1.0, optimizer_s=0.1)
+    update = UpdateMetrics(
+        update=step,
+        loss=0.1,
+        ratio=1.0,
+        kl=0.001,
+        clip_low=0.0,
+        clip_high=0.01,
+        clip_region=0.01,
+        entropy=1.0,
+        grad_norm=0.5,
+        lr=1e-3,
+        tokens=samples * 128,
+        sequences=samples,
+        micro_batches=8,
+        forward_backward_s=1.0,
+        optimizer_s=0.1,
+    )
     record = build_step_record(
-        run="bench", step=step, base_version=step - 1, worker_id="trainer-1", rollouts=rollouts, ratios=[1.0] * 64,
-        flagged=[], updates=[update], timings=StepTimings(step_s=2.0, fetch_s=0.1, rescore_s=0.3, upload_s=0.05),
+        run="bench",
+        step=step,
+        base_version=step - 1,
+        worker_id="trainer-1",
+        rollouts=rollouts,
+        ratios=[1.0] * 64,
+        flagged=[],
+        updates=[update],
+        timings=StepTimings(step_s=2.0, fetch_s=0.1, rescore_s=0.3, upload_s=0.05),
     )
     record.published_at = 1_700_000_000.0 + step
     return record
@@ -66,14 +94,22 @@ def main() -> None:
     args = parser.parse_args()
 
     record = make_record(10, args.samples)
-    result = GenerateResult("t1", "admitted", 9, 4, 32, 4096, False,
-                            GenerateTimings(adapter_fetch_s=0.01, generate_s=2.0, score_s=0.1, task_s=2.5), 0.5)
+    result = GenerateResult(
+        "t1",
+        "admitted",
+        9,
+        4,
+        32,
+        4096,
+        False,
+        GenerateTimings(adapter_fetch_s=0.01, generate_s=2.0, score_s=0.1, task_s=2.5),
+        0.5,
+    )
 
     median, worst = timed(lambda: worker_metrics.observe_generate_task(result), 2000)
     print(f"observe_generate_task: median {median * 1e6:.1f} us, max {worst * 1e6:.1f} us")
     median, worst = timed(lambda: worker_metrics.observe_optimize_step(record, "published"), 200)
-    print(f"observe_optimize_step ({record.samples} samples): median {median * 1e3:.3f} ms, "
-          f"max {worst * 1e3:.3f} ms")
+    print(f"observe_optimize_step ({record.samples} samples): median {median * 1e3:.3f} ms, max {worst * 1e3:.3f} ms")
     body = generate_latest(worker_metrics.REGISTRY)
     median, worst = timed(lambda: generate_latest(worker_metrics.REGISTRY), 200)
     print(f"worker /metrics render ({len(body)} bytes): median {median * 1e3:.3f} ms, max {worst * 1e3:.3f} ms")
@@ -85,12 +121,16 @@ def main() -> None:
             bucket.put(bucket_keys.metrics_key("bench", step), small)
         started = time.perf_counter()
         records = load_step_records(bucket, "bench", last=30)
-        print(f"status: read last {len(records)} of {args.steps} step records: "
-              f"{(time.perf_counter() - started) * 1e3:.1f} ms (file bucket)")
+        print(
+            f"status: read last {len(records)} of {args.steps} step records: "
+            f"{(time.perf_counter() - started) * 1e3:.1f} ms (file bucket)"
+        )
         started = time.perf_counter()
         plot_run(bucket, "bench", Path(tmp) / "plot.png")
-        print(f"plot of {args.steps} steps: {time.perf_counter() - started:.2f} s "
-              f"({(Path(tmp) / 'plot.png').stat().st_size} bytes)")
+        print(
+            f"plot of {args.steps} steps: {time.perf_counter() - started:.2f} s "
+            f"({(Path(tmp) / 'plot.png').stat().st_size} bytes)"
+        )
 
 
 if __name__ == "__main__":

@@ -183,8 +183,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
     parser.add_argument("--bucket", choices=("s3", "file"), default="s3")
-    parser.add_argument("--separate-release", action="store_true",
-                        help="release each lease with its own DELETE instead of with the submission")
+    parser.add_argument(
+        "--separate-release",
+        action="store_true",
+        help="release each lease with its own DELETE instead of with the submission",
+    )
     parser.add_argument("--proxy-log", default=None, help="keep the proxy's log at this path")
     parser.add_argument("--py-spy", dest="py_spy", default=None, help="record the proxy's stacks (raw) to this file")
     args = parser.parse_args()
@@ -210,8 +213,19 @@ def main() -> None:
             children = [
                 ctx.Process(
                     target=generate_process,
-                    args=((proxy_url, redis_url, bucket_url, firsts[i], per_proc[i], start_at, stop_at,
-                           args.separate_release), results),
+                    args=(
+                        (
+                            proxy_url,
+                            redis_url,
+                            bucket_url,
+                            firsts[i],
+                            per_proc[i],
+                            start_at,
+                            stop_at,
+                            args.separate_release,
+                        ),
+                        results,
+                    ),
                 )
                 for i in range(args.procs)
             ]

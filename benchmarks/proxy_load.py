@@ -54,7 +54,13 @@ def decode_task(raw: str) -> dict[str, Any]:
 
 
 async def _generate_workers(
-    proxy_url: str, redis_url: str, bucket_url: str, first: int, count: int, start_at: float, stop_at: float,
+    proxy_url: str,
+    redis_url: str,
+    bucket_url: str,
+    first: int,
+    count: int,
+    start_at: float,
+    stop_at: float,
     separate_release: bool,
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {TOKEN}"}

@@ -64,9 +64,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_records(
-    records: list[StepRecord], out: Path, title: str = "", evals: list[EvalRecord] | None = None
-) -> Path:
+def plot_records(records: list[StepRecord], out: Path, title: str = "", evals: list[EvalRecord] | None = None) -> Path:
     """Draw ``records`` (step records, any order), and ``evals`` when there are any, into the PNG ``out``."""
     plt = _pyplot()
     figure = draw_records(records, title, evals)

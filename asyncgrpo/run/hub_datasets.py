@@ -99,9 +99,7 @@ def _load_saved(datasets: Any, folder: Path, config: DatasetConfig) -> Any:
         return loaded  # one saved Dataset is one split, whatever its name
     if config.split not in loaded:
         present = ", ".join(repr(name) for name in loaded) or "none"
-        raise PromptFileError(
-            f"dataset.split={config.split!r} is not a split of {folder}; splits present: {present}"
-        )
+        raise PromptFileError(f"dataset.split={config.split!r} is not a split of {folder}; splits present: {present}")
     return loaded[config.split]
 
 

@@ -1,7 +1,7 @@
 """The coordinator: one run's state machine in Redis, one module per seam around a small store.
 
 Read it top down; an import-linter contract keeps this order (nothing calls up it):
-`service` (the facade the HTTP app calls, the round it runs, the views it answers) > the seams (leases and
+`service` (the facade the HTTP app calls, the round it runs) > the seams (the views it answers, leases and
 retention, generate tasks, rollouts, steps and versions, evals, snapshot and leadership, rebuild,
 workers) >
 `redis_store` > `scripts` > metrics, dispatch.
@@ -18,8 +18,8 @@ eval task's failure report (`evals`, ZADD XX, not in the snapshot). The proxy's 
 
 Modules:
     service         `Coordinator` (the facade the HTTP app and tests call; a missing state is rebuilt here),
-                    `Housekeeping` (the round `tick()` runs: each part its own `tick`), `StateRestorer`; the
-                    views of the state (`/v1/status`, `/v1/run`)
+                    `Housekeeping` (the round `tick()` runs: each part its own `tick`), `StateRestorer`
+    views           the views of the state, reads only: `/v1/run`, `/v1/status`, `/metrics`' gauges, a group
     leases          grant, renew, release and expire leases on adapter versions; first-use latency; retention:
                     collect old adapter versions and rollout objects that no lease, window or evaluation holds
     generate_tasks  dispatch generate tasks (requeue line, seeded prompt order), cancel, expire; in-flight pacing

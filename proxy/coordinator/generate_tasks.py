@@ -448,9 +448,7 @@ class GenerateTasks:
             worker_id=worker_id,
             task_ids=task_ids,
         )
-        tasks, groups, rejected = (
-            reply[name] for name in ("tasks_cancelled", "groups_requeued", "groups_rejected")
-        )
+        tasks, groups, rejected = (reply[name] for name in ("tasks_cancelled", "groups_requeued", "groups_rejected"))
         if tasks:
             self.store.mark_changed()
             log.warning(

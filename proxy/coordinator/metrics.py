@@ -108,7 +108,7 @@ FIRST_USE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300
 
 class StateGauges(RunCounts):
     """What ``/metrics`` reads from Redis at each scrape: counts only, so a scrape costs the same with 10 or
-    10,000 leases and workers (``proxy.coordinator.service.gauges`` reads it in one transaction)."""
+    10,000 leases and workers (``proxy.coordinator.views.gauges`` reads it in one transaction)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -41,6 +41,7 @@ The first manifest that fails these (another batch, a gap, a base that is not th
 walk: it is logged (``proxy.rebuild_version_not_adopted``) and counted (``versions_not_adopted``), and the
 claimed step, if any, is sent again.
 """
+
 from __future__ import annotations
 
 import json

@@ -377,7 +377,6 @@ class StepSending:
         return message.step
 
 
-
 CORRUPT_HALT = "corrupt_version"
 """The halt source (``proxy.coordinator.steps``) of a corrupted object no live worker can put back."""
 

@@ -59,6 +59,7 @@ MAX_BACKOFF_S = 300.0
 RECORD_ATTEMPTS = 5
 STOP_TIMEOUT_S = 10.0
 
+
 class TrackerMetrics:
     """The forwarder's Prometheus series, in the proxy's registry."""
 

@@ -28,9 +28,7 @@ SUMMARY_KEYS = {
 
 
 def demo_command(workdir: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "cli", "demo", "--steps", str(steps), "--workdir", str(workdir), *extra
-    ]
+    return [sys.executable, "-m", "cli", "demo", "--steps", str(steps), "--workdir", str(workdir), *extra]
 
 
 def demo_env(tmp_path: Path) -> dict[str, str]:

@@ -20,7 +20,6 @@ from asyncgrpo.bucket.layout import write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.run.config import RunConfig
 from tests.support.e2e_harness import stop_process_group
-from tests.support.fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from tests.support.fixtures_redis import free_port
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.transformers_backend import TransformersBackend
@@ -33,7 +32,9 @@ RUN = "inspect-run"
 
 @pytest.fixture
 def generate_runtime(
-    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[WorkerRuntime]:
     """The process runtime of a generate worker holding versions 3 and 4 of a run, with a loaded backend."""
     monkeypatch.setenv("ASYNCGRPO_WORKER_ROLE", "generate")
@@ -84,7 +85,9 @@ def _ask(app: Celery, command: str) -> dict:
 
 
 def test_adapter_versions_and_model_info_answer_from_the_runtime(
-    generate_runtime: WorkerRuntime, celery_worker_app: Celery, tiny_model_dir: Path  # noqa: F811
+    generate_runtime: WorkerRuntime,
+    celery_worker_app: Celery,
+    tiny_model_dir: Path,
 ) -> None:
     versions = _ask(celery_worker_app, "adapter_versions")
     assert versions["role"] == "generate"

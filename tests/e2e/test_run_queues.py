@@ -110,7 +110,9 @@ def test_two_runs_on_one_redis_take_only_their_own_tasks(redis_url: str, tmp_pat
     assert [broker.llen(queue) for queue in a_queues] == [1, 1, 1]
     # A message of run A put into run B's queue by hand (no proxy does that): B's worker must refuse it.
     dispatcher.app.send_task(
-        REPAIR_TASK_NAME, kwargs=repair_a.model_dump(mode="json"), queue=worker_queue(RUN_B, WORKER_ID),
+        REPAIR_TASK_NAME,
+        kwargs=repair_a.model_dump(mode="json"),
+        queue=worker_queue(RUN_B, WORKER_ID),
         task_id="stray-of-run-a",
     )
     # Then run B's own repair: queues are first in, first out, so once it ran, the stray was handled first.
@@ -133,7 +135,10 @@ def test_two_runs_on_one_redis_take_only_their_own_tasks(redis_url: str, tmp_pat
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "cli", "worker", "optimize"],
-            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 120

@@ -84,8 +84,15 @@ class World:
         task = next(t for t in self.coord.dispatcher.generate if t["task_id"] not in self.submitted)
         self.submitted.add(task["task_id"])
         context = TaskContext(
-            run=RUN, config=worker_config(), prompts=PROMPTS, bucket=self.coord.bucket, client=self.client,
-            backend=self.backend, adapter_cache=self.cache, worker_id="gen-1", backend_lock=self.lock,
+            run=RUN,
+            config=worker_config(),
+            prompts=PROMPTS,
+            bucket=self.coord.bucket,
+            client=self.client,
+            backend=self.backend,
+            adapter_cache=self.cache,
+            worker_id="gen-1",
+            backend_lock=self.lock,
         )
         return GenerateTask(context, task["task_id"], [GroupRef(**g) for g in task["groups"]]).run()
 
@@ -97,15 +104,19 @@ def world(redis_client: Redis, tmp_path: Path, tiny_model_dir: Path, one_torch_t
     trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), worker_config())
     backend = TransformersBackend(str(tiny_model_dir))
     capacity = coord.config.async_.max_staleness + 2
-    cache = AdapterCache(
-        coord.bucket, RUN, tmp_path / "cache", capacity, backend=backend
-    )
+    cache = AdapterCache(coord.bucket, RUN, tmp_path / "cache", capacity, backend=backend)
     lock = threading.RLock()
     app = create_app(coord, API_TOKEN, run_loop=False)
     with served(app) as url, ProxyClient(url, API_TOKEN) as client:
         prefetcher = AdapterPrefetcher(
-            ProxyClient(url, API_TOKEN, retries=0), coord.bucket, tmp_path / "cache" / ".prefetch",
-            lambda run: (cache, backend), lock, wait_s=1.0, backoff_s=0.01, max_attempts=2,
+            ProxyClient(url, API_TOKEN, retries=0),
+            coord.bucket,
+            tmp_path / "cache" / ".prefetch",
+            lambda run: (cache, backend),
+            lock,
+            wait_s=1.0,
+            backoff_s=0.01,
+            max_attempts=2,
         )
         prefetcher.start()
         try:
@@ -137,7 +148,6 @@ def test_a_published_version_is_loaded_before_any_task(world: World) -> None:
     assert world.cache.versions() == [1, 2, 3] and world.backend.loaded_adapters() == ["v1", "v2", "v3"]
 
 
-
 def test_close_keeps_the_lock_so_nothing_loads_while_the_process_exits(world: World) -> None:
     world.publish(0)
     wait_until(lambda: world.prefetcher.loaded_version == 0)
@@ -149,6 +159,7 @@ def test_close_keeps_the_lock_so_nothing_loads_while_the_process_exits(world: Wo
         assert world.backend.loaded_adapters() == ["v0"] and world.prefetcher.loaded_version == 0
     finally:
         world.lock.release()
+
 
 def test_a_corrupted_adapter_is_refused_by_the_prefetcher_and_the_task(world: World) -> None:
     world.publish(0)
@@ -181,7 +192,13 @@ def test_an_unreachable_proxy_is_logged_and_retried(tmp_path: Path) -> None:
 
     client = ProxyClient(f"http://127.0.0.1:{free_port()}", API_TOKEN, retries=0, timeout_s=1)
     prefetcher = AdapterPrefetcher(
-        client, file_bucket(tmp_path), tmp_path / "staging", never, threading.RLock(), wait_s=0.5, backoff_s=0.01,
+        client,
+        file_bucket(tmp_path),
+        tmp_path / "staging",
+        never,
+        threading.RLock(),
+        wait_s=0.5,
+        backoff_s=0.01,
         max_backoff_s=0.02,
     )
     with capture_logs() as events:

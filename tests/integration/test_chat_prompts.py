@@ -67,8 +67,12 @@ class LeasingProxy:
 
     def lease(self, request: LeaseRequest) -> LeaseGrant:
         return LeaseGrant(
-            lease_id="lease-1", version=0, adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
-            manifest_key=bucket_keys.manifest_key(RUN, 0), manifest_sha256=self.manifest_sha256, ttl_s=60.0,
+            lease_id="lease-1",
+            version=0,
+            adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
+            manifest_key=bucket_keys.manifest_key(RUN, 0),
+            manifest_sha256=self.manifest_sha256,
+            ttl_s=60.0,
             expires_at=0.0,
         )
 
@@ -100,8 +104,14 @@ def _generate(bucket: Bucket, config: RunConfig, prompts: list, backend: Transfo
     _, manifest_sha = write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
     proxy = LeasingProxy(manifest_sha256=manifest_sha)
     context = TaskContext(
-        run=RUN, config=config, prompts=prompts, bucket=bucket, client=proxy, backend=backend,
-        adapter_cache=AdapterCache(bucket, RUN, cache, capacity=2), worker_id="gen-1",
+        run=RUN,
+        config=config,
+        prompts=prompts,
+        bucket=bucket,
+        client=proxy,
+        backend=backend,
+        adapter_cache=AdapterCache(bucket, RUN, cache, capacity=2),
+        worker_id="gen-1",
     )
     result = GenerateTask(context, TASK, [GroupRef(group_id=f"{TASK}.{i}", prompt_index=i) for i in (1, 0)]).run()
     assert result.status == "admitted" and result.groups == 2, result.summary()

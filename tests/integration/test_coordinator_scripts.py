@@ -123,8 +123,15 @@ def test_a_bad_refusal_is_reported(refusal: Any, expected: str) -> None:
 
 
 def test_a_reply_with_more_fields_than_its_header_states_is_refused() -> None:
-    values = {"now_ms": 1, "ttl_ms": 1, "lease_id": "l", "worker_id": "w", "task_id": "t", "task_prefix": "p",
-              "incarnation": ""}
+    values = {
+        "now_ms": 1,
+        "ttl_ms": 1,
+        "lease_id": "l",
+        "worker_id": "w",
+        "task_id": "t",
+        "task_prefix": "p",
+        "incarnation": "",
+    }
     contract = parse_contract(lua_text(GRANT_LEASE.name))
     assert contract.codes["OK"] == ("version", "manifest_sha256", "expires_ms")
     assert contract.types == {"version": "int", "expires_ms": "int"}
@@ -148,7 +155,6 @@ def test_typed_reply_fields_are_converted_in_one_place() -> None:
 def test_an_unknown_field_type_is_reported() -> None:
     text = lua_text(GRANT_LEASE.name).replace("expires_ms:int}", "expires_ms:float}", 1)
     assert any("has type 'float'" in problem for problem in contract_problems(GRANT_LEASE, RunKeys, text))
-
 
 
 def test_each_script_sits_beside_the_one_seam_that_runs_it() -> None:

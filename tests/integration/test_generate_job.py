@@ -52,8 +52,12 @@ class RecordingProxy:
     def lease(self, request: LeaseRequest) -> LeaseGrant:
         self.leases.append(request)
         return LeaseGrant(
-            lease_id="lease-1", version=0, adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
-            manifest_key=bucket_keys.manifest_key(RUN, 0), manifest_sha256=self.manifest_sha256, ttl_s=60.0,
+            lease_id="lease-1",
+            version=0,
+            adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
+            manifest_key=bucket_keys.manifest_key(RUN, 0),
+            manifest_sha256=self.manifest_sha256,
+            ttl_s=60.0,
             expires_at=0.0,
         )
 
@@ -102,9 +106,14 @@ def test_generate_sends_typed_messages_that_match_its_rollout(
 
     def generate() -> GenerateResult:
         context = TaskContext(
-            run=RUN, config=config(), prompts=PROMPTS, bucket=bucket, client=proxy,
+            run=RUN,
+            config=config(),
+            prompts=PROMPTS,
+            bucket=bucket,
+            client=proxy,
             backend=TransformersBackend(str(tiny_model_dir)),
-            adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2), worker_id="gen-1",
+            adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
+            worker_id="gen-1",
         )
         return GenerateTask(context, TASK, groups).run()
 

@@ -186,9 +186,7 @@ def test_rollout_from_wrong_weights_is_flagged_with_its_worker(
     assert abs(ratios["t-good"] - 1) < 1e-4 and abs(ratios["t-bad"] - 1) > config().loss.ratio_flag_tolerance
 
 
-def test_too_stale_rollout_never_reaches_a_gradient(
-    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path
-) -> None:
+def test_too_stale_rollout_never_reaches_a_gradient(setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path) -> None:
     trainer, bucket, adapter_dir = setup
     backend = backend_at_v0(tiny_model_dir, adapter_dir)
     stale = make_rollout(bucket, backend, "v0", "t-old", "gen-1", 0)
@@ -247,8 +245,10 @@ def test_wrong_weights_are_flagged_fresh_and_stale_with_default_rescoring(
     backend = TransformersBackend(str(tiny_model_dir))
     backend.load_adapter("v0", 0, v0_dir)
     backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
-    refs = [make_rollout(bucket, backend, "v0", "t-v0-good", "gen-a", 0),
-            make_rollout(bucket, backend, "impostor", "t-v0-bad", "gen-b", 0)]
+    refs = [
+        make_rollout(bucket, backend, "v0", "t-v0-good", "gen-a", 0),
+        make_rollout(bucket, backend, "impostor", "t-v0-bad", "gen-b", 0),
+    ]
     optimizer = Optimizer(RUN, cfg, trainer, bucket, RecordingProxy(current_version=0), "opt-1")
     assert optimizer.recent.versions(RUN) == []  # v0 must come from the bucket, as on a fresh worker
     for step in (1, 2):  # each version differs from the last, so rescoring under the wrong one would drift
@@ -258,8 +258,10 @@ def test_wrong_weights_are_flagged_fresh_and_stale_with_default_rescoring(
         assert published.status == "published"
         fetch_version(bucket, RUN, step, version_dir)
         backend.load_adapter(f"v{step}", step, version_dir)
-        refs += [make_rollout(bucket, backend, f"v{step}", f"t-v{step}-good", "gen-a", step),
-                 make_rollout(bucket, backend, "impostor", f"t-v{step}-bad", "gen-b", step)]
+        refs += [
+            make_rollout(bucket, backend, f"v{step}", f"t-v{step}-good", "gen-a", step),
+            make_rollout(bucket, backend, "impostor", f"t-v{step}-bad", "gen-b", step),
+        ]
     assert optimizer.recent.versions(RUN) == [0, 1, 2]  # v1 and v2 kept when written, v0 when read for step 2
     optimizer.recent.forget(RUN, 0)
 
@@ -283,12 +285,17 @@ def test_rescoring_everything_and_dropout_fall_back_to_separate_forwards(
     backend = TransformersBackend(str(tiny_model_dir))
     backend.load_adapter("impostor", 0, wrong_weights(v0_dir, tmp_path / "wrong"))
     backend.load_adapter("v0", 0, v0_dir)
-    refs = [make_rollout(bucket, backend, "v0", "t-good", "gen-a", 0),
-            make_rollout(bucket, backend, "impostor", "t-bad", "gen-b", 0)]
+    refs = [
+        make_rollout(bucket, backend, "v0", "t-good", "gen-a", 0),
+        make_rollout(bucket, backend, "impostor", "t-bad", "gen-b", 0),
+    ]
     # LoRA dropout makes the training forward differ from an eval one: fresh samples are rescored apart.
     # 1.0 rescores every sequence that needs a separate forward; fresh ones without dropout never do.
-    cases = (({"lora": {"dropout": 0.1}}, 4, 0), ({"lora": {"dropout": 0.1}, "loss": {"rescore_stale_fraction": 1.0}},
-             16, 0), ({"loss": {"rescore_stale_fraction": 1.0}}, 0, 16))
+    cases = (
+        ({"lora": {"dropout": 0.1}}, 4, 0),
+        ({"lora": {"dropout": 0.1}, "loss": {"rescore_stale_fraction": 1.0}}, 16, 0),
+        ({"loss": {"rescore_stale_fraction": 1.0}}, 0, 16),
+    )
     for overrides, rescored, reused in cases:
         cfg = RunConfig.model_validate({**config().model_dump(by_alias=True), **overrides})
         trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), cfg)
@@ -367,12 +374,26 @@ def test_rescoring_under_an_older_version_is_pinned_to_the_sha_the_proxy_publish
     train_samples, _ = build_train_samples([stale])
     with pytest.raises(IntegrityError, match="not the one the proxy published"):
         rescore.rescore_planned(
-            trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: "0" * 64,
+            trainer,
+            bucket,
+            RUN,
+            1,
+            [stale],
+            train_samples,
+            plan,
+            recorded_sha=lambda version: "0" * 64,
             recent=recent,
         )
     assert recent.versions(RUN) == []  # weights that failed the check are never kept
     scored = rescore.rescore_planned(
-        trainer, bucket, RUN, 1, [stale], train_samples, plan, recorded_sha=lambda version: V0_SHA[0],
+        trainer,
+        bucket,
+        RUN,
+        1,
+        [stale],
+        train_samples,
+        plan,
+        recorded_sha=lambda version: V0_SHA[0],
         recent=recent,
     )
     assert list(scored) == [0] and recent.versions(RUN) == [0]
@@ -407,7 +428,13 @@ def test_corrected_rollouts_are_rescored_whole_under_their_own_version_and_weigh
     samples, keys = build_train_samples(rollouts, cfg.loss)
     owners = [owner for owner, _ in keys]
     plan = rescore.plan_rescoring(
-        trainer, rollouts, owners, base_version=2, first_update=range(len(samples)), fraction=0.25, seed=0,
+        trainer,
+        rollouts,
+        owners,
+        base_version=2,
+        first_update=range(len(samples)),
+        fraction=0.25,
+        seed=0,
         samples=samples,
     )
     rescore.rescore_planned(trainer, bucket, RUN, 2, rollouts, samples, plan, recent=optimizer.recent)

@@ -155,20 +155,48 @@ def test_bad_export_requests_say_what_to_change(published, tmp_path: Path) -> No
 
 def _record(step: int, reward: float, stale: int) -> StepRecord:
     samples = [
-        RolloutSample(0, [1, 2], [3] * (4 + step % 3), [-0.3] * (4 + step % 3), reward + 0.1 * i, 0.0, "stop",
-                      {"repeat_digit": reward + 0.1 * i})
+        RolloutSample(
+            0,
+            [1, 2],
+            [3] * (4 + step % 3),
+            [-0.3] * (4 + step % 3),
+            reward + 0.1 * i,
+            0.0,
+            "stop",
+            {"repeat_digit": reward + 0.1 * i},
+        )
         for i in range(4)
     ]
-    rollout = Rollout(RUN, f"t{step}", step - 1 - stale, "gen-1", [GroupRef(group_id=f"g{step}", prompt_index=0)],
-                      samples)
+    rollout = Rollout(
+        RUN, f"t{step}", step - 1 - stale, "gen-1", [GroupRef(group_id=f"g{step}", prompt_index=0)], samples
+    )
     update = UpdateMetrics(
-        update=step - 1, loss=0.1, ratio=1.0 + 0.01 * (step % 2), kl=0.001 * step, clip_low=0.0, clip_high=0.01,
-        clip_region=0.01, entropy=1.0, grad_norm=0.5, lr=1e-3, tokens=16, sequences=4, micro_batches=1,
-        forward_backward_s=0.3, optimizer_s=0.02,
+        update=step - 1,
+        loss=0.1,
+        ratio=1.0 + 0.01 * (step % 2),
+        kl=0.001 * step,
+        clip_low=0.0,
+        clip_high=0.01,
+        clip_region=0.01,
+        entropy=1.0,
+        grad_norm=0.5,
+        lr=1e-3,
+        tokens=16,
+        sequences=4,
+        micro_batches=1,
+        forward_backward_s=0.3,
+        optimizer_s=0.02,
     )
     record = build_step_record(
-        run=RUN, step=step, base_version=step - 1, worker_id="trainer-1", rollouts=[rollout], ratios=[1.0],
-        flagged=[], updates=[update], timings=StepTimings(step_s=0.5 + 0.05 * step, fetch_s=0.01),
+        run=RUN,
+        step=step,
+        base_version=step - 1,
+        worker_id="trainer-1",
+        rollouts=[rollout],
+        ratios=[1.0],
+        flagged=[],
+        updates=[update],
+        timings=StepTimings(step_s=0.5 + 0.05 * step, fetch_s=0.01),
     )
     record.published_at = 1_700_000_000.0 + 2.0 * step
     return record

@@ -70,19 +70,49 @@ def coordinator(redis_client: Redis, run_bucket: Bucket) -> Coordinator:
 def _step_record(step: int) -> StepRecord:
     """A step record with the figures the view draws; the rest empty."""
     return StepRecord(
-        run=RUN, step=step, version=step, base_version=step - 1, worker_id="trainer-1",
-        published_at=time.time() - 10 * (3 - step), samples=8, groups=2, tokens=48, reward_mean=0.25 * step,
-        reward_std=0.1, rewards_by_name={}, rewards_std_by_name={}, completion_length_mean=5.0 + step,
-        truncated_fraction=0.0, staleness=[step - 1], max_staleness=step - 1, ratio=1.0, rescore_ratio=1.0,
-        kl=0.001 * step, entropy=None, clip_low=None, clip_high=None, clip_region=None, loss=None, grad_norm=None,
-        lr=None, updates=[], rollouts=[], flagged_rollouts=[], timings=StepTimings(step_s=1.5),
+        run=RUN,
+        step=step,
+        version=step,
+        base_version=step - 1,
+        worker_id="trainer-1",
+        published_at=time.time() - 10 * (3 - step),
+        samples=8,
+        groups=2,
+        tokens=48,
+        reward_mean=0.25 * step,
+        reward_std=0.1,
+        rewards_by_name={},
+        rewards_std_by_name={},
+        completion_length_mean=5.0 + step,
+        truncated_fraction=0.0,
+        staleness=[step - 1],
+        max_staleness=step - 1,
+        ratio=1.0,
+        rescore_ratio=1.0,
+        kl=0.001 * step,
+        entropy=None,
+        clip_low=None,
+        clip_high=None,
+        clip_region=None,
+        loss=None,
+        grad_norm=None,
+        lr=None,
+        updates=[],
+        rollouts=[],
+        flagged_rollouts=[],
+        timings=StepTimings(step_s=1.5),
     )
 
 
 def _beat(worker_id: str, role: str, versions: list[int] | None = None, task: str | None = None) -> HeartbeatRequest:
     return HeartbeatRequest(
-        worker_id=worker_id, role=role, hostname="host-1", pid=4242, state="busy" if task else "idle",
-        versions_cached=versions or [], current_task=task,
+        worker_id=worker_id,
+        role=role,
+        hostname="host-1",
+        pid=4242,
+        state="busy" if task else "idle",
+        versions_cached=versions or [],
+        current_task=task,
     )
 
 
@@ -150,4 +180,3 @@ def test_sparkline_scales_between_min_and_max() -> None:
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▅▅"
     assert sparkline([]) == ""
-

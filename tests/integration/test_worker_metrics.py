@@ -60,9 +60,21 @@ def _rollout(task_id: str, version: int, samples: list[RolloutSample]) -> Rollou
 
 def _update(index: int, fb_s: float, opt_s: float) -> UpdateMetrics:
     return UpdateMetrics(
-        update=index, loss=0.25, ratio=1.01, kl=0.002, clip_low=0.01, clip_high=0.03, clip_region=0.04,
-        entropy=1.5, grad_norm=0.7, lr=5e-3, tokens=10, sequences=5, micro_batches=1,
-        forward_backward_s=fb_s, optimizer_s=opt_s,
+        update=index,
+        loss=0.25,
+        ratio=1.01,
+        kl=0.002,
+        clip_low=0.01,
+        clip_high=0.03,
+        clip_region=0.04,
+        entropy=1.5,
+        grad_norm=0.7,
+        lr=5e-3,
+        tokens=10,
+        sequences=5,
+        micro_batches=1,
+        forward_backward_s=fb_s,
+        optimizer_s=opt_s,
     )
 
 
@@ -85,8 +97,15 @@ def step_record() -> StepRecord:
 
 def test_generate_task_summary_moves_generate_metrics() -> None:
     result = GenerateResult(
-        task_id="task-1", status="admitted", version=7, groups=4, samples=32, tokens=480, reused_rollout=False,
-        timings=GenerateTimings(adapter_fetch_s=0.05, generate_s=2.0, score_s=0.1, task_s=4.0), reward_mean=0.75,
+        task_id="task-1",
+        status="admitted",
+        version=7,
+        groups=4,
+        samples=32,
+        tokens=480,
+        reused_rollout=False,
+        timings=GenerateTimings(adapter_fetch_s=0.05, generate_s=2.0, score_s=0.1, task_s=4.0),
+        reward_mean=0.75,
     )
     before = {
         "tasks": value("asyncgrpo_generate_tasks_total", status="admitted"),
@@ -116,7 +135,13 @@ def test_reused_and_stale_tasks_count_without_inflating_throughput() -> None:
     stale_before = value("asyncgrpo_generate_tasks_total", status="stale")
     stale_errors_before = value("asyncgrpo_worker_errors_total", kind="stale")
     reused = GenerateResult(
-        task_id="task-2", status="stale", version=3, groups=2, samples=16, tokens=0, reused_rollout=True,
+        task_id="task-2",
+        status="stale",
+        version=3,
+        groups=2,
+        samples=16,
+        tokens=0,
+        reused_rollout=True,
         timings=GenerateTimings(task_s=0.2),
     )
     result_metrics.observe_generate_task(reused)

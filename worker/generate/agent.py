@@ -423,9 +423,7 @@ def _finish(
 
 def environment_rewards(agent: AgentRun) -> list[ScoredReward]:
     """The rewards the environments own (``get_reward``): one per factory, named after it, weight 1, as TRL."""
-    names = {
-        path.rpartition(":")[2] for name, path in agent.config.environments.items() if agent.has_reward(name)
-    }
+    names = {path.rpartition(":")[2] for name, path in agent.config.environments.items() if agent.has_reward(name)}
     return [ScoredReward(name=name) for name in sorted(names)]
 
 

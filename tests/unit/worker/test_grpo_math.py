@@ -414,8 +414,9 @@ def test_cispo_and_vespo_hold_their_weights_constant() -> None:
     log_ratio = torch.where(mask, batch["logprobs"] - batch["behavior_logprobs"], 0.0)
 
     logprobs = batch["logprobs"].clone().requires_grad_(True)
-    loss, _ = policy_loss(logprobs, batch["behavior_logprobs"], batch["advantages"], mask, loss_type="cispo",
-                          epsilon_high=1.1)
+    loss, _ = policy_loss(
+        logprobs, batch["behavior_logprobs"], batch["advantages"], mask, loss_type="cispo", epsilon_high=1.1
+    )
     loss.backward()
     expected = torch.where(mask, -log_ratio.exp().clamp(max=1.1) * adv / tokens, 0.0)
     torch.testing.assert_close(logprobs.grad, expected, rtol=1e-12, atol=1e-15)
@@ -446,7 +447,12 @@ def test_bias_corrected_kl_changes_the_gradient_even_on_policy() -> None:
     for bias in (True, False):
         logprobs = batch["logprobs"].clone().requires_grad_(True)
         loss, stats = policy_loss(
-            logprobs, behavior, batch["advantages"], batch["mask"], ref_logprobs=batch["ref_logprobs"], beta=0.1,
+            logprobs,
+            behavior,
+            batch["advantages"],
+            batch["mask"],
+            ref_logprobs=batch["ref_logprobs"],
+            beta=0.1,
             use_bias_correction_kl=bias,
         )
         loss.backward()

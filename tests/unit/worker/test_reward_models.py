@@ -133,7 +133,7 @@ def test_a_model_reward_is_named_after_its_model_unless_named() -> None:
             '[[rewards]]\nmodel = "a/rm"\n[[rewards]]\nmodel = "b/rm"\n',
             r"rewards: .*\['rm'\] are listed more than once",
         ),
-        ('[[rewards]]\nweight = 1.0\n', r"rewards\.0: .*set `name` to a built-in reward.*or `model`"),
+        ("[[rewards]]\nweight = 1.0\n", r"rewards\.0: .*set `name` to a built-in reward.*or `model`"),
         ('[[rewards]]\nmodel = "a/rm"\nname = "format"\n', r"rewards\.0: .*'format' is a built-in reward's"),
         ('[[rewards]]\nmodel = "a/rm"\nname = "my rm"\n', r"rewards\.0: .*letters, digits"),
         ('[[rewards]]\nmodel = "a/rm"\nbatch_size = 0\n', r"rewards\.0\.batch_size: .*greater than or equal to 1"),
