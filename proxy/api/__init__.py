@@ -1,14 +1,12 @@
 """The proxy's HTTP face: the FastAPI app over the coordinator, its settings, and `serve()`.
 
 Modules:
-    app          routes (the eval tasks' too), the tick loop, `serve()` and what it checks before anything
-                 listens (the token, Redis eviction, conditional writes, leadership) and keeps while serving
-                 (leadership)
+    app          routes (the eval tasks' too; the fleet's are async, awaited on the loop, the trainer's and
+                 the operator's synchronous, in FastAPI's threads), the tick loop, `serve()` and what it checks
+                 before anything listens (the token, Redis eviction, conditional writes, leadership) and
+                 keeps while serving (leadership)
     edge         what every request passes: bearer-token auth, the body limit, timing and logging (plain
                  ASGI); which coordinator refusal is which error code, the error body and its handlers
-    loop_routes  the fleet's requests (heartbeats, leases, renewals, submits, the long poll) answered on the
-                 event loop with an asyncio Redis client (plain ASGI, inside `edge`), refusals with the routes'
-                 own answers; anything off that path, a missing state or a failed Redis call goes to its route
     openapi      `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
     settings     the proxy's environment variables
     version_watch  `GET /v1/versions/latest`, the new-version long poll: its waiters, the one watcher that

@@ -50,7 +50,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
-import anyio.to_thread
 import structlog
 from fastapi import Body, Depends, FastAPI, Path
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -98,7 +97,6 @@ from proxy.api.edge import (
     install_error_handlers,
     refuse_unknown_query,
 )
-from proxy.api.loop_routes import HEARTBEAT_PATH, LOOP_PATHS, LoopAnswers, LoopRoutes
 from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
 from proxy.api.version_watch import install_version_watch, releasing_server
@@ -336,12 +334,14 @@ KEEP_ALIVE_S = 65
 """Seconds the proxy keeps an idle connection (uvicorn's default is 5): longer than the workers' client keeps
 one (``asyncgrpo.protocol.client.KEEP_ALIVE_S``), so a heartbeat every 5 s reuses its connection, and longer
 than the usual 60 s idle timeout of load balancers, so the proxy is never the side that drops one they reuse."""
-HANDLER_THREADS = 512
-"""Threads for the sync handlers (anyio's default is 40); most of them wait on Redis or on a snapshot put."""
-REDIS_CONNECTIONS = HANDLER_THREADS + 64
-"""The proxy's Redis connections: one per handler thread, and room for the housekeeping round, the long polls'
-reads and the trackers. redis-py 8's pool holds 100 and refuses the 101st call at once ("Too many connections",
-answered ``unavailable``), which a fleet of a thousand workers reached (``benchmarks/bench_fleet.py``)."""
+ROUTE_THREADS = 40
+"""anyio's default thread limit, which runs the synchronous routes (the trainer's, the operator's, the evals'):
+FastAPI's own default, stated here because the Redis pool below is sized on it."""
+REDIS_CONNECTIONS = ROUTE_THREADS + 64
+"""The synchronous client's connections: one per route thread, and room for the housekeeping round, the long
+polls' reads and the trackers. A full pool makes a call wait (``REDIS_CONNECTION_WAIT_S``) rather than refuse
+it, as redis-py 8's default pool does at once ("Too many connections"). The fleet's requests have a client of
+their own on the event loop (``proxy.coordinator.fleet``)."""
 REDIS_CONNECTION_WAIT_S = 20.0
 """How long a call waits for a free connection beyond ``REDIS_CONNECTIONS`` before it fails."""
 
@@ -368,8 +368,8 @@ def create_app(
     """The API of one run. ``token=None`` disables auth (only ``serve`` on loopback may do that).
     ``run_loop=False`` leaves ``tick()`` to the caller (tests). With a ``coordinator.leadership``, it is
     renewed in the background and ``stop_on_lost_leadership`` is called once it is lost. ``max_body_bytes`` and
-    ``metrics_need_token``: ``ProxySettings``. ``redis_url`` (the coordinator's Redis): heartbeats are answered
-    on the event loop with an asyncio client of it (``proxy.api.loop_routes``)."""
+    ``metrics_need_token``: ``ProxySettings``. ``redis_url``: the coordinator's Redis, for the fleet's asyncio
+    client (``proxy.coordinator.fleet``; None: the server of the coordinator's own client)."""
     wake = asyncio.Event()
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
@@ -386,25 +386,21 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop_holder["loop"] = asyncio.get_running_loop()
-        # Sync handlers run in anyio's threadpool; a submit holds its thread while group commit makes it durable,
-        # so with hundreds of workers the default 40 threads would queue leases behind waiting submits.
-        anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         tasks = [asyncio.create_task(housekeeping())] if run_loop else []
         if coordinator.leadership is not None:  # one live proxy per run (proxy.api.app)
             tasks.append(asyncio.create_task(keep_leadership(coordinator.leadership, stop_on_lost_leadership)))
-        if redis_url is not None:
-            await loop_answers.start(redis_url)
+        await fleet.open(redis_url)
         try:
             yield
         finally:
-            await loop_answers.stop()
+            await fleet.close()
             for task in tasks:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
 
     def poke() -> None:
-        """Run a housekeeping round soon (called from request threads)."""
+        """Run a housekeeping round soon (called on the loop or from a route's thread)."""
         loop = loop_holder.get("loop")
         if loop is not None and run_loop:
             loop.call_soon_threadsafe(wake.set)
@@ -437,10 +433,7 @@ def create_app(
     open_paths = OPEN_PATHS - {"/metrics"} if metrics_need_token else OPEN_PATHS
     # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).
     version_watch = install_version_watch(app, coordinator)
-    loop_answers = LoopAnswers(coordinator, version_watch, poke)
-    app.state.loop_answers = loop_answers
-    # Innermost: after the guard, the token and the limit. The fleet's requests are answered on the event loop.
-    app.add_middleware(LoopRoutes, answers=loop_answers)
+    fleet = coordinator.fleet_requests  # awaited on this loop (proxy.coordinator.fleet)
     app.add_middleware(
         AuthAndTiming,
         token=expected,
@@ -478,24 +471,34 @@ def create_app(
     def run_info() -> RunInfo:
         return coordinator.run_info()
 
+    # ---- the fleet's requests: awaited on the loop, none waits in a thread ----
+
+    @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
+    async def heartbeat(report: HeartbeatRequest) -> HeartbeatResult:
+        if await fleet.heartbeat(report):
+            poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
+        return HeartbeatResult()
+
     @app.post("/v1/leases", response_model=LeaseGrant)
-    def grant_lease(request: LeaseRequest) -> LeaseGrant:
-        return coordinator.lease(request.worker_id, request.task_id, request.incarnation or "")
+    async def grant_lease(request: LeaseRequest) -> LeaseGrant:
+        return await fleet.lease(request.worker_id, request.task_id, request.incarnation or "")
 
     @app.post("/v1/leases/{lease_id}/renew", response_model=LeaseGrant)
-    def renew_lease(lease_id: LeaseId, _: Annotated[RenewRequest | None, Body()] = None) -> LeaseGrant:
-        return coordinator.renew(lease_id)
+    async def renew_lease(lease_id: LeaseId, _: Annotated[RenewRequest | None, Body()] = None) -> LeaseGrant:
+        return await fleet.renew(lease_id)
 
     @app.delete("/v1/leases/{lease_id}", response_model=ReleaseResult)
-    def release_lease(lease_id: LeaseId) -> ReleaseResult:
-        return ReleaseResult(released=coordinator.release(lease_id))
+    async def release_lease(lease_id: LeaseId) -> ReleaseResult:
+        return ReleaseResult(released=await fleet.release(lease_id))
 
     @app.post("/v1/rollouts", response_model=SubmitResult)
-    def submit_rollout(submission: RolloutSubmission) -> SubmitResult:
+    async def submit_rollout(submission: RolloutSubmission) -> SubmitResult:
         try:
-            return coordinator.submit(submission)
+            return await fleet.submit(submission)
         finally:
-            poke()
+            poke()  # a round now: the buffer may complete a step
+
+    # ---- the trainer's and the operator's requests: synchronous (FastAPI runs them in its threads) ----
 
     @app.post("/v1/tasks/{task_id}/failure", response_model=TaskFailureResult)
     def report_task_failure(task_id: TaskId, report: TaskFailureReport) -> TaskFailureResult:
@@ -536,15 +539,6 @@ def create_app(
     @app.post("/v1/versions/{version}/corrupt", response_model=CorruptResult)
     def report_corrupt(version: Annotated[int, Path(ge=0)], report: CorruptReport) -> CorruptResult:
         return coordinator.report_corrupt(version, report)
-
-    @app.post(HEARTBEAT_PATH, response_model=HeartbeatResult)
-    def heartbeat(report: HeartbeatRequest) -> HeartbeatResult:
-        # Reached only by requests off the event loop's path (proxy.api.loop_routes), or without a Redis URL.
-        if coordinator.heartbeat(report):
-            poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
-        return HeartbeatResult()
-
-    loop_answers.routes = {r.path: r for r in app.router.routes if getattr(r, "path", None) in LOOP_PATHS}
 
     install_eval_routes(app, coordinator, poke)  # POST /v1/evals/{task_id}/lease and .../result
     install_openapi(app, token_required=expected is not None, open_paths=open_paths)

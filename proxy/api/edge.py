@@ -130,9 +130,10 @@ def field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     return out
 
 
-def refuse_unknown_query(request: Request) -> None:
+async def refuse_unknown_query(request: Request) -> None:
     """A dependency of every route: a query parameter the route does not take is a 422, as an unknown body
-    field is (a misspelt ``wait_s`` must not silently mean the default)."""
+    field is (a misspelt ``wait_s`` must not silently mean the default). Async: FastAPI would run a synchronous
+    dependency in a thread, for every request."""
     route = request.scope.get("route")
     known = {param.alias for param in route.dependant.query_params} if isinstance(route, APIRoute) else set()
     unknown = [name for name in request.query_params if name not in known]
@@ -174,13 +175,8 @@ def counted_error(
     return error_body(code, detail, status=status, **extra)
 
 
-def is_refusal(exc: Exception) -> bool:
-    """Whether ``exc`` is a coordinator refusal (or a store failure) with an error code of its own."""
-    return isinstance(exc, tuple(REFUSAL_CODES))
-
-
 def refusal_answer(exc: Exception, metrics: ProxyMetrics) -> JSONResponse:
-    """The answer to a refusal (``is_refusal``), counted: what every route and ``proxy.api.loop_routes`` send."""
+    """The answer to a refusal (``is_refusal``), counted."""
     code = _refusal_code(exc)
     if code == UNAVAILABLE:
         log.warning("proxy.unavailable", error=str(exc), kind=type(exc).__name__)

@@ -30,8 +30,8 @@ from asyncgrpo.bucket.layout import delete_version, list_versions
 from asyncgrpo.protocol.schemas import LeaseGrant
 from asyncgrpo.run.config import AsyncConfig
 from proxy.coordinator.metrics import ProxyMetrics
-from proxy.coordinator.redis_store import RedisStore
-from proxy.coordinator.scripts import AsyncBoundScript, SnapshotFailed
+from proxy.coordinator.redis_store import LoopScripts, RedisStore
+from proxy.coordinator.scripts import SnapshotFailed
 from proxy.coordinator.snapshot import SnapshotWriter
 
 log = structlog.get_logger()
@@ -80,22 +80,12 @@ class Leases:
             expires_at=expires_ms / 1000.0,
         )
 
-    def grant(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
+    async def grant(self, worker_id: str, task_id: str, incarnation: str, scripts: LoopScripts) -> LeaseGrant:
         """Lease the current version for a task in flight; raises NoVersionYet before the init step published
-        version 0, TaskEnded for a task of this run that is cancelled, done or forgotten."""
-        lease_id, now, values = self._grant_values(worker_id, task_id, incarnation)
-        reply = self.store.scripts.grant_lease(**values)
-        if reply["version"] > self._first_use_marked:
-            self._observe_first_use(reply["version"], now)
-        return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
-
-    async def grant_on_loop(
-        self, worker_id: str, task_id: str, incarnation: str, script: AsyncBoundScript
-    ) -> LeaseGrant:
-        """``grant`` with ``script``, GRANT_LEASE bound to the caller's asyncio client. The first lease of a
+        version 0, TaskEnded for a task of this run that is cancelled, done or forgotten. The first lease of a
         version (once per version) observes its wait in a thread: it takes two more round trips."""
         lease_id, now, values = self._grant_values(worker_id, task_id, incarnation)
-        reply = await script(**values)
+        reply = await scripts.grant_lease(**values)
         if reply["version"] > self._first_use_marked:
             await asyncio.to_thread(self._observe_first_use, reply["version"], now)
         return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
@@ -145,23 +135,14 @@ class Leases:
             self.metrics.version_first_use.observe(seconds)
             log.info("proxy.version_first_use", version=version, seconds=seconds)
 
-    def renew(self, lease_id: str) -> LeaseGrant:
+    async def renew(self, lease_id: str, scripts: LoopScripts) -> LeaseGrant:
         """Push a live lease's expiry on; raises LeaseLostError if it already expired."""
-        reply = self.store.scripts.renew_lease(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
+        reply = await scripts.renew_lease(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
         return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
 
-    async def renew_on_loop(self, lease_id: str, script: AsyncBoundScript) -> LeaseGrant:
-        """``renew`` with ``script``, RENEW_LEASE bound to the caller's asyncio client."""
-        reply = await script(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
-        return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
-
-    def release(self, lease_id: str) -> bool:
+    async def release(self, lease_id: str, scripts: LoopScripts) -> bool:
         """Drop a lease; False if it was already gone (releasing is idempotent)."""
-        return bool(self.store.scripts.release_lease(lease_id=lease_id)["released"])
-
-    async def release_on_loop(self, lease_id: str, script: AsyncBoundScript) -> bool:
-        """``release`` with ``script``, RELEASE_LEASE bound to the caller's asyncio client."""
-        return bool((await script(lease_id=lease_id))["released"])
+        return bool((await scripts.release_lease(lease_id=lease_id))["released"])
 
     def expire(self) -> int:
         """Forget the leases past their expiry; returns how many."""

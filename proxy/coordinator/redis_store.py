@@ -323,7 +323,7 @@ class RedisClock:
 
 @dataclass(frozen=True)
 class LoopScripts:
-    """The scripts of the requests answered on the event loop (``proxy.api.loop_routes``), bound to its asyncio
+    """The scripts of the fleet's requests (``proxy.coordinator.fleet``), bound to an event loop's asyncio
     client, and the client (a submit with rejected groups reads the known reasons)."""
 
     redis: AsyncRedis
@@ -373,7 +373,7 @@ class RedisStore:
         return AsyncBoundScript(script, redis, source, lambda name: getattr(keys, name), keys.prefix, self.run)
 
     def bind_loop(self, redis: AsyncRedis) -> LoopScripts:
-        """The scripts of the requests answered on an event loop, on its asyncio client ``redis``."""
+        """The scripts of the fleet's requests, on an event loop's asyncio client ``redis``."""
         return LoopScripts(
             redis=redis,
             record_heartbeat=self.bind_async(redis, RECORD_HEARTBEAT),

@@ -85,50 +85,29 @@ class RolloutIntake:
             "lease_id": submission.lease_id or "",
         }
 
-    def submit(self, submission: RolloutSubmission) -> SubmitResult:
+    async def submit(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
         """Admit a rollout iff it is fresh and bound to its lease; raises StaleRolloutError, TaskCancelled,
-        BadRollout, NotTaskHolder (the last two change nothing)."""
-        store = self.store
-        # the usual case, no rejected group: no round trip for the known reasons
-        known = set(store.redis.hkeys(store.keys.rejected_reasons)) if submission.rejected_groups else set()
-        values = self._values(submission, known)
-        try:
-            reply = store.scripts.submit_rollout(**values)
-        except RolloutTooStale as stale:
-            self.snapshots.write_through(store.mark_changed())
-            raise self._stale(submission, stale) from None
-        except UnknownTask:
-            raise
-        except TaskCancelled:
-            store.mark_changed()  # its rollout went (back) under retention
-            raise
-        # A duplicate may have put a finished rollout back under retention.
-        change = store.mark_changed()
-        # Admitted (or admitted before): durable in the bucket before the worker hears so. Group commit: one put
-        # covers every submit that arrived while the previous one was being written.
-        self.snapshots.write_through(change)
-        return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")
-
-    async def submit_on_loop(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
-        """``submit`` on an event loop: its scripts on ``scripts``' asyncio client, and the wait for durability
-        on the group commit without a thread per caller (``SnapshotWriter.write_through_on_loop``)."""
+        BadRollout, NotTaskHolder (the last two change nothing). Durable in the bucket before it returns."""
         store = self.store
         known: set[str] = set()
-        if submission.rejected_groups:
+        if submission.rejected_groups:  # the usual case, no rejected group: no round trip for the known reasons
             async with asyncio.timeout(ASYNC_CALL_TIMEOUT_S):  # the loop's client has no socket timeout
                 known = set(await scripts.redis.hkeys(store.keys.rejected_reasons))
         values = self._values(submission, known)
         try:
             reply = await scripts.submit_rollout(**values)
         except RolloutTooStale as stale:
-            await self.snapshots.write_through_on_loop(store.mark_changed())
+            await self.snapshots.wait_durable(store.mark_changed())
             raise self._stale(submission, stale) from None
         except UnknownTask:
             raise
         except TaskCancelled:
-            store.mark_changed()
+            store.mark_changed()  # its rollout went (back) under retention
             raise
-        await self.snapshots.write_through_on_loop(store.mark_changed())
+        # Admitted (or admitted before; a duplicate may have put a finished rollout back under retention):
+        # durable in the bucket before the worker hears so. Group commit: one put covers every submit that
+        # arrived while the previous one was being written.
+        await self.snapshots.wait_durable(store.mark_changed())
         return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")
 
     def _stale(self, submission: RolloutSubmission, stale: RolloutTooStale) -> StaleRolloutError:

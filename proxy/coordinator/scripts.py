@@ -43,7 +43,8 @@ refusal a worker can meet to an HTTP status and error code; the worker's client 
 exception, so a refusal keeps its meaning across the wire. The last group of them are answers the coordinator
 handles itself (they never reach the API).
 
-A call reads like a method: ``store.scripts.grant_lease(now_ms=..., ttl_ms=..., ...)``. The store passes the
+A call reads like a method: ``store.scripts.claim_step(now_ms=..., ...)``, or ``await scripts.grant_lease(...)``
+on the event loop's client (``RedisStore.bind_loop``). The store passes the
 key prefix (``ARGV[1]``) and the keys; the answer is a ``ScriptReply`` with the code and named fields.
 """
 
@@ -740,22 +741,19 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
 
 
 class Scripts:
-    """Every script of one run, bound to the store's Redis client: ``scripts.grant_lease(now_ms=..., ...)``."""
+    """The scripts of one run bound to the store's synchronous client (``scripts.claim_step(now_ms=..., ...)``):
+    all but the fleet's five, which run on the event loop's client alone (``LoopScripts``)."""
 
     def __init__(self, bind: Callable[[LuaScript], BoundScript]) -> None:
         self.dispatch_generate = bind(DISPATCH_GENERATE)
         self.cancel_tasks = bind(CANCEL_TASKS)
         self.undo_dispatch = bind(UNDO_DISPATCH)
         self.unattended_groups = bind(UNATTENDED_GROUPS)
-        self.submit_rollout = bind(SUBMIT_ROLLOUT)
         self.claim_step = bind(CLAIM_STEP)
         self.mark_step_sent = bind(MARK_STEP_SENT)
         self.start_step = bind(START_STEP)
         self.fail_step = bind(FAIL_STEP)
         self.publish_version = bind(PUBLISH_VERSION)
-        self.grant_lease = bind(GRANT_LEASE)
-        self.renew_lease = bind(RENEW_LEASE)
-        self.release_lease = bind(RELEASE_LEASE)
         self.expire_leases = bind(EXPIRE_LEASES)
         self.due_rollouts = bind(DUE_ROLLOUTS)
         self.forget_rollouts = bind(FORGET_ROLLOUTS)
@@ -764,7 +762,6 @@ class Scripts:
         self.finish_eval_chunk = bind(FINISH_EVAL_CHUNK)
         self.retry_evals = bind(RETRY_EVALS)
         self.close_eval = bind(CLOSE_EVAL)
-        self.record_heartbeat = bind(RECORD_HEARTBEAT)
         self.add_counter = bind(ADD_COUNTER)
         self.set_halt = bind(SET_HALT)
         self.clear_halt = bind(CLEAR_HALT)

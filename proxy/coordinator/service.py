@@ -1,12 +1,12 @@
 """The coordinator: a run's live state in Redis, changed only by the Lua scripts of ``proxy.coordinator.scripts``.
 
-One ``Coordinator`` serves one run. The HTTP layer (``proxy.api.app``) calls its request methods
-(``lease``, ``renew``, ``release``, ``submit``, ``get_step``, ``publish``, ``heartbeat``; the fleet's requests
-also as ``*_on_loop``, awaited on the event loop with ``LoopScripts`` by ``proxy.api.loop_routes``, which hands a
-request that found no state to the route: only the synchronous methods rebuild it); a background loop
-calls ``tick()`` which expires leases and lost tasks, claims a step, keeps the generate queue fed, re-sends
-timed-out steps, writes the snapshot and garbage-collects old versions and rollout objects past their
-retention. Tests call ``tick()`` directly and pass their own clock (milliseconds), so no test sleeps.
+One ``Coordinator`` serves one run. The HTTP layer (``proxy.api.app``) awaits the fleet's requests on its
+event loop (``fleet_requests``: heartbeats, leases, renewals, releases, submits; ``proxy.coordinator.fleet``) and
+calls the others (``get_step``, ``start_step``, ``publish``, the evals', the views) from its threads, as
+FastAPI runs a synchronous route: they read and write the bucket. A background loop calls ``tick()`` which
+expires leases and lost tasks, claims a step, keeps the generate queue fed, re-sends timed-out steps, writes
+the snapshot and garbage-collects old versions and rollout objects past their retention. Tests call ``tick()``
+directly and pass their own clock (milliseconds), so no test sleeps.
 
 The rules it enforces are the invariants 1-4 and 6 of README.md: versions move by CAS ``N -> N+1`` only;
 nothing staler than ``async.max_staleness`` is admitted or claimed; versions under a live lease or in the
@@ -48,11 +48,8 @@ from asyncgrpo.protocol.schemas import (
     CorruptResult,
     FleetView,
     GenerateTaskMessage,
-    HeartbeatRequest,
-    LeaseGrant,
     PublishRequest,
     PublishResult,
-    RolloutSubmission,
     RunInfo,
     StatusResponse,
     StepBatch,
@@ -60,7 +57,6 @@ from asyncgrpo.protocol.schemas import (
     StepFailureResult,
     StepStartRequest,
     StepStartResult,
-    SubmitResult,
     TaskFailureReport,
     TaskFailureResult,
     VersionInfo,
@@ -70,14 +66,14 @@ from asyncgrpo.run.config import RunConfig
 from asyncgrpo.run.creation import load_run
 from proxy.coordinator.dispatch import Dispatcher
 from proxy.coordinator.evals import Evals
+from proxy.coordinator.fleet import FleetRequests
 from proxy.coordinator.generate_tasks import GenerateTasks, InflightPacer, WaitingAccount
 from proxy.coordinator.leases import Leases, Retention
 from proxy.coordinator.metrics import ProxyMetrics, RunLimits, StateGauges
 from proxy.coordinator.rebuild import restore_state
-from proxy.coordinator.redis_store import RECORD_TTL_S, LoopScripts, RedisStore, RunKeys, halted_reason
+from proxy.coordinator.redis_store import RECORD_TTL_S, RedisStore, RunKeys, halted_reason
 from proxy.coordinator.rollouts import RolloutIntake
 from proxy.coordinator.scripts import (
-    NotTaskHolder,
     SnapshotFailed,
     StateMissing,
 )
@@ -335,6 +331,14 @@ class Coordinator:
         )
         self.accounting = WaitingAccount(self.store, config, inflight_limit=self.pacer.limit)
         self.restorer = StateRestorer(self.store, bucket, config, leadership, self.retention)
+        self.fleet_requests = FleetRequests(
+            self.store,
+            self.leases,
+            self.rollouts,
+            self.heartbeats,
+            self.pacer,
+            ensure_state=lambda: self.restorer.ensure(),
+        )
         self.housekeeping = Housekeeping(
             store=self.store,
             config=config,
@@ -426,61 +430,6 @@ class Coordinator:
     # ---- requests (the HTTP API) ----
 
     @_rebuilding
-    def lease(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
-        """``incarnation``: of the worker process; a newer one of ``worker_id`` ends the task (``workers``)."""
-        grant = self.leases.grant(worker_id, task_id, incarnation)
-        self.pacer.leased(task_id)
-        return grant
-
-    async def lease_on_loop(self, worker_id: str, task_id: str, incarnation: str, scripts: LoopScripts) -> LeaseGrant:
-        """``lease`` through ``scripts`` (the caller's asyncio client). Raises StateMissing without rebuilding:
-        the caller hands the request to the route, which rebuilds and leases (so do the other ``_on_loop``)."""
-        grant = await self.leases.grant_on_loop(worker_id, task_id, incarnation, scripts.grant_lease)
-        self.pacer.leased(task_id)
-        return grant
-
-    @_rebuilding
-    def renew(self, lease_id: str) -> LeaseGrant:
-        return self.leases.renew(lease_id)
-
-    async def renew_on_loop(self, lease_id: str, scripts: LoopScripts) -> LeaseGrant:
-        return await self.leases.renew_on_loop(lease_id, scripts.renew_lease)
-
-    @_rebuilding
-    def release(self, lease_id: str) -> bool:
-        return self.leases.release(lease_id)
-
-    @_rebuilding
-    def submit(self, submission: RolloutSubmission) -> SubmitResult:
-        """Admit a rollout iff it is fresh; raises StaleRolloutError, TaskCancelled, BadRollout, NotTaskHolder."""
-        release = submission.lease_id
-        try:
-            result = self.rollouts.submit(submission)
-        except NotTaskHolder:
-            release = None  # the lease may be another worker's: a refused submission changes nothing
-            raise
-        finally:
-            if release is not None:
-                # Admitted, stale or refused: the worker is done with the version either way.
-                self.leases.release(release)
-        self.pacer.submitted(submission.task_id, submission.worker_id)
-        return result
-
-    async def submit_on_loop(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
-        """``submit`` through ``scripts``, durable on the group commit before it returns, as ``submit``."""
-        release = submission.lease_id
-        try:
-            result = await self.rollouts.submit_on_loop(submission, scripts)
-        except NotTaskHolder:
-            release = None  # the lease may be another worker's: a refused submission changes nothing
-            raise
-        finally:
-            if release is not None:
-                await self.leases.release_on_loop(release, scripts.release_lease)
-        self.pacer.submitted(submission.task_id, submission.worker_id)
-        return result
-
-    @_rebuilding
     def get_step(self, step: int) -> StepBatch:
         return self.steps.get(step)
 
@@ -530,17 +479,6 @@ class Coordinator:
     def eval_result(self, task_id: str, request: EvalResultRequest) -> EvalResultAnswer:
         """Keep an eval task's summary and release its lease; raises EvalEnded if it is not in flight."""
         return self.evals.result(task_id, request)
-
-    @_rebuilding
-    def heartbeat(self, report: HeartbeatRequest) -> bool:
-        """Record a heartbeat; True if it came from a restarted worker (a new incarnation of its id), whose old
-        incarnation's work the next ``tick()`` ends."""
-        return self.heartbeats.heartbeat(report)
-
-    async def heartbeat_on_loop(self, report: HeartbeatRequest, scripts: LoopScripts) -> bool:
-        """``heartbeat`` through ``scripts`` (the caller's asyncio client). A heartbeat needs no run state (the
-        script touches only the worker records), so there is nothing to rebuild first."""
-        return await self.heartbeats.heartbeat_on_loop(report, scripts)
 
     @_rebuilding
     def version_info(self, version: int) -> VersionInfo:

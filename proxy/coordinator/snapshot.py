@@ -520,7 +520,7 @@ class SnapshotWriter:
         self.monotonic: Callable[[], float] = time.monotonic  # tests move it on
         self._checked_at = 0.0  # when the snapshot's ETag was last read or written
         self._epoch = -1  # the fencing epoch of this writer's last compaction
-        # Callers on an event loop (``write_through_on_loop``): (change number, their future, its loop), answered
+        # Callers on an event loop (``wait_durable``): (change number, their future, its loop), answered
         # by the write that covers them; a pump thread writes while any wait (no thread waits per caller).
         self._loop_waiters: list[tuple[int, asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         self._pumping = False
@@ -578,7 +578,7 @@ class SnapshotWriter:
         self._collect_log()  # after the callers are answered: what a compaction covers is no longer needed
         return written
 
-    async def write_through_on_loop(self, target: int) -> None:
+    async def wait_durable(self, target: int) -> None:
         """``write_through`` for a caller on an event loop: returns once change number ``target`` is durable,
         raises ``SnapshotFailed`` as it does. The puts run in one pump thread while anyone waits."""
         loop = asyncio.get_running_loop()

@@ -30,12 +30,8 @@ class Workers:
         self.store = store
         self.alive_s = alive_s
 
-    def heartbeat(self, report: HeartbeatRequest) -> bool:
+    async def heartbeat(self, report: HeartbeatRequest, scripts: LoopScripts) -> bool:
         """Record ``report``; True if it is the first of a new incarnation of a known worker id (restarted)."""
-        return self._restarted(report, self.store.scripts.record_heartbeat(**self._record(report)))
-
-    async def heartbeat_on_loop(self, report: HeartbeatRequest, scripts: LoopScripts) -> bool:
-        """``heartbeat`` through ``scripts``, on an event loop's asyncio client."""
         return self._restarted(report, await scripts.record_heartbeat(**self._record(report)))
 
     def _record(self, report: HeartbeatRequest) -> dict[str, Any]:

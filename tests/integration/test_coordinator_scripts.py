@@ -7,6 +7,7 @@ Each ``lua/<seam>/<name>.lua`` states its KEYS, ARGV and return codes in its hea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from redis import Redis
 
 from proxy.coordinator import scripts as errors
-from proxy.coordinator.redis_store import RedisStore, RunKeys, prelude_names
+from proxy.coordinator.redis_store import LoopScripts, RedisStore, RunKeys, prelude_names
 from proxy.coordinator.scripts import (
     ALL_SCRIPTS,
     CLAIM_STEP,
@@ -52,7 +53,10 @@ def test_every_lua_file_is_declared_and_bound() -> None:
     assert files == set(names) | {PRELUDE}
     bound: list[LuaScript] = []
     Scripts(lambda script: bound.append(script) or script)  # type: ignore[arg-type,func-returns-value]
-    assert [script.name for script in bound] == names
+    # The fleet's scripts are bound to the event loop's client alone (LoopScripts), every other to the sync one.
+    on_loop = [field.name for field in dataclasses.fields(LoopScripts) if field.name != "redis"]
+    assert sorted([script.name for script in bound] + on_loop) == sorted(names)
+    assert not set(on_loop) & {script.name for script in bound}
 
 
 def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
@@ -63,17 +67,15 @@ def test_every_script_compiles_in_redis(redis_client: Redis) -> None:
 
 def test_a_call_names_its_arguments(redis_client: Redis) -> None:
     store = RedisStore(redis_client, "r1", clock_ms=lambda: 1000)
-    with pytest.raises(TypeError, match="grant_lease takes"):
-        store.scripts.grant_lease(now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1")
+    with pytest.raises(TypeError, match="set_logged_field takes"):
+        store.scripts.set_logged_field(section="tracking", field="f")
 
 
 def test_a_script_without_state_raises_state_missing(redis_client: Redis) -> None:
     """The store does not rebuild: the coordinator's entry points do (``tests/integration/test_rebuild.py``)."""
     store = RedisStore(redis_client, "r1", clock_ms=lambda: 1000)
     with pytest.raises(StateMissing, match="no state for run 'r1'"):
-        store.scripts.grant_lease(
-            now_ms=1000, ttl_ms=5000, lease_id="l1", worker_id="w1", task_id="t1", task_prefix="gen-r1-", incarnation=""
-        )
+        store.scripts.set_logged_field(section="tracking", field="f", op="set", value="1")
     assert not store.has_state()
 
 

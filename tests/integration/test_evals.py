@@ -27,7 +27,7 @@ from proxy.coordinator.leases import live_leased_versions
 from proxy.coordinator.scripts import EvalEnded, NotTaskHolder
 from proxy.coordinator.service import Coordinator
 from tests.support.dispatcher import RecordingDispatcher
-from tests.support.proxy_harness import ManualClock, advance_version, file_bucket, start_run
+from tests.support.proxy_harness import ManualClock, SyncCoordinator, advance_version, file_bucket, start_run
 
 TOKEN = "eval-test-token"
 
@@ -43,7 +43,7 @@ def eval_config(every: int = 2, total_steps: int = 8, **eval_fields: Any) -> Run
 
 
 def make(redis_client: Redis, bucket: Bucket, clock: ManualClock, config: RunConfig | None = None) -> Coordinator:
-    return Coordinator(
+    return SyncCoordinator(
         redis_client,
         bucket,
         "r1",

@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 from redis import Redis
 
 from proxy.api.app import (
-    HANDLER_THREADS,
+    REDIS_CONNECTIONS,
+    ROUTE_THREADS,
     ProxyStartupError,
     check_can_serve,
     create_app,
@@ -284,14 +285,15 @@ def test_the_fleets_polls_are_logged_at_debug_unless_refused(http: TestClient) -
     ]
 
 
-def test_the_proxy_redis_client_has_a_connection_for_every_handler_thread(redis_server: RedisServer) -> None:
+def test_the_proxy_redis_client_has_a_connection_for_every_route_thread(redis_server: RedisServer) -> None:
     # redis-py's default pool refuses its 101st concurrent call ("Too many connections"), which the proxy
     # answered as `unavailable` once a fleet of workers kept more than 100 handler threads busy.
     client = proxy_redis(redis_server.url)
     pool = client.connection_pool
-    held = [pool.get_connection() for _ in range(HANDLER_THREADS)]
+    assert max(100, ROUTE_THREADS) < REDIS_CONNECTIONS
+    held = [pool.get_connection() for _ in range(REDIS_CONNECTIONS - 1)]
     try:
-        assert len({id(conn) for conn in held}) == HANDLER_THREADS
+        assert len({id(conn) for conn in held}) == REDIS_CONNECTIONS - 1
         assert client.ping() and client.connection_pool.connection_kwargs["decode_responses"]
     finally:
         for conn in held:

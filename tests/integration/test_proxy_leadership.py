@@ -45,7 +45,14 @@ from tests.integration.test_rebuild import busy_run, claim_step_3, restart
 from tests.support.dispatcher import RecordingDispatcher
 from tests.support.fixtures_coordinator import API_TOKEN
 from tests.support.fixtures_redis import free_port
-from tests.support.proxy_harness import ManualClock, file_bucket, make_coordinator, small_config, submission
+from tests.support.proxy_harness import (
+    ManualClock,
+    SyncCoordinator,
+    file_bucket,
+    make_coordinator,
+    small_config,
+    submission,
+)
 
 SNAPSHOT = bucket_keys.proxy_snapshot_key("r1")
 
@@ -58,7 +65,7 @@ def bucket(tmp_path: Path) -> Bucket:
 def leading(redis_client: Redis, bucket: Bucket, clock: ManualClock) -> Coordinator:
     leadership = Leadership(redis_client, "r1")
     take_leadership(leadership, bucket, standby=False)
-    return Coordinator(
+    return SyncCoordinator(
         redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher(), clock_ms=clock, leadership=leadership
     )
 
@@ -359,7 +366,7 @@ def test_restore_onto_a_partly_evicted_redis_does_not_duplicate_the_buffer(
 
 
 def test_default_clock_is_redis_time(redis_client: Redis, bucket: Bucket) -> None:
-    coord = Coordinator(redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher())
+    coord = SyncCoordinator(redis_client, bucket, "r1", small_config(), 20, RecordingDispatcher())
     seconds, micros = redis_client.time()
     assert abs(coord.clock_ms() - (seconds * 1000 + micros // 1000)) < 1000
     assert make_coordinator(redis_client, bucket, clock=ManualClock(5)).clock_ms() == 5

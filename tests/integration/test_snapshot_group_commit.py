@@ -210,7 +210,7 @@ def test_a_lone_submit_writes_before_it_returns(busy: tuple[Coordinator, Snapsho
     assert task["task_id"] in buffered_task_ids(puts.inner, coord.run)
 
 
-# ---- callers on an event loop (submits answered by proxy.api.loop_routes) ----
+# ---- callers on an event loop (the fleet's submits, proxy.coordinator.fleet) ----
 
 
 def test_waiters_on_a_loop_share_puts_with_threads_and_each_outcome_is_theirs(
@@ -238,7 +238,7 @@ def test_waiters_on_a_loop_share_puts_with_threads_and_each_outcome_is_theirs(
     async def waiters() -> list[object]:
         async def one(change: int) -> object:
             try:
-                await writer.write_through_on_loop(change)
+                await writer.wait_durable(change)
             except SnapshotFailed as error:
                 return error
             return "durable"
@@ -271,7 +271,7 @@ def test_concurrent_submits_on_the_loop_share_puts_and_each_is_durable_on_return
     puts.delay_s = 0.05
     tasks = list(coord.dispatcher.generate)
     bodies = {task["task_id"]: submission(coord, task, 0).model_dump_json() for task in tasks}
-    app = create_app(coord, API_TOKEN, run_loop=False, redis_url=redis_url)
+    app = create_app(coord, API_TOKEN, run_loop=False)
     durable: list[str] = []
     with served(app) as url:
 
@@ -288,7 +288,7 @@ def test_concurrent_submits_on_the_loop_share_puts_and_each_is_durable_on_return
 
         before = puts.puts
         statuses = asyncio.run(submit_all())
-        assert app.state.loop_answers.served["/v1/rollouts"] == SUBMITS
+        assert coord.status().counters["rollouts_admitted"] == SUBMITS
     assert statuses == [200] * SUBMITS
     assert sorted(durable) == sorted(bodies)
     assert puts.puts - before <= SUBMITS // 4, f"{puts.puts - before} snapshot puts for {SUBMITS} submits"
@@ -301,11 +301,10 @@ def test_a_failed_put_is_answered_unavailable_on_the_loop(
     puts.fail = True
     task = coord.dispatcher.generate[0]
     body = submission(coord, task, 0).model_dump_json()
-    app = create_app(coord, API_TOKEN, run_loop=False, redis_url=redis_url)
+    app = create_app(coord, API_TOKEN, run_loop=False)
     with served(app) as url, httpx.Client(base_url=url, headers=JSON_AUTH, timeout=30) as client:
         reply = client.post("/v1/rollouts", content=body)
         assert (reply.status_code, reply.json()["error"]) == (503, "unavailable"), reply.text
-        assert app.state.loop_answers.refused["/v1/rollouts"] == 1
         assert task["task_id"] not in buffered_task_ids(puts.inner, coord.run)
         puts.fail = False
         reply = client.post("/v1/rollouts", content=body)  # the worker retries

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import Redis
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import Bucket, open_bucket
 from asyncgrpo.bucket.layout import sha256_hex, write_version
-from asyncgrpo.protocol.schemas import LeaseGrant, PublishRequest, RolloutSubmission
+from asyncgrpo.protocol.schemas import HeartbeatRequest, LeaseGrant, PublishRequest, RolloutSubmission, SubmitResult
 from asyncgrpo.run.config import RunConfig
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import Leadership
@@ -29,6 +32,49 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now_ms += int(seconds * 1000)
+
+
+T = TypeVar("T")
+
+
+class _TestsLoop:
+    """One event loop in a daemon thread for the whole test session: where the fleet's requests of a
+    ``SyncCoordinator`` run (their asyncio Redis client belongs to it, ``proxy.coordinator.fleet``)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def run(self, call: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="tests-loop", daemon=True).start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(call, loop).result()
+
+
+TESTS_LOOP = _TestsLoop()
+
+
+class SyncCoordinator(Coordinator):
+    """A Coordinator whose fleet requests (awaited on the server loop, ``fleet_requests``) a test calls as
+    plain functions, from any thread: each runs on the tests' loop and returns (or raises) what it does."""
+
+    def heartbeat(self, report: HeartbeatRequest) -> bool:
+        return TESTS_LOOP.run(self.fleet_requests.heartbeat(report))
+
+    def lease(self, worker_id: str, task_id: str, incarnation: str = "") -> LeaseGrant:
+        return TESTS_LOOP.run(self.fleet_requests.lease(worker_id, task_id, incarnation))
+
+    def renew(self, lease_id: str) -> LeaseGrant:
+        return TESTS_LOOP.run(self.fleet_requests.renew(lease_id))
+
+    def release(self, lease_id: str) -> bool:
+        return TESTS_LOOP.run(self.fleet_requests.release(lease_id))
+
+    def submit(self, submission: RolloutSubmission) -> SubmitResult:
+        return TESTS_LOOP.run(self.fleet_requests.submit(submission))
 
 
 def small_config(seed: int = 0, **async_fields: Any) -> RunConfig:
@@ -52,10 +98,10 @@ def make_coordinator(
     dispatcher: RecordingDispatcher | None = None,
     require_generate_worker: bool = False,
     leadership: Leadership | None = None,
-) -> Coordinator:
+) -> SyncCoordinator:
     """``require_generate_worker`` off by default: these tests send no heartbeats. ``leadership``: the run's
     leadership this coordinator holds (unfenced by default)."""
-    return Coordinator(
+    return SyncCoordinator(
         redis_client,
         bucket,
         run,
