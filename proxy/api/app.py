@@ -51,7 +51,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
 import structlog
-from fastapi import Body, Depends, FastAPI, Path
+from fastapi import Body, FastAPI, Path
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis import BlockingConnectionPool, Redis
@@ -93,9 +93,12 @@ from proxy.api.edge import (
     TOO_LARGE,
     UNAVAILABLE,
     AuthAndTiming,
+    FleetRoute,
+    QueryCheckedRoute,
+    answer,
     error_body,
     install_error_handlers,
-    refuse_unknown_query,
+    routes_of,
 )
 from proxy.api.openapi import install_openapi
 from proxy.api.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings
@@ -410,8 +413,11 @@ def create_app(
         version="1",
         description=__doc__,
         lifespan=lifespan,
-        dependencies=[Depends(refuse_unknown_query)],
+        # FastAPI's own OpenTelemetry, off: the proxy's metrics are its Prometheus ones (/metrics), and the check
+        # whether a provider is configured cost every request a few microseconds.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    app.router.route_class = QueryCheckedRoute  # before any route: each refuses a query it does not take
     app.state.coordinator = coordinator
     metrics = coordinator.metrics
     metrics.watch_state(coordinator.gauges, coordinator.run_limits())  # counts only: cheap per scrape
@@ -446,6 +452,38 @@ def create_app(
 
     install_error_handlers(app, metrics)
 
+    # ---- the fleet's requests: awaited on the loop, none waits in a thread; answered serialized once; first, as the
+    # router tries routes in order; each validated in one pass (FleetRoute) ----
+
+    with routes_of(app, FleetRoute):
+
+        @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
+        async def heartbeat(report: HeartbeatRequest) -> Response:
+            if await fleet.heartbeat(report):
+                poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
+            return answer(HeartbeatResult())
+
+        @app.post("/v1/leases", response_model=LeaseGrant)
+        async def grant_lease(request: LeaseRequest) -> Response:
+            return answer(await fleet.lease(request.worker_id, request.task_id, request.incarnation or ""))
+
+        @app.post("/v1/rollouts", response_model=SubmitResult)
+        async def submit_rollout(submission: RolloutSubmission) -> Response:
+            try:
+                return answer(await fleet.submit(submission))
+            finally:
+                poke()  # a round now: the buffer may complete a step
+
+        @app.post("/v1/leases/{lease_id}/renew", response_model=LeaseGrant)
+        async def renew_lease(lease_id: LeaseId, _: Annotated[RenewRequest | None, Body()] = None) -> Response:
+            return answer(await fleet.renew(lease_id))
+
+        @app.delete("/v1/leases/{lease_id}", response_model=ReleaseResult)
+        async def release_lease(lease_id: LeaseId) -> Response:
+            return answer(ReleaseResult(released=await fleet.release(lease_id)))
+
+    # ---- the trainer's and the operator's requests: synchronous (FastAPI runs them in its threads) ----
+
     @app.get("/healthz")
     def healthz() -> JSONResponse:
         try:
@@ -470,35 +508,6 @@ def create_app(
     @app.get("/v1/run", response_model=RunInfo)
     def run_info() -> RunInfo:
         return coordinator.run_info()
-
-    # ---- the fleet's requests: awaited on the loop, none waits in a thread ----
-
-    @app.post("/v1/workers/heartbeat", response_model=HeartbeatResult)
-    async def heartbeat(report: HeartbeatRequest) -> HeartbeatResult:
-        if await fleet.heartbeat(report):
-            poke()  # a restarted worker: end its old incarnation's work in a round now, not at the next tick
-        return HeartbeatResult()
-
-    @app.post("/v1/leases", response_model=LeaseGrant)
-    async def grant_lease(request: LeaseRequest) -> LeaseGrant:
-        return await fleet.lease(request.worker_id, request.task_id, request.incarnation or "")
-
-    @app.post("/v1/leases/{lease_id}/renew", response_model=LeaseGrant)
-    async def renew_lease(lease_id: LeaseId, _: Annotated[RenewRequest | None, Body()] = None) -> LeaseGrant:
-        return await fleet.renew(lease_id)
-
-    @app.delete("/v1/leases/{lease_id}", response_model=ReleaseResult)
-    async def release_lease(lease_id: LeaseId) -> ReleaseResult:
-        return ReleaseResult(released=await fleet.release(lease_id))
-
-    @app.post("/v1/rollouts", response_model=SubmitResult)
-    async def submit_rollout(submission: RolloutSubmission) -> SubmitResult:
-        try:
-            return await fleet.submit(submission)
-        finally:
-            poke()  # a round now: the buffer may complete a step
-
-    # ---- the trainer's and the operator's requests: synchronous (FastAPI runs them in its threads) ----
 
     @app.post("/v1/tasks/{task_id}/failure", response_model=TaskFailureResult)
     def report_task_failure(task_id: TaskId, report: TaskFailureReport) -> TaskFailureResult:

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
 
 import structlog
 from fastapi import FastAPI, Request
@@ -34,6 +37,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -56,6 +60,9 @@ from proxy.coordinator.scripts import (
     StepNotFound,
     TaskCancelled,
 )
+
+if TYPE_CHECKING:
+    from fastapi._compat import ModelField
 
 # Which coordinator refusal is which protocol error code; the HTTP status comes from the shared table. A
 # subclass takes its nearest listed ancestor's code (UnknownTask is cancelled, CasLost a conflict).
@@ -120,6 +127,13 @@ def error_body(code: str, detail: str, *, status: int | None = None, **extra: An
     return JSONResponse(status_code=status, content=jsonable_encoder(body))
 
 
+def answer(model: BaseModel) -> Response:
+    """A route's answer, serialized once in pydantic's core. Returned as a model, FastAPI would validate it again
+    against the route's ``response_model`` and encode it in two passes; the route still declares its model, which
+    stays the schema of the answer (``/openapi.json``)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 def field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     """What a client needs to fix its request: where and what, bounded, and never the rejected value (which may
     be 50 MB, NaN, or text no JSON encoder can write)."""
@@ -130,20 +144,142 @@ def field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
     return out
 
 
-async def refuse_unknown_query(request: Request) -> None:
-    """A dependency of every route: a query parameter the route does not take is a 422, as an unknown body
-    field is (a misspelt ``wait_s`` must not silently mean the default). Async: FastAPI would run a synchronous
-    dependency in a thread, for every request."""
-    route = request.scope.get("route")
-    known = {param.alias for param in route.dependant.query_params} if isinstance(route, APIRoute) else set()
-    unknown = [name for name in request.query_params if name not in known]
-    if unknown:
-        raise RequestValidationError(
-            [
-                {"loc": ("query", name), "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
-                for name in unknown
-            ]
-        )
+class QueryCheckedRoute(APIRoute):
+    """Every route's class: a query parameter the route does not take is a 422, as an unknown body field is (a
+    misspelt ``wait_s`` must not silently mean the default). Checked in the route's handler, with the names it
+    takes read once, rather than as a dependency of every route: FastAPI resolves a dependency per request."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        known = frozenset(param.alias for param in self.dependant.query_params)
+
+        async def checked(request: Request) -> Response:
+            if request.scope.get("query_string"):  # the usual request has none: nothing to parse
+                unknown = [name for name in request.query_params if name not in known]
+                if unknown:
+                    raise RequestValidationError(
+                        [
+                            {"loc": ("query", name), "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
+                            for name in unknown
+                        ]
+                    )
+            return await handler(request)
+
+        return checked
+
+
+class FleetRoute(QueryCheckedRoute):
+    """The class of the fleet's routes (heartbeats, leases, renewals, releases, submits, the long poll: hundreds of
+    requests a second). A request whose path and query parameters the route's own types take, and whose body (if
+    it takes one) is JSON its model takes, is validated in one pass (``model_validate_json`` for the body) and the
+    endpoint awaited, past FastAPI's per-request dependency machinery. Anything else (an unknown or missing
+    parameter, a value a type refuses, another content type, a body the model refuses) goes to FastAPI's own
+    handler, which answers it as it answers every route (its 422s). So the route stays FastAPI's: its signature,
+    types and models are the one definition of the request and of ``/openapi.json``; the endpoint is the one
+    implementation, and returns a ``Response`` (``answer``)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        general = super().get_route_handler()
+        dependant = self.dependant
+        if (
+            dependant.header_params
+            or dependant.cookie_params
+            or dependant.dependencies
+            or len(dependant.body_params) > 1
+        ):
+            raise TypeError(f"{self.path}: a FleetRoute takes path and query parameters and one JSON body, no more")
+        params = [_Param.of(param, in_path=True) for param in dependant.path_params]
+        params += [_Param.of(param, in_path=False) for param in dependant.query_params]
+        known_query = frozenset(param.alias for param in params if not param.in_path)
+        body = _Body.of(dependant.body_params[0], self.path) if dependant.body_params else None
+        endpoint = self.endpoint
+
+        async def validated_once(request: Request) -> Response:
+            query = request.query_params if request.scope.get("query_string") else {}
+            if query and not set(query) <= known_query:
+                return await general(request)  # its 422 names the unknown parameters
+            values: dict[str, Any] = {}
+            for param in params:
+                source = request.path_params if param.in_path else query
+                if param.alias not in source:
+                    if param.required:
+                        return await general(request)
+                    values[param.name] = param.default
+                    continue
+                try:
+                    values[param.name] = param.adapter.validate_python(source[param.alias])
+                except ValidationError:
+                    return await general(request)
+            if body is not None:
+                raw = await request.body()
+                if not raw and body.optional:
+                    values[body.name] = None
+                elif not _json_body(request):
+                    return await general(request)
+                else:
+                    try:
+                        values[body.name] = body.model.model_validate_json(raw)
+                    except ValidationError:
+                        return await general(request)
+            return await endpoint(**values)
+
+        return validated_once
+
+
+@contextmanager
+def routes_of(app: FastAPI, route_class: type[APIRoute]) -> Iterator[None]:
+    """The routes added to ``app`` inside are of ``route_class`` (an included router would add a matching layer
+    to every request)."""
+    previous, app.router.route_class = app.router.route_class, route_class
+    try:
+        yield
+    finally:
+        app.router.route_class = previous
+
+
+@dataclass(frozen=True)
+class _Param:
+    """A path or query parameter of a ``FleetRoute``, validated as FastAPI validates it (its type and field)."""
+
+    name: str
+    alias: str
+    in_path: bool
+    required: bool
+    default: Any
+    adapter: TypeAdapter[Any]
+
+    @classmethod
+    def of(cls, param: ModelField, *, in_path: bool) -> _Param:
+        info = param.field_info
+        adapter: TypeAdapter[Any] = TypeAdapter(Annotated[info.annotation, info])
+        return cls(param.name, param.alias, in_path, info.is_required(), info.default, adapter)
+
+
+@dataclass(frozen=True)
+class _Body:
+    """The JSON body of a ``FleetRoute``: one pydantic model, or the model or nothing."""
+
+    name: str
+    model: type[BaseModel]
+    optional: bool
+
+    @classmethod
+    def of(cls, param: ModelField, path: str) -> _Body:
+        annotation = param.field_info.annotation
+        members = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in _UNIONS else []
+        model = members[0] if len(members) == 1 else annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or getattr(param.field_info, "embed", False):
+            raise TypeError(f"{path}: a FleetRoute's body is one pydantic model (or it or nothing), not embedded")
+        return cls(param.name, model, optional=model is not annotation and not param.field_info.is_required())
+
+
+_UNIONS = (Union, UnionType)
+
+
+def _json_body(request: Request) -> bool:
+    """Whether the request says its body is JSON (FastAPI also reads a body without a content type as JSON)."""
+    content_type = request.headers.get("content-type")
+    return content_type is not None and content_type.split(";")[0].strip().lower() == "application/json"
 
 
 def _snake(name: str) -> str:

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import structlog
 from fastapi import FastAPI, Query
+from starlette.responses import Response
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.protocol.schemas import LatestVersion
+from proxy.api.edge import FleetRoute, answer, routes_of
 from proxy.coordinator.service import Coordinator
 
 if TYPE_CHECKING:
@@ -157,14 +159,16 @@ def install_version_watch(app: FastAPI, coordinator: Coordinator) -> VersionWatc
     watch = VersionWatch(coordinator)
     app.state.version_watch = watch
 
-    @app.get("/v1/versions/latest", response_model=LatestVersion)
-    async def latest_version(
-        after: Annotated[int, Query(ge=-1, description="The version the caller holds (-1: none).")] = -1,
-        wait_s: Annotated[
-            float, Query(ge=0.0, le=MAX_WAIT_S, description="Seconds to wait for a newer version (0: answer now).")
-        ] = 0.0,
-    ) -> LatestVersion:
-        return await watch.wait_newer(after, wait_s)
+    with routes_of(app, FleetRoute):  # a long poll from every generate worker: validated in one pass
+
+        @app.get("/v1/versions/latest", response_model=LatestVersion)
+        async def latest_version(
+            after: Annotated[int, Query(ge=-1, description="The version the caller holds (-1: none).")] = -1,
+            wait_s: Annotated[
+                float, Query(ge=0.0, le=MAX_WAIT_S, description="Seconds to wait for a newer version (0: answer now).")
+            ] = 0.0,
+        ) -> Response:
+            return answer(await watch.wait_newer(after, wait_s))
 
     return watch
 

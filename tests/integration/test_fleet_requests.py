@@ -18,6 +18,7 @@ import pytest
 
 from asyncgrpo.protocol.schemas import LeaseGrant
 from proxy.api.app import create_app
+from proxy.api.edge import FleetRoute, QueryCheckedRoute
 from proxy.coordinator.scripts import ASYNC_CALL_TIMEOUT_S
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot
@@ -262,3 +263,113 @@ def test_submits_refused_stale_and_cancelled_are_answered_and_counted(coord: Coo
         gone = client.post(ROLLOUTS, content=submit_body(coord, cancelled, None), headers=AUTH)
         assert (gone.status_code, gone.json()["error"]) == (410, "cancelled")
     assert coord.status().counters["rollouts_stale"] == 1
+
+
+# ---- one definition: FastAPI's route; FleetRoute only validates a plain request in one pass ----
+
+
+def fastapi_handlers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apps made from here on answer the fleet's routes with FastAPI's own handler (what FleetRoute must equal)."""
+    monkeypatch.setattr(FleetRoute, "get_route_handler", QueryCheckedRoute.get_route_handler)
+
+
+def beat(worker_id: str, **fields: object) -> bytes:
+    return json.dumps(
+        {"worker_id": worker_id, "role": "generate", "hostname": "h", "pid": 1, "state": "idle", **fields}
+    ).encode()
+
+
+PLAIN = {"Authorization": f"Bearer {API_TOKEN}"}
+ODD_REQUESTS: list[tuple[str, str, str, bytes, dict[str, str]]] = [
+    ("beat", "POST", HEARTBEAT, beat("gen-2"), AUTH),
+    ("beat, no content type", "POST", HEARTBEAT, beat("gen-3"), PLAIN),
+    ("beat, text", "POST", HEARTBEAT, beat("gen-4"), {**PLAIN, "Content-Type": "text/plain"}),
+    ("beat, charset", "POST", HEARTBEAT, beat("gen-4"), {**PLAIN, "Content-Type": "application/json; charset=utf-8"}),
+    ("beat, unknown field", "POST", HEARTBEAT, beat("gen-5", y=1), AUTH),
+    ("beat, bad role", "POST", HEARTBEAT, beat("gen-6", role="judge"), AUTH),
+    ("beat, NaN pid", "POST", HEARTBEAT, beat("gen-7", pid=1).replace(b'"pid": 1', b'"pid": NaN'), AUTH),
+    ("beat, pid as text", "POST", HEARTBEAT, beat("gen-7", pid="12"), AUTH),
+    ("beat, not JSON", "POST", HEARTBEAT, b'{"worker_id":', AUTH),
+    ("beat, empty", "POST", HEARTBEAT, b"", AUTH),
+    ("beat, deep JSON", "POST", HEARTBEAT, b"[" * 5_000 + b"]" * 5_000, AUTH),
+    ("beat, query", "POST", f"{HEARTBEAT}?verbose=1", beat("gen-8"), AUTH),
+    ("lease, unknown task", "POST", LEASES, json.dumps(lease_body("gen-r1-nope")).encode(), AUTH),
+    ("lease, null incarnation", "POST", LEASES, json.dumps(lease_body("gen-r1-nope", incarnation=None)).encode(), AUTH),
+    ("renew, lost", "POST", f"{LEASES}/{'f' * 32}/renew", b"{}", AUTH),
+    ("renew, no body", "POST", f"{LEASES}/{'f' * 32}/renew", b"", PLAIN),
+    ("renew, null body", "POST", f"{LEASES}/{'f' * 32}/renew", b"null", AUTH),
+    ("renew, field", "POST", f"{LEASES}/{'f' * 32}/renew", b'{"y": 1}', AUTH),
+    ("renew, bad id", "POST", f"{LEASES}/a%20b/renew", b"{}", AUTH),
+    ("renew, long id", "POST", f"{LEASES}/{'a' * 200}/renew", b"{}", AUTH),
+    ("release, lost", "DELETE", f"{LEASES}/{'f' * 32}", b"", PLAIN),
+    ("release, bad id", "DELETE", f"{LEASES}/-x", b"", PLAIN),
+    ("release, query", "DELETE", f"{LEASES}/{'f' * 32}?force=1", b"", PLAIN),
+    ("submit, empty", "POST", ROLLOUTS, b"{}", AUTH),
+    ("submit, list", "POST", ROLLOUTS, b"[]", AUTH),
+    *(
+        (f"poll {query or 'plain'}", "GET", f"/v1/versions/latest{query}", b"", PLAIN)
+        for query in (
+            "",
+            "?after=-1",
+            "?after=0&wait_s=0",
+            "?after=3&wait_s=0.01",
+            "?wait_s=0",
+            "?after=-2",
+            "?after=1.0",
+            "?after=%2B1",
+            "?after=",
+            "?after=%20",
+            "?wait_s=31",
+            "?wait_s=-1",
+            "?wait_s=1e-3",
+            "?wait_s=nan",
+            "?after=0&after=1",
+            "?verbose=1",
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize("index", range(len(ODD_REQUESTS)), ids=[r[0] for r in ODD_REQUESTS])
+def test_every_fleet_request_is_answered_as_fastapis_own_handler_answers_it(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch, index: int
+) -> None:
+    start_run(coord)
+    what, method, path, body, headers = ODD_REQUESTS[index]
+    answers = []
+    for own in (False, True):
+        if own:
+            fastapi_handlers_only(monkeypatch)
+        with proxy(coord) as client:
+            answer = client.request(method, path, content=body, headers=headers)
+            answers.append((answer.status_code, answer.json()))
+    assert answers[0] == answers[1], what
+
+
+def test_plain_fleet_requests_skip_fastapis_dependency_machinery(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FleetRoute is taken for plain requests (a check that it still applies after a FastAPI upgrade): none goes
+    through ``solve_dependencies``; a request FleetRoute hands on (a body its model refuses) does, so the check
+    can fail."""
+    start_run(coord)
+    task = coord.dispatcher.generate[0]
+    solved: list[str] = []
+    original = fastapi.routing.solve_dependencies
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        solved.append(kwargs["request"].url.path)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(fastapi.routing, "solve_dependencies", recording)
+    with proxy(coord) as client:
+        assert client.post(HEARTBEAT, json=BEAT, headers=AUTH).status_code == 200
+        grant = client.post(LEASES, json=lease_body(task["task_id"]), headers=AUTH).json()
+        assert client.post(f"{LEASES}/{grant['lease_id']}/renew", headers=PLAIN).status_code == 200
+        assert client.get("/v1/versions/latest?after=-1&wait_s=0", headers=PLAIN).status_code == 200
+        answer = client.post(ROLLOUTS, content=submit_body(coord, task, grant["lease_id"]), headers=AUTH)
+        assert answer.json() == {"status": "admitted"}, answer.text
+        assert client.delete(f"{LEASES}/{grant['lease_id']}", headers=PLAIN).json() == {"released": False}
+        assert solved == []
+        assert client.post(HEARTBEAT, json={**BEAT, "pid": "x"}, headers=AUTH).status_code == 422
+        assert solved == [HEARTBEAT]
