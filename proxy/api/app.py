@@ -93,6 +93,7 @@ from proxy.api.edge import (
     TOO_LARGE,
     UNAVAILABLE,
     AuthAndTiming,
+    FleetDispatch,
     FleetRoute,
     QueryCheckedRoute,
     answer,
@@ -440,6 +441,8 @@ def create_app(
     # GET /v1/versions/latest, the generate workers' long poll for new versions (proxy.api.version_watch).
     version_watch = install_version_watch(app, coordinator)
     fleet = coordinator.fleet_requests  # awaited on this loop (proxy.coordinator.fleet)
+    # Innermost, after the guard, the token and the limit: the fleet's requests answered by their routes at once.
+    app.add_middleware(FleetDispatch, app=app)
     app.add_middleware(
         AuthAndTiming,
         token=expected,

@@ -18,7 +18,7 @@ import pytest
 
 from asyncgrpo.protocol.schemas import LeaseGrant
 from proxy.api.app import create_app
-from proxy.api.edge import FleetRoute, QueryCheckedRoute
+from proxy.api.edge import FleetRoute
 from proxy.coordinator.scripts import ASYNC_CALL_TIMEOUT_S
 from proxy.coordinator.service import Coordinator
 from proxy.coordinator.snapshot import load_snapshot
@@ -269,8 +269,13 @@ def test_submits_refused_stale_and_cancelled_are_answered_and_counted(coord: Coo
 
 
 def fastapi_handlers_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Apps made from here on answer the fleet's routes with FastAPI's own handler (what FleetRoute must equal)."""
-    monkeypatch.setattr(FleetRoute, "get_route_handler", QueryCheckedRoute.get_route_handler)
+    """From here on the fleet's routes take no request themselves: FastAPI's own handler answers every one, through
+    the router (what FleetRoute and FleetDispatch must answer alike)."""
+
+    async def none(*_: object) -> None:
+        return None
+
+    monkeypatch.setattr(FleetRoute, "values", none)
 
 
 def beat(worker_id: str, **fields: object) -> bytes:
@@ -349,9 +354,9 @@ def test_every_fleet_request_is_answered_as_fastapis_own_handler_answers_it(
 def test_plain_fleet_requests_skip_fastapis_dependency_machinery(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FleetRoute is taken for plain requests (a check that it still applies after a FastAPI upgrade): none goes
-    through ``solve_dependencies``; a request FleetRoute hands on (a body its model refuses) does, so the check
-    can fail."""
+    """FleetDispatch answers plain requests (a check that it still applies after a FastAPI upgrade): none goes
+    through the router or ``solve_dependencies``; a request it hands on (a body its model refuses) goes through
+    both, so the check can fail."""
     start_run(coord)
     task = coord.dispatcher.generate[0]
     solved: list[str] = []
@@ -362,6 +367,14 @@ def test_plain_fleet_requests_skip_fastapis_dependency_machinery(
         return await original(*args, **kwargs)
 
     monkeypatch.setattr(fastapi.routing, "solve_dependencies", recording)
+    routed: list[str] = []
+    route_handle = FleetRoute.handle
+
+    async def through_the_router(self: FleetRoute, scope: Any, receive: Any, send: Any) -> None:
+        routed.append(scope["path"])
+        await route_handle(self, scope, receive, send)
+
+    monkeypatch.setattr(FleetRoute, "handle", through_the_router)
     with proxy(coord) as client:
         assert client.post(HEARTBEAT, json=BEAT, headers=AUTH).status_code == 200
         grant = client.post(LEASES, json=lease_body(task["task_id"]), headers=AUTH).json()
@@ -370,6 +383,6 @@ def test_plain_fleet_requests_skip_fastapis_dependency_machinery(
         answer = client.post(ROLLOUTS, content=submit_body(coord, task, grant["lease_id"]), headers=AUTH)
         assert answer.json() == {"status": "admitted"}, answer.text
         assert client.delete(f"{LEASES}/{grant['lease_id']}", headers=PLAIN).json() == {"released": False}
-        assert solved == []
+        assert (solved, routed) == ([], []), "answered by FleetDispatch, past the router"
         assert client.post(HEARTBEAT, json={**BEAT, "pid": "x"}, headers=AUTH).status_code == 422
-        assert solved == [HEARTBEAT]
+        assert (solved, routed) == ([HEARTBEAT], [HEARTBEAT])
