@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import UnionType
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from redis.exceptions import RedisError
+from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Match
@@ -195,19 +196,21 @@ class FleetRoute(QueryCheckedRoute):
         self._body = _Body.of(dependant.body_params[0], self.path) if dependant.body_params else None
 
         async def handler(request: Request) -> Response:  # reached through the router (FleetDispatch passed it on)
-            values = await self.values(request)
+            values = await self.values(request.scope, await request.body() if self._body else b"")
             return await general(request) if values is None else await self.endpoint(**values)
 
         return handler
 
-    async def values(self, request: Request) -> dict[str, Any] | None:
-        """The endpoint's arguments from ``request``, or None: FastAPI's own handler is to answer it."""
-        query = request.query_params if request.scope.get("query_string") else {}
+    async def values(self, scope: Scope, body: bytes) -> dict[str, Any] | None:
+        """The endpoint's arguments from the request of ``scope`` (matched: its path parameters are in) with
+        ``body``, or None: FastAPI's own handler is to answer it."""
+        query: Mapping[str, str] = QueryParams(scope["query_string"]) if scope.get("query_string") else {}
         if query and not set(query) <= self._known_query:
             return None  # FastAPI's 422 names the unknown parameters
         values: dict[str, Any] = {}
+        path_params = scope["path_params"]
         for param in self._params:
-            source = request.path_params if param.in_path else query
+            source = path_params if param.in_path else query
             if param.alias not in source:
                 if param.required:
                     return None
@@ -217,16 +220,15 @@ class FleetRoute(QueryCheckedRoute):
                 values[param.name] = param.adapter.validate_python(source[param.alias])
             except ValidationError:
                 return None
-        body = self._body
-        if body is not None:
-            raw = await request.body()
-            if not raw and body.optional:
-                values[body.name] = None
-            elif not _json_body(request):
+        model = self._body
+        if model is not None:
+            if not body and model.optional:
+                values[model.name] = None
+            elif not _json_body(scope):
                 return None
             else:
                 try:
-                    values[body.name] = body.model.model_validate_json(raw)
+                    values[model.name] = model.model.model_validate_json(body)
                 except ValidationError:
                     return None
         return values
@@ -254,12 +256,18 @@ class FleetDispatch:
         if route is None:
             await self.asgi(scope, receive, send)
             return
-        messages = await _read_messages(receive)
+        body = scope.get(BODY_KEY)
+        if body is None:  # not read outside (a GET; a client gone; no AuthAndTiming around): read it here
+            messages = await _read_messages(receive) if scope["method"] not in BODILESS_METHODS else []
+            receive = replay(messages, receive)
+            if messages and messages[-1]["type"] != "http.request":  # the client went away: the app's to see
+                await self.asgi(scope, receive, send)
+                return
+            body = b"".join(message.get("body", b"") for message in messages)
         scope.update(child)  # the route and its path parameters, as the router sets them (the timing's label)
-        request = Request(scope, replay(messages, receive))
-        values = await route.values(request)
+        values = await route.values(scope, body)
         if values is None:
-            await self.asgi(scope, replay(messages, receive), send)
+            await self.asgi(scope, receive, send)
             return
         try:
             response = await route.endpoint(**values)
@@ -267,7 +275,7 @@ class FleetDispatch:
             handler = _refusal_handler(self.fastapi, error)
             if handler is None:
                 raise
-            response = await handler(request, error)
+            response = await handler(Request(scope, receive), error)
         await response(scope, receive, send)
 
 
@@ -350,10 +358,12 @@ class _Body:
 _UNIONS = (Union, UnionType)
 
 
-def _json_body(request: Request) -> bool:
+def _json_body(scope: Scope) -> bool:
     """Whether the request says its body is JSON (FastAPI also reads a body without a content type as JSON)."""
-    content_type = request.headers.get("content-type")
-    return content_type is not None and content_type.split(";")[0].strip().lower() == "application/json"
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"application/json"
+    return False
 
 
 def _snake(name: str) -> str:
@@ -456,6 +466,11 @@ at debug level only, unless refused (at 1,000 workers the heartbeats alone were 
 was 8 % of the proxy's CPU). ``asyncgrpo_http_request_seconds`` counts them all."""
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Metric label values for the method; anything else a client makes up is counted as ``other``."""
+BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""Methods whose body is not read ahead (nor limited: no route here takes one)."""
+BODY_KEY = "asyncgrpo.body"
+"""Where ``AuthAndTiming`` leaves the body it read (the whole of it, in bytes) in the scope, so that what answers
+the request inside (``FleetDispatch``) need not buffer it again."""
 UNAUTHORIZED_ROUTE = "unauthorized"
 TOO_LARGE_ROUTE = "too_large"
 
@@ -534,12 +549,14 @@ class AuthAndTiming:
         if not self._authorized(scope):
             await self._refused("unauthorized", UNAUTHORIZED_ROUTE, method, started, scope, receive, send)
             return
-        if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+        if scope["method"] not in BODILESS_METHODS:
             body = await self._read_body(scope, receive)
             if body is None:
                 await self._refused("too_large", TOO_LARGE_ROUTE, method, started, scope, receive, send)
                 return
             receive = replay(body, receive)
+            if body[-1]["type"] == "http.request":  # all of it (else the client went away: nothing to hand in)
+                scope[BODY_KEY] = b"".join(message.get("body", b"") for message in body)
         status = 500
 
         async def send_and_note(message: Message) -> None:

@@ -15,8 +15,10 @@ import fastapi.dependencies.utils
 import fastapi.routing
 import httpx
 import pytest
+import starlette.requests
 
 from asyncgrpo.protocol.schemas import LeaseGrant
+from proxy.api import edge
 from proxy.api.app import create_app
 from proxy.api.edge import FleetRoute
 from proxy.coordinator.scripts import ASYNC_CALL_TIMEOUT_S
@@ -386,3 +388,37 @@ def test_plain_fleet_requests_skip_fastapis_dependency_machinery(
         assert (solved, routed) == ([], []), "answered by FleetDispatch, past the router"
         assert client.post(HEARTBEAT, json={**BEAT, "pid": "x"}, headers=AUTH).status_code == 422
         assert (solved, routed) == ([HEARTBEAT], [HEARTBEAT])
+
+
+def test_plain_fleet_requests_are_read_once_and_build_no_request(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body AuthAndTiming read (to limit it) is the one FleetDispatch validates: no request's messages are
+    buffered twice, and none builds a Starlette ``Request``; one FastAPI answers (a refused body) does both."""
+    start_run(coord)
+    task = coord.dispatcher.generate[0]
+    buffered: list[int] = []
+    original_read = edge._read_messages
+
+    async def recording_read(receive: Any) -> Any:
+        buffered.append(1)
+        return await original_read(receive)
+
+    monkeypatch.setattr(edge, "_read_messages", recording_read)
+    built: list[str] = []
+    original_init = starlette.requests.Request.__init__
+
+    def recording_init(self: starlette.requests.Request, scope: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(scope["path"])
+        original_init(self, scope, *args, **kwargs)
+
+    monkeypatch.setattr(starlette.requests.Request, "__init__", recording_init)
+    with proxy(coord) as client:
+        assert client.post(HEARTBEAT, json=BEAT, headers=AUTH).status_code == 200
+        grant = client.post(LEASES, json=lease_body(task["task_id"]), headers=AUTH).json()
+        assert client.post(f"{LEASES}/{grant['lease_id']}/renew", json={}, headers=AUTH).status_code == 200
+        answer = client.post(ROLLOUTS, content=submit_body(coord, task, grant["lease_id"]), headers=AUTH)
+        assert answer.json() == {"status": "admitted"}, answer.text
+        assert (buffered, built) == ([], []), "the body read once, no Request built"
+        assert client.post(HEARTBEAT, json={**BEAT, "pid": "x"}, headers=AUTH).status_code == 422
+        assert set(built) == {HEARTBEAT}, "FastAPI's own answer builds Requests (so the check can fail)"
