@@ -5,8 +5,10 @@ Modules:
                  the operator's synchronous, in FastAPI's threads), the tick loop, `serve()` and what it checks
                  before anything listens (the token, Redis eviction, conditional writes, leadership) and
                  keeps while serving (leadership)
-    edge         what every request passes: bearer-token auth, the body limit, timing and logging (plain
-                 ASGI); which coordinator refusal is which error code, the error body and its handlers
+    edge         what every request passes: bearer-token auth, the body limit (the body read once, handed
+                 on in the scope), timing and logging (plain ASGI); the fleet's routes validated in one pass
+                 and answered past the router (FleetRoute, FleetDispatch); which coordinator refusal is which
+                 error code, the error body and its handlers
     openapi      `/openapi.json` as the proxy answers: the bearer scheme and every error answer with its body
     settings     the proxy's environment variables
     version_watch  `GET /v1/versions/latest`, the new-version long poll: its waiters, the one watcher that
