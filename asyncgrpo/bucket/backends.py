@@ -167,6 +167,8 @@ def temp_sibling(path: Path) -> Path:
 # ---- the file:// backend ----
 
 _COPY_CHUNK = 1024 * 1024
+_MKDIR_ATTEMPTS = 3
+"""A key's folders are made again this often when a concurrent delete prunes them meanwhile."""
 
 
 def _publish_temp(temp: Path, final: Path, *, if_absent: bool, key: str) -> None:
@@ -196,12 +198,26 @@ class FileBucket(Bucket):
         return self.root / check_key(key)
 
     def _make_parent(self, path: Path, key: str) -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as error:
-            raise BucketError(
-                f"cannot store bucket key {key!r}: a part of its path is already a stored object"
-            ) from error
+        for attempt in range(_MKDIR_ATTEMPTS):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return
+            except (FileExistsError, NotADirectoryError) as error:
+                # Either a stored object stands where a folder must be, or a concurrent delete pruned a folder
+                # between mkdir's "exists" and its check that it is a folder: then make it again.
+                if self._object_above(path) or attempt == _MKDIR_ATTEMPTS - 1:
+                    raise BucketError(
+                        f"cannot store bucket key {key!r}: a part of its path is already a stored object"
+                    ) from error
+
+    def _object_above(self, path: Path) -> bool:
+        """Whether a file (a stored object) stands where one of ``path``'s folders goes."""
+        folder = path.parent
+        while folder != self.root:
+            if folder.exists() and not folder.is_dir():
+                return True
+            folder = folder.parent
+        return False
 
     def _write_atomically(self, key: str, fill: Callable[[IO[bytes]], Any], *, if_absent: bool) -> None:
         path = self._path(key)
@@ -229,6 +245,17 @@ class FileBucket(Bucket):
             _publish_temp(temp, path, if_absent=if_absent, key=key)
             return
 
+    def _open_folder(self, path: Path, key: str) -> int:
+        """The descriptor of ``path``'s folder, made first (again, if a concurrent delete pruned it meanwhile)."""
+        for attempt in range(_MKDIR_ATTEMPTS):
+            self._make_parent(path, key)
+            try:
+                return os.open(path.parent, os.O_RDONLY)
+            except FileNotFoundError:
+                if attempt == _MKDIR_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         self._write_atomically(key, lambda handle: handle.write(data), if_absent=if_absent)
 
@@ -254,9 +281,8 @@ class FileBucket(Bucket):
 
     def put_if_match(self, key: str, data: bytes, etag: str | None) -> str:
         path = self._path(key)
-        self._make_parent(path, key)
         # Every swapper of a key locks its folder, so the compare and the rename are one step for them.
-        folder = os.open(path.parent, os.O_RDONLY)
+        folder = self._open_folder(path, key)
         try:
             fcntl.flock(folder, fcntl.LOCK_EX)
             try:

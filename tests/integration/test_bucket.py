@@ -252,3 +252,31 @@ def test_file_bucket_key_under_an_object_is_a_clear_error(tmp_path: Path) -> Non
     bucket.put("a", b"x")
     with pytest.raises(BucketError, match="'a/b'"):
         bucket.put("a/b", b"y")
+
+
+def test_file_bucket_makes_a_folder_again_that_a_concurrent_delete_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete prunes the folders it empties; a put into such a folder at that moment sees mkdir's "exists"
+    and then no folder (the race the snapshot log's segments met: a compaction's collection against the next
+    segment). It makes the folder again and stores the object, where an object in the way stays an error."""
+    bucket = FileBucket(tmp_path)
+    real_mkdir = Path.mkdir
+    raced: list[Path] = []
+
+    def pruned_meanwhile(self: Path, *args: object, **kwargs: object) -> None:
+        if not raced:
+            raced.append(self)
+            raise FileExistsError(17, "File exists", str(self))
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", pruned_meanwhile)
+    bucket.put("runs/r/proxy/log/000000000122.json", b"segment")
+    assert raced and bucket.get("runs/r/proxy/log/000000000122.json") == b"segment"
+    raced.clear()
+    etag = bucket.put_if_match("runs/r/proxy/snapshot.json", b"s1", None)
+    assert raced and bucket.get_tagged("runs/r/proxy/snapshot.json") == (b"s1", etag)
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    bucket.put("runs/r/file", b"x")
+    with pytest.raises(BucketError, match="already a stored object"):
+        bucket.put("runs/r/file/below", b"y")
