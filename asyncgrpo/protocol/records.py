@@ -132,7 +132,8 @@ class RolloutHeader(_Stored):
     task_id: str
     """The generate task that made it; the object key is named after it."""
     version: int = Field(ge=0)
-    """Adapter version the completions were sampled with (the leased one)."""
+    """Adapter version the completions were sampled with (the leased one); where tokens record their own
+    versions (``async.inflight_versions = "follow"``), the oldest token's, which no token is older than."""
     worker_id: str
     """The generate worker that sampled them (named when its rescoring ratio is flagged)."""
     groups: list[GroupRef]
@@ -288,8 +289,14 @@ class StepRecord(_Stored):
     truncated_fraction: float
     """Share of completions cut at max_completion_length."""
     staleness: list[int]
-    """Per rollout, in ``rollouts`` order: base_version minus the rollout's version."""
+    """Per rollout, in ``rollouts`` order: base_version minus the rollout's version (its oldest token's)."""
     max_staleness: int
+    token_staleness_mean: float | None = Field(None, exclude_if=lambda value: value is None)
+    """Over the model tokens trained on, base_version minus the version that sampled each one; below the
+    rollouts' staleness where sequences followed newer versions while they were sampled
+    (``async.inflight_versions = "follow"``). Absent from records written before it existed."""
+    token_staleness_max: int | None = Field(None, exclude_if=lambda value: value is None)
+    """The stalest model token trained on (the rollouts' ``max_staleness`` bounds it)."""
     ratio: float | None
     """Mean over the updates of their ``UpdateMetrics`` figure; likewise kl ... lr below."""
     rescore_ratio: float | None

@@ -473,6 +473,14 @@ class AsyncConfig(_Section):
     publish_every: int = Field(
         1, ge=1, le=1000, description="Optimizer steps per published version (1: publish every step)."
     )
+    inflight_versions: Literal["keep", "follow"] = Field(
+        "keep",
+        description="keep: a generate task samples every token with the version it leased. follow: a worker that "
+        "has loaded a newer version moves the sequences still decoding onto it between two decode steps (agent "
+        "conversations between turns); each token records the version that sampled it and its logprob, and "
+        "staleness is that of the rollout's oldest token. On the vLLM backend only agent conversations follow (between "
+        "turns); its single-turn sampling keeps the leased version.",
+    )
     lease_ttl_s: float = Field(60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed.")
     generate_task_timeout_s: float = Field(
         600.0,

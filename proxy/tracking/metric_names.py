@@ -59,6 +59,8 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
         # TRL's step counts optimizer updates; a published version holds async.publish_every of them.
         "optimizer_steps": record.updates[-1].update + 1 if record.updates else None,
         "max_staleness": record.max_staleness,
+        "token_staleness/mean": record.token_staleness_mean,
+        "token_staleness/max": record.token_staleness_max,
         "mean_staleness": (
             sum(record.staleness_per_sample()) / len(record.staleness_per_sample())
             if record.staleness_per_sample()

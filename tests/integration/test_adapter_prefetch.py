@@ -16,6 +16,7 @@ import pytest
 from redis import Redis
 from structlog.testing import capture_logs
 
+from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.layout import IntegrityError, write_version
 from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import GroupRef
@@ -24,7 +25,9 @@ from proxy.api.app import create_app
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
+from worker.algo.rollout import decode_rollout
 from worker.generate.adapter_cache import AdapterCache
+from worker.generate.inflight import VersionOffers
 from worker.generate.job import GenerateResult, GenerateTask
 from worker.generate.settings import GenerateSettings
 from worker.generate.task_context import TaskContext
@@ -60,6 +63,7 @@ class World:
     cache: AdapterCache
     lock: threading.RLock
     prefetcher: AdapterPrefetcher
+    offers: VersionOffers
     submitted: set[str] = field(default_factory=set)
     """Task ids already submitted (by a fake rollout or a real task)."""
 
@@ -78,14 +82,14 @@ class World:
             self.coord.bucket.put(key, b"not the adapter")
         assert self.client.publish(publish_request(version, sha)).current_version == version
 
-    def run_task(self) -> GenerateResult:
-        """A dispatched generate task, run as the worker runs it (same cache, backend and lock)."""
+    def run_task(self, config: RunConfig | None = None) -> GenerateResult:
+        """A dispatched generate task, run as the worker runs it (same cache, backend, lock and offers)."""
         self.coord.tick()
         task = next(t for t in self.coord.dispatcher.generate if t["task_id"] not in self.submitted)
         self.submitted.add(task["task_id"])
         context = TaskContext(
             run=RUN,
-            config=worker_config(),
+            config=config or worker_config(),
             prompts=PROMPTS,
             bucket=self.coord.bucket,
             client=self.client,
@@ -93,6 +97,7 @@ class World:
             adapter_cache=self.cache,
             worker_id="gen-1",
             backend_lock=self.lock,
+            version_offers=self.offers,
         )
         return GenerateTask(context, task["task_id"], [GroupRef(**g) for g in task["groups"]]).run()
 
@@ -106,6 +111,7 @@ def world(redis_client: Redis, tmp_path: Path, tiny_model_dir: Path, one_torch_t
     capacity = coord.config.async_.max_staleness + 2
     cache = AdapterCache(coord.bucket, RUN, tmp_path / "cache", capacity, backend=backend)
     lock = threading.RLock()
+    offers = VersionOffers()
     app = create_app(coord, API_TOKEN, run_loop=False)
     with served(app) as url, ProxyClient(url, API_TOKEN) as client:
         prefetcher = AdapterPrefetcher(
@@ -117,10 +123,11 @@ def world(redis_client: Redis, tmp_path: Path, tiny_model_dir: Path, one_torch_t
             wait_s=1.0,
             backoff_s=0.01,
             max_attempts=2,
+            offers=offers,
         )
         prefetcher.start()
         try:
-            yield World(coord, client, trainer, backend, cache, lock, prefetcher)
+            yield World(coord, client, trainer, backend, cache, lock, prefetcher, offers)
         finally:
             prefetcher.stop(timeout_s=10)
             app.state.version_watch.close()
@@ -146,6 +153,48 @@ def test_a_published_version_is_loaded_before_any_task(world: World) -> None:
     world.publish(3)
     wait_until(lambda: world.prefetcher.loaded_version == 3)
     assert world.cache.versions() == [1, 2, 3] and world.backend.loaded_adapters() == ["v1", "v2", "v3"]
+
+
+@pytest.mark.parametrize("inflight", ["follow", "keep"])
+def test_a_task_sampling_under_the_lock_follows_the_version_the_prefetcher_offers(world: World, inflight: str) -> None:
+    """v1 is published while a task samples with v0 and the lock: the prefetcher verifies it and offers it, and a
+    task that follows new versions loads it between two decode steps (the prefetcher, once it has the lock,
+    loads nothing again); a task that keeps its version leaves the offer to the prefetcher."""
+    world.publish(0)
+    wait_until(lambda: world.prefetcher.loaded_version == 0)
+    plain_generate = world.backend.generate
+
+    def publish_while_sampling(prompts: list[str], **options: Any) -> Any:
+        world.publish(1)
+        wait_until(lambda: world.offers.offered(RUN) == 1)  # verified, offered, and waiting for the lock
+        return plain_generate(prompts, **options)
+
+    world.backend.generate = publish_while_sampling  # type: ignore[method-assign]
+    config = RunConfig.model_validate(
+        {
+            **worker_config().model_dump(by_alias=True),
+            "sampling": {"samples_per_prompt": 2, "max_completion_length": 6},
+            "async": {"inflight_versions": inflight},
+        }
+    )
+    with capture_logs() as events:
+        result = world.run_task(config)
+        wait_until(lambda: world.prefetcher.loaded_version == 1)
+    assert result.status == "admitted" and result.version == 0
+    rollout = decode_rollout(world.coord.bucket.get(bucket_keys.rollout_key(RUN, result.task_id)))
+    versions = [s.token_versions for s in rollout.samples]
+    loads = [e for e in events if e["event"] == "generation.adapter_loaded"]
+    assert [e["version"] for e in loads] == [1], "v1 loaded once, by whichever thread had the offer"
+    if inflight == "keep":
+        assert result.versions_followed == 0 and versions == [None] * len(versions)
+    else:
+        assert result.versions_followed == 1
+        followed = [v for v in versions if v is not None]
+        assert followed, "some completion outlived its first token"
+        assert all(v[0] == 0 and set(v[1:]) == {1} for v in followed)
+        unfollowed = [s for s, v in zip(rollout.samples, versions, strict=True) if v is None]
+        assert all(len(s.completion_token_ids) == 1 for s in unfollowed), "ended before the switch"
+    assert world.offers.offered(RUN) is None and "v1" in world.backend.loaded_adapters()
 
 
 def test_close_keeps_the_lock_so_nothing_loads_while_the_process_exits(world: World) -> None:

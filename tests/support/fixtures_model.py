@@ -62,3 +62,20 @@ def build_tiny_reward_model(out_dir: Path, seed: int = 1) -> Path:
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-reward-model"))
+
+
+def random_adapter(base_dir: Path, out: Path, seed: int) -> Path:
+    """A PEFT adapter folder whose LoRA B matrices are random (a fresh LoRA is a no-op): a policy of its own."""
+    import torch
+
+    from asyncgrpo.run.config import LoraConfig
+    from worker.model.policy import Policy, wrap_with_lora
+    from worker.optimize.trainer_state import adapter_files, write_adapter_folder
+
+    model = wrap_with_lora(Policy.load(str(base_dir)), LoraConfig(), seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return write_adapter_folder(adapter_files(model, base=str(base_dir)), out)

@@ -13,6 +13,13 @@ generator writes 0.0). It is written only when some sample has a mask, so a roll
 bytes as before the field existed; absent, every completion token is the model's. A sample's mask decodes to
 None when it is all 1 (one form for "every token is the model's").
 
+Per-token versions (``async.inflight_versions = "follow"``): ``completion_versions`` (int64, aligned with
+``completion_ids``) is the adapter version that sampled each completion token; ``behavior_logprobs`` is then
+each token's logprob under its own version. The header's ``version`` is the rollout's **oldest** token's (the
+version it leased), which is what the proxy's admission and claim check: no token may be older (an error to
+write or read). Written only when some token's version differs, so a rollout of one version is the same bytes
+as before the field existed; a sample's versions decode to None when they are all the header's.
+
 The header is ``asyncgrpo.protocol.records.RolloutHeader``. Only numpy, safetensors and pydantic: no torch
 needed to read or write one, and no pickle anywhere.
 """
@@ -52,6 +59,9 @@ class RolloutSample:
     # Per completion token, whether the model sampled it (False: a tool's or environment's answer, which
     # never trains or counts); None: every completion token is the model's.
     completion_mask: list[bool] | None = None
+    # Per completion token, the version that sampled it (never older than the rollout's version); None: every
+    # token is the rollout's version.
+    token_versions: list[int] | None = None
 
     @property
     def model_tokens(self) -> int:
@@ -90,6 +100,13 @@ class Rollout:
         )
 
 
+def oldest_token_version(rollout: Rollout) -> int:
+    """The version of the rollout's oldest token (its staleness is this one's): the header's version, unless a
+    sample's token versions say older, which the format refuses to write or read."""
+    recorded = [min(s.token_versions) for s in rollout.samples if s.token_versions]
+    return min([rollout.version, *recorded])
+
+
 def _flatten(sequences: Sequence[Sequence[float]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
@@ -114,6 +131,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
                 f"rollout {rollout.task_id}: a completion has {len(sample.completion_token_ids)} tokens but a "
                 f"mask of {len(sample.completion_mask)}"
             )
+        _check_versions(rollout.task_id, rollout.version, len(sample.completion_token_ids), sample.token_versions)
     prompt_ids, prompt_offsets = _flatten([s.prompt_token_ids for s in samples], np.int64)
     completion_ids, completion_offsets = _flatten([s.completion_token_ids for s in samples], np.int64)
     logprobs, _ = _flatten([s.behavior_logprobs for s in samples], np.float32)
@@ -130,11 +148,27 @@ def encode_rollout(rollout: Rollout) -> bytes:
     if any(s.completion_mask is not None for s in samples):  # absent otherwise: the bytes of a maskless rollout
         masks = [s.completion_mask or [True] * len(s.completion_token_ids) for s in samples]
         tensors["completion_mask"] = _flatten(masks, np.uint8)[0]
+    if any(v != rollout.version for s in samples for v in s.token_versions or ()):  # else one version's bytes
+        versions = [s.token_versions or [rollout.version] * len(s.completion_token_ids) for s in samples]
+        tensors["completion_versions"] = _flatten(versions, np.int64)[0]
     header = rollout.header()
     for name in header.reward_names:
         tensors[f"reward/{name}"] = np.array([s.rewards_by_name.get(name, 0.0) for s in samples], dtype=np.float32)
     metadata = json.dumps(header.model_dump(mode="json"), sort_keys=True)
     return save_tensors(tensors, metadata={_HEADER_FIELD: metadata})
+
+
+def _check_versions(task_id: str, version: int, tokens: int, versions: Sequence[int] | None) -> None:
+    """A sample's token versions align with its tokens and none is older than the rollout's ``version``."""
+    if versions is None:
+        return
+    if len(versions) != tokens:
+        raise RolloutFormatError(f"rollout {task_id}: a completion has {tokens} tokens but {len(versions)} versions")
+    if versions and min(versions) < version:
+        raise RolloutFormatError(
+            f"rollout {task_id}: a token was sampled by version {min(versions)}, older than the rollout's version "
+            f"{version}; the header's version must be its oldest token's"
+        )
 
 
 def read_rollout_header(data: bytes) -> RolloutHeader:
@@ -172,6 +206,22 @@ def _decode_masks(task_id: str, tensors: dict[str, np.ndarray], count: int) -> l
     return [None if all(mask) else mask for mask in masks]
 
 
+def _decode_versions(header: RolloutHeader, tensors: dict[str, np.ndarray], count: int) -> list[list[int] | None]:
+    """Each sample's token versions: None where the tensor is absent or every token is the header's version."""
+    flat = tensors.get("completion_versions")
+    if flat is None:
+        return [None] * count
+    if flat.shape != tensors["completion_ids"].shape:
+        raise RolloutFormatError(
+            f"rollout {header.task_id}: completion_versions must hold one version per completion token "
+            f"({flat.shape[0] if flat.ndim else 0} values for {tensors['completion_ids'].shape[0]} tokens)"
+        )
+    per_sample = _split(flat, tensors["completion_offsets"])
+    for versions in per_sample:
+        _check_versions(header.task_id, header.version, len(versions), versions)
+    return [None if all(v == header.version for v in versions) else versions for versions in per_sample]
+
+
 def decode_rollout(data: bytes) -> Rollout:
     header = read_rollout_header(data)
     tensors = load_tensors(data)
@@ -183,6 +233,7 @@ def decode_rollout(data: bytes) -> Rollout:
     groups_of = tensors["sample_group"].tolist()
     by_name = {name: tensors[f"reward/{name}"].tolist() for name in header.reward_names}
     masks = _decode_masks(header.task_id, tensors, len(completions))
+    versions = _decode_versions(header, tensors, len(completions))
     samples = [
         RolloutSample(
             group_index=groups_of[i],
@@ -194,6 +245,7 @@ def decode_rollout(data: bytes) -> Rollout:
             finish_reason=header.finish_reasons[i],
             rewards_by_name={name: values[i] for name, values in by_name.items()},
             completion_mask=masks[i],
+            token_versions=versions[i],
         )
         for i in range(len(completions))
     ]

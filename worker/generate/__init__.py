@@ -8,6 +8,8 @@ Modules:
     evals                 one eval task ([eval]) as an object: lease the version, sample and score held-out
                           prompts, post sums; the unbiased pass@k estimator and which k are reported
     adapter_cache         the local LRU cache of verified adapter versions (at most max_staleness + 2)
+    inflight              in-flight updates: the prefetcher's verified versions offered to a sampling task, which
+                          moves its sequences onto the newest between two decode steps
     backend               the generation backend interface and its result types; the exact prompt text fed to
                           the model (chat template) and how to tokenize it
     factory               picks a worker's backend (transformers or vLLM)

@@ -47,7 +47,14 @@ import structlog
 from asyncgrpo.protocol.records import AgentStats
 from asyncgrpo.run.agent_config import AgentConfig
 from worker.algo.rewards import ScoredReward
-from worker.generate.backend import Completion, GenerationBackend, GenerationResult, Message, PromptResult
+from worker.generate.backend import (
+    Completion,
+    GenerationBackend,
+    GenerationResult,
+    Message,
+    PromptResult,
+    VersionSource,
+)
 from worker.generate.tool_process import LOST, EnvironmentFailed, ToolAnswer, ToolProcess
 
 log = structlog.get_logger()
@@ -187,6 +194,7 @@ class Conversation:
     finish_reason: str = "stop"
     last_turn: list[int] = field(default_factory=list)
     done: bool = False
+    versions: list[int] = field(default_factory=list)  # per token: the version of the turn it belongs to
 
 
 @dataclass
@@ -272,9 +280,14 @@ def run_conversations(
     top_p: float,
     seed: int,
     task_id: str,
+    version: int = 0,
+    follow: VersionSource | None = None,
 ) -> tuple[list[AgentGroup], float]:
     """``samples_per_prompt`` conversations of each prompt, all advanced together turn by turn; returns the
-    groups (in prompt order) and the seconds spent outside sampling (tools, environments, templating)."""
+    groups (in prompt order) and the seconds spent outside sampling (tools, environments, templating).
+
+    ``adapter`` is version ``version``; with ``follow``, every turn after the first is sampled by the newest
+    version it offers (a turn is never split between versions), and each token records its turn's version."""
     tokenizer = backend.tokenizer
     tools_s = 0.0
     failures: dict[int, str] = {}
@@ -297,7 +310,11 @@ def run_conversations(
         tools_s += time.perf_counter() - started
         live = [c for g, c in conversations if g not in failures]
         turn = 0
+        start_version = version
         while live:
+            newer = follow.newer(version) if follow is not None and turn > 0 else None
+            if newer is not None:
+                adapter, version = newer
             budgets = [max_completion_length - len(c.tokens) for c in live]
             caps = [min(b, agent.config.max_turn_tokens or b) for b in budgets]
             turns = backend.generate_from_ids(
@@ -311,11 +328,13 @@ def run_conversations(
             turn += 1
             started = time.perf_counter()
             for conversation, completion in zip(live, turns, strict=True):
-                _take_turn(conversation, completion, agent, tokenizer, backend.eos_token_id, max_completion_length)
+                _take_turn(
+                    conversation, completion, agent, tokenizer, backend.eos_token_id, max_completion_length, version
+                )
             tools_s += time.perf_counter() - started
             live = [c for c in live if not c.done]
         started = time.perf_counter()
-        groups = _finish(conversations, len(prompts), samples_per_prompt, failures, agent, tokenizer)
+        groups = _finish(conversations, len(prompts), samples_per_prompt, failures, agent, tokenizer, start_version)
         tools_s += time.perf_counter() - started
     except BaseException:
         # A task that fails here (preemption, a backend error) may run again on this worker under the same
@@ -334,10 +353,13 @@ def _take_turn(
     tokenizer: Any,
     eos_token_id: int,
     budget: int,
+    version: int = 0,
 ) -> None:
-    """Append a sampled turn; run its tool calls and append their answers, or end the conversation."""
+    """Append a sampled turn (by ``version``); run its tool calls and append their answers, or end the
+    conversation."""
     conversation.tokens += completion.token_ids
     conversation.logprobs += completion.logprobs
+    conversation.versions += [version] * len(completion.token_ids)
     conversation.mask += [True] * len(completion.token_ids)
     conversation.turns += 1
     conversation.last_turn = list(completion.token_ids)
@@ -363,6 +385,7 @@ def _take_turn(
     conversation.tokens += answer_ids
     conversation.logprobs += [0.0] * len(answer_ids)
     conversation.mask += [False] * len(answer_ids)
+    conversation.versions += [version] * len(answer_ids)  # never trained: the turn's, so no token looks older
 
 
 def _call(tools: ToolProcess, key: str, call: ToolCall) -> ToolAnswer:
@@ -386,8 +409,10 @@ def _finish(
     failures: dict[int, str],
     agent: AgentRun,
     tokenizer: Any,
+    start_version: int = 0,
 ) -> list[AgentGroup]:
-    """Read each environment's reward, end every conversation, and lay the conversations out by group."""
+    """Read each environment's reward, end every conversation, and lay the conversations out by group; a
+    conversation's token versions are kept where some turn followed a version newer than ``start_version``."""
     by_group: dict[int, list[AgentCompletion]] = {group: [] for group in range(prompts)}
     for group, conversation in conversations:
         reward = None
@@ -409,6 +434,7 @@ def _finish(
                 tool_calls=conversation.tool_calls,
                 tool_failures=conversation.tool_failures,
                 environment_reward=reward,
+                versions=conversation.versions if any(v != start_version for v in conversation.versions) else None,
             )
         )
     groups = []
@@ -440,6 +466,8 @@ def converse(
     top_p: float,
     seed: int,
     task_id: str,
+    version: int = 0,
+    follow: VersionSource | None = None,
 ) -> tuple[list[AgentGroup], dict[str, list[list[float]]], float]:
     """The conversations of a task's groups (``records`` and their ``chats``); also, by environment reward name,
     each group's scores (0 for a conversation whose environment does not own that reward), and the seconds
@@ -461,6 +489,8 @@ def converse(
         top_p=top_p,
         seed=seed,
         task_id=task_id,
+        version=version,
+        follow=follow,
     )
     factories = agent.config.environments
     columns: dict[str, list[list[float]]] = {}

@@ -116,11 +116,18 @@ class Completion:
     logprobs: list[float]  # one per token in token_ids: the behaviour logprob under the sampling distribution
     finish_reason: FinishReason
     text: str
+    # Per token, the adapter version that sampled it, where the call followed newer versions and switched at
+    # least once (``follow``); None: every token was sampled by the adapter the call named.
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"a completion has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs; they must align"
+            )
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(
+                f"a completion has {len(self.token_ids)} tokens but {len(self.versions)} versions; they must align"
             )
 
 
@@ -219,12 +226,26 @@ class UnknownAdapter(KeyError):
 
 
 @runtime_checkable
+class VersionSource(Protocol):
+    """Where a backend that follows new versions looks between two decode steps (``async.inflight_versions =
+    "follow"``; ``worker.generate.inflight``)."""
+
+    def newer(self, version: int) -> tuple[str, int] | None:
+        """A version newer than ``version``, loaded into the backend: its adapter name and number; None when
+        there is none yet. Called on the sampling thread, with the backend lock held."""
+        ...
+
+
+@runtime_checkable
 class GenerationBackend(Protocol):
     """What a generate worker needs from a generation engine."""
 
     name: str
     """The engine ('transformers', 'vllm'), recorded in each rollout: whether its logprobs are the trainer's
     own numerics (``loss.vllm_importance_sampling_correction``)."""
+
+    follows_versions: bool
+    """Whether ``generate`` takes a ``follow`` (moves its sequences onto newer versions mid-generation)."""
 
     @property
     def eos_token_id(self) -> int: ...
@@ -264,10 +285,16 @@ class GenerationBackend(Protocol):
         top_p: float,
         seed: int,
         add_special_tokens: bool = True,
+        follow: VersionSource | None = None,
     ) -> GenerationResult:
         """Sample ``samples_per_prompt`` completions of each prompt with ``adapter`` (None: base model).
 
         The prompts are tokenized as ``tokenize(prompts, add_special_tokens=add_special_tokens)`` does.
+
+        ``follow``: between two decode steps, ask it for a newer version and continue every unfinished sequence
+        under that one; each token's logprob is then exactly its version's (given the tokens before it), and
+        ``Completion.versions`` says which version sampled each token. A backend that cannot follow says so
+        with ``follows_versions = False`` and refuses a ``follow``.
 
         The same seed, prompts, adapter and settings give the same completions on the same hardware.
         """

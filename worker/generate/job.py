@@ -34,6 +34,7 @@ from worker.generate.agent import (
     environment_rewards,
 )
 from worker.generate.backend import FedPrompts, GenerationBackend, GenerationResult, Message, chat_messages, fed_prompts
+from worker.generate.inflight import Follower
 from worker.generate.task_context import LeaseRenewer, TaskContext, release_quietly
 
 log = structlog.get_logger()
@@ -52,6 +53,7 @@ class GenerateResult:
     reused_rollout: bool
     timings: GenerateTimings = field(default_factory=GenerateTimings)
     reward_mean: float | None = None
+    versions_followed: int = 0  # newer versions its sequences moved onto (async.inflight_versions = "follow")
 
     def summary(self) -> dict[str, Any]:
         """The task's JSON result (and its log line's fields)."""
@@ -93,6 +95,7 @@ class GenerateTask:
         self.kept: list[GroupRef] = []
         self.rejected: list[RejectedGroup] = []
         self.started = 0.0
+        self.versions_followed = 0  # newer versions the task's sequences moved onto while it sampled
 
     def run(self) -> GenerateResult:
         self.started = time.perf_counter()
@@ -115,10 +118,12 @@ class GenerateTask:
                 chats = [
                     chat_messages(self.context.prompts[group.prompt_index], self.config.dataset) for group in self.kept
                 ]
+                follower = self.follower()
                 if self.context.agent is not None:
-                    result, chats, environment_scores = self.converse(adapter, chats)
+                    result, chats, environment_scores = self.converse(adapter, chats, lease.version, follower)
                 else:
-                    result, environment_scores = self.sample(adapter, fed), {}
+                    result, environment_scores = self.sample(adapter, fed, follower), {}
+                self.versions_followed = follower.switches if follower is not None else 0
                 self.timings.generate_s = time.perf_counter() - gen_started
                 score_started = time.perf_counter()
                 samples, tokens, stats = self.score(result, fed, chats, environment_scores)
@@ -177,17 +182,30 @@ class GenerateTask:
             "seed": self.seed,
         }
 
-    def sample(self, adapter: str, fed: FedPrompts) -> GenerationResult:
-        """The kept groups' completions, sampled with the run's settings."""
+    def follower(self) -> Follower | None:
+        """Where the task looks for newer versions while it samples (``async.inflight_versions = "follow"``); None
+        when it keeps its leased version. Single-turn sampling follows only on a backend that can
+        (``follows_versions``); conversations follow between turns on any backend."""
+        context = self.context
+        if self.config.async_.inflight_versions != "follow":
+            return None
+        if context.agent is None and not context.backend.follows_versions:
+            return None
+        return context.follower()
+
+    def sample(self, adapter: str, fed: FedPrompts, follower: Follower | None = None) -> GenerationResult:
+        """The kept groups' completions, sampled with the run's settings (following new versions with a
+        ``follower``)."""
         return self.context.backend.generate(
             fed.of(self.kept),
             adapter=adapter,
             **self.sampling(),
             add_special_tokens=fed.add_special_tokens,
+            **({"follow": follower} if follower is not None else {}),
         )
 
     def converse(
-        self, adapter: str, chats: list[list[Message]]
+        self, adapter: str, chats: list[list[Message]], version: int = 0, follower: Follower | None = None
     ) -> tuple[GenerationResult, list[list[Message]], dict[str, list[list[float]]]]:
         """[agent]: the kept groups' conversations as a generation result of the groups whose environments served
         them (the others are rejected with the reason), those groups' chats, and their environment rewards by
@@ -202,6 +220,8 @@ class GenerateTask:
             adapter=adapter,
             **self.sampling(),
             task_id=self.task_id,
+            version=version,
+            follow=follower,
         )
         served = [index for index, group in enumerate(groups) if group.failure is None]
         for index, group in enumerate(groups):
@@ -328,6 +348,7 @@ class GenerateTask:
             reused_rollout=reused,
             timings=timings,
             reward_mean=written.reward_mean,
+            versions_followed=self.versions_followed,
         )
 
 
@@ -431,6 +452,7 @@ def _score(
                     advantage=float(advantages[len(samples)]),
                     finish_reason=completion.finish_reason,
                     rewards_by_name={name: float(values[i]) for name, values in per_reward.items()},
+                    token_versions=list(completion.versions) if completion.versions is not None else None,
                 )
             )
     return [groups[group_index] for group_index, _, _ in kept], samples, tokens, rejected

@@ -28,6 +28,7 @@ from worker.corrupt_report import report_corrupt
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.agent import AgentRun
 from worker.generate.backend import GenerationBackend
+from worker.generate.inflight import Follower, VersionOffers
 from worker.model.reward_models import RewardModels
 
 log = structlog.get_logger()
@@ -57,6 +58,13 @@ class TaskContext:
     """The worker's math-verify helper (needed when the run's rewards include ``math_verify``)."""
     agent: AgentRun | None = None
     """The worker's tool processes and schemas (needed when the run has [agent])."""
+    version_offers: VersionOffers | None = None
+    """The versions the worker's prefetcher verified, which a task following new versions loads while it samples
+    (``worker.generate.inflight``)."""
+
+    def follower(self) -> Follower:
+        """What a task that follows new versions asks between two decode steps (or two agent turns)."""
+        return Follower(self.run, self.adapter_cache, self.backend, self.version_offers)
 
     @property
     def scoring_models(self) -> RewardModels:

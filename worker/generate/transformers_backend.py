@@ -7,6 +7,12 @@ KV-cached loop rather than ``model.generate`` so that the logprob of each sample
 the token was drawn from: ``log_softmax(logits / temperature)``, restricted to the top-p nucleus and
 renormalised when ``top_p < 1``. Prompts are left-padded with position ids counted from each prompt's first
 real token, so a padded row computes the same thing as the prompt alone.
+
+In-flight updates (``generate(follow=...)``): between two decode steps the loop asks for a newer version; on
+one, it selects that adapter and computes the KV cache again from every sequence's tokens so far under it (one
+prefill), so each later token's logprob is exactly the new version's given the tokens before it, the
+distribution the trainer rescores under that version. A cache kept from the old version would give logprobs
+of no version at all. With LoRA the switch is a ``set_adapter``; the prefill is the whole cost.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +35,7 @@ from worker.generate.backend import (
     FinishReason,
     GenerationResult,
     UnknownAdapter,
+    VersionSource,
     check_continuations,
     check_sampling_arguments,
     generation_result,
@@ -46,6 +54,7 @@ class TransformersBackend:
     """A :class:`~worker.generate.backend.GenerationBackend` on transformers + PEFT."""
 
     name = "transformers"  # what rollouts record as their sampler (RolloutExtra.sampler)
+    follows_versions = True
 
     def __init__(
         self,
@@ -214,13 +223,15 @@ class TransformersBackend:
         top_p: float = 1.0,
         seed: int = 0,
         add_special_tokens: bool = True,
+        follow: VersionSource | None = None,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
         prompt_ids = sampled_prompt_ids(self, prompts, add_special_tokens)
         started = time.perf_counter()
         model = self._select(adapter)
+        start_version = self.adapter_version(adapter) if adapter is not None else -1
         rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]
-        tokens, logprobs = sample_completions(
+        tokens, logprobs, step_versions = sample_following(
             model,
             rows,
             max_completion_length=max_completion_length,
@@ -230,9 +241,14 @@ class TransformersBackend:
             eos_token_id=self.policy.eos_token_id,
             pad_token_id=self.policy.pad_token_id,
             device=self.policy.device,
+            version=start_version,
+            follow=self._follower(follow, adapter),
         )
         elapsed = time.perf_counter() - started
-        completions = [self._completion(ids, row_logprobs) for ids, row_logprobs in zip(tokens, logprobs, strict=True)]
+        completions = [
+            self._completion(ids, row_logprobs, _row_versions(step_versions, len(ids), start_version))
+            for ids, row_logprobs in zip(tokens, logprobs, strict=True)
+        ]
         # Row r is sample r % samples_per_prompt of prompt r // samples_per_prompt.
         per_prompt = (completions[row : row + samples_per_prompt] for row in range(0, len(rows), samples_per_prompt))
         return generation_result(prompts, prompt_ids, per_prompt, adapter, elapsed)
@@ -268,11 +284,27 @@ class TransformersBackend:
             for ids, row_logprobs, budget in zip(tokens, logprobs, max_completion_lengths, strict=True)
         ]
 
-    def _completion(self, ids: list[int], logprobs: list[float]) -> Completion:
+    def _completion(self, ids: list[int], logprobs: list[float], versions: list[int] | None = None) -> Completion:
         """Sampled ids as a completion: "stop" when it ends with EOS, its text without special tokens."""
         finish: FinishReason = "stop" if ids and ids[-1] == self.policy.eos_token_id else "length"
         text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
-        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish, text=text)
+        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish, text=text, versions=versions)
+
+    def _follower(self, follow: VersionSource | None, adapter: str | None) -> Follow | None:
+        """``follow`` as the sampling loop asks it: the newer version's selected model and number."""
+        if follow is None:
+            return None
+        if adapter is None:
+            raise ValueError("generate(follow=...) needs an adapter to start from: the bare base model has no version")
+
+        def newer(version: int) -> tuple[torch.nn.Module, int] | None:
+            found = follow.newer(version)
+            if found is None or found[1] <= version:
+                return None
+            name, number = found
+            return self._select(name), number
+
+        return newer
 
     def _select(self, adapter: str | None) -> torch.nn.Module:
         if adapter is None:
@@ -315,6 +347,16 @@ def _nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.log_softmax(log_probs.masked_fill(drop, float("-inf")), dim=-1)
 
 
+Follow = Callable[[int], tuple[torch.nn.Module, int] | None]
+"""Between two decode steps, given the version sampling now: a newer version's model and number, or None."""
+
+
+def _row_versions(step_versions: list[int], length: int, start: int) -> list[int] | None:
+    """A row's per-token versions (the first ``length`` steps'); None when its every token is ``start``'s."""
+    versions = step_versions[:length]
+    return versions if any(version != start for version in versions) else None
+
+
 def sample_completions(
     model: torch.nn.Module,
     prompt_rows: list[list[int]],
@@ -331,6 +373,37 @@ def sample_completions(
 
     ``model`` is a causal LM (or PeftModel) in eval mode; call under ``torch.no_grad()``.
     """
+    tokens, logprobs, _ = sample_following(
+        model,
+        prompt_rows,
+        max_completion_length=max_completion_length,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        device=device,
+    )
+    return tokens, logprobs
+
+
+def sample_following(
+    model: torch.nn.Module,
+    prompt_rows: list[list[int]],
+    *,
+    max_completion_length: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    device: torch.device,
+    version: int = -1,
+    follow: Follow | None = None,
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """``sample_completions`` that may move onto newer versions: ``follow`` is asked between two decode steps,
+    and on a newer version every row's cache is computed again under it (see the module docstring). Also
+    returns the version that sampled each decode step (``version`` until the first switch)."""
     batch = len(prompt_rows)
     width = max(len(ids) for ids in prompt_rows)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
@@ -355,7 +428,9 @@ def sample_completions(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     sampled: list[torch.Tensor] = []
     sampled_logprobs: list[torch.Tensor] = []
+    step_versions: list[int] = []
     for step in range(max_completion_length):
+        step_versions.append(version)
         # temperature 0 (evaluation): greedy, the most likely token, with its untempered logprob
         log_probs = torch.log_softmax(out.logits[:, -1, :].float() / (temperature or 1.0), dim=-1)
         if top_p < 1.0:
@@ -371,6 +446,22 @@ def sample_completions(
         if step == max_completion_length - 1 or bool(finished.all()):
             break
         attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=1)
+        switch = follow(version) if follow is not None else None
+        if switch is not None:
+            # A newer version: every row's tokens so far prefilled again under it, in a fresh cache.
+            model, version = switch
+            cache = {_cache_argument(model): DynamicCache()}
+            full_positions = (attention.cumsum(dim=-1) - 1).clamp(min=0)
+            out = model(
+                input_ids=torch.cat([input_ids, torch.stack(sampled, dim=1)], dim=1),
+                attention_mask=attention,
+                position_ids=full_positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache,
+            )
+            positions = full_positions[:, -1:]
+            continue
         positions = positions[:, -1:] + 1
         out = model(
             input_ids=next_tokens.unsqueeze(1),
@@ -388,4 +479,4 @@ def sample_completions(
         length = row_tokens.index(eos_token_id) + 1 if eos_token_id in row_tokens else len(row_tokens)
         tokens.append(row_tokens[:length])
         logprobs.append(row_logprobs[:length])
-    return tokens, logprobs
+    return tokens, logprobs, step_versions

@@ -52,6 +52,7 @@ from worker.generate.backend import (
     FinishReason,
     GenerationResult,
     UnknownAdapter,
+    VersionSource,
     check_continuations,
     check_sampling_arguments,
     generation_result,
@@ -167,6 +168,8 @@ class VLLMBackend:
     """A :class:`~worker.generate.backend.GenerationBackend` on vLLM's offline engine, in this process."""
 
     name = "vllm"  # what rollouts record as their sampler (RolloutExtra.sampler)
+    # Not yet: a vLLM request keeps its LoRA to the end. The job keeps the version a task started on.
+    follows_versions = False
 
     def __init__(
         self,
@@ -315,8 +318,11 @@ class VLLMBackend:
         top_p: float = 1.0,
         seed: int = 0,
         add_special_tokens: bool = True,
+        follow: VersionSource | None = None,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
+        if follow is not None:
+            raise ValueError("the vLLM backend does not follow new versions mid-generation (follows_versions = False)")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest

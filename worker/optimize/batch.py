@@ -29,7 +29,7 @@ with weight 0: it adds nothing to the gradient or the figures.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,7 @@ class TrainSample:
     completion_token_ids: list[int]
     behavior_logprobs: list[float]
     advantage: float
-    version: int = 0  # the policy version that sampled it (for staleness bookkeeping; not used by the math)
+    version: int = 0  # its rollout's version: the oldest token's (for staleness bookkeeping; not used by the math)
     # The generator-trainer correction applies (loss.vllm_importance_sampling_correction): the PPO denominator
     # is the trainer's logprobs under ``version``, ``old_logprobs``, or when None those of the training forward
     # itself (a fresh sample in the step's first update), and ``behavior_logprobs`` only weigh the loss.
@@ -55,6 +55,8 @@ class TrainSample:
     # Per completion token, whether the model sampled it (False: a tool's answer, in no loss, ratio or count;
     # its behaviour logprob is meaningless); None: every completion token is the model's.
     completion_mask: list[bool] | None = None
+    # Per completion token, the version that sampled it (async.inflight_versions = "follow"); None: ``version``.
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -74,6 +76,11 @@ class TrainSample:
                 f"a train sample has {len(self.completion_token_ids)} completion tokens but a mask of "
                 f"{len(self.completion_mask)}; they must align one to one"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.completion_token_ids):
+            raise ValueError(
+                f"a train sample has {len(self.completion_token_ids)} completion tokens but "
+                f"{len(self.token_versions)} token versions; they must align one to one"
+            )
 
     @property
     def length(self) -> int:
@@ -92,6 +99,24 @@ class TrainSample:
         if self.completion_mask is None:
             return [True] * len(self.completion_token_ids)
         return list(self.completion_mask)
+
+    def versions(self) -> list[int]:
+        """The versions that sampled its model tokens, oldest first (one, unless it followed newer versions)."""
+        if self.token_versions is None:
+            return [self.version]
+        return sorted({v for v, model in zip(self.token_versions, self.model_flags(), strict=True) if model})
+
+    def oldest_version(self) -> int:
+        """The oldest version that sampled one of its tokens: what its staleness is."""
+        return min(self.token_versions) if self.token_versions else self.version
+
+    def segment(self, version: int) -> TrainSample:
+        """The sample seen as the tokens ``version`` sampled: the others' mask is off (they keep their positions,
+        as a tool's answer does), so a rescoring under ``version`` counts only its own tokens."""
+        if self.token_versions is None:
+            return self
+        flags = [model and v == version for v, model in zip(self.token_versions, self.model_flags(), strict=True)]
+        return replace(self, completion_mask=flags, token_versions=None, version=version)
 
 
 def corrects(rollout: Rollout, setting: bool | None) -> bool:
@@ -122,6 +147,7 @@ def build_train_samples(
                     corrected=corrected,
                     trained=not (loss is not None and loss.mask_truncated_completions and truncated),
                     completion_mask=sample.completion_mask,
+                    token_versions=sample.token_versions,
                 )
             )
             keys.append((owner, sample.group_index))

@@ -98,7 +98,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
-from worker.algo.rollout import Rollout, decode_rollout
+from worker.algo.rollout import Rollout, decode_rollout, oldest_token_version
 from worker.corrupt_report import report_corrupt
 from worker.optimize.batch import TrainSample, build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
@@ -122,6 +122,34 @@ def _std(values: list[float]) -> float | None:
     return math.sqrt(sum((x - mean) ** 2 for x in values) / len(values)) if mean is not None else None
 
 
+@dataclass
+class _TokenStalenesses:
+    """Model tokens trained on, by staleness."""
+
+    counts: dict[int, int]
+
+    def mean(self) -> float | None:
+        tokens = sum(self.counts.values())
+        return sum(value * count for value, count in self.counts.items()) / tokens if tokens else None
+
+    def max(self) -> int | None:
+        return max(self.counts, default=None)
+
+
+def _token_stalenesses(base_version: int, rollouts: list[Rollout]) -> _TokenStalenesses:
+    """Each model token's staleness: base_version minus the version that sampled it."""
+    counts: dict[int, int] = {}
+    for rollout in rollouts:
+        for sample in rollout.samples:
+            flags = sample.completion_mask or [True] * len(sample.completion_token_ids)
+            versions = sample.token_versions or [rollout.version] * len(flags)
+            for version, model in zip(versions, flags, strict=True):
+                if model:
+                    value = staleness(base_version, version)
+                    counts[value] = counts.get(value, 0) + 1
+    return _TokenStalenesses(counts)
+
+
 def build_step_record(
     *,
     run: str,
@@ -138,6 +166,7 @@ def build_step_record(
     samples = [sample for rollout in rollouts for sample in rollout.samples]
     rewards = [sample.reward for sample in samples]
     stalenesses = [staleness(base_version, rollout.version) for rollout in rollouts]
+    token_stalenesses = _token_stalenesses(base_version, rollouts)
     reward_names = sorted({name for sample in samples for name in sample.rewards_by_name})
     by_name = {name: [sample.rewards_by_name.get(name, 0.0) for sample in samples] for name in reward_names}
     # The model's tokens: an agent completion's tool answers are not its length, nor tokens trained on.
@@ -161,6 +190,8 @@ def build_step_record(
         truncated_fraction=truncated / len(samples) if samples else 0.0,
         staleness=stalenesses,
         max_staleness=max(stalenesses, default=0),
+        token_staleness_mean=token_stalenesses.mean(),
+        token_staleness_max=token_stalenesses.max(),
         ratio=_mean([update.ratio for update in updates]),
         rescore_ratio=_mean([ratio for ratio in ratios if ratio is not None]),
         kl=_mean([update.kl for update in updates]),
@@ -449,8 +480,8 @@ class Optimizer:
         rollouts = _fetch_rollouts(self.bucket, refs)
         fetch_s = time.perf_counter() - fetch_started
         for rollout in rollouts:
-            # Invariant 2, checked again where the gradient is made: the proxy should never send these.
-            check_fresh(base_version, rollout.version, config.async_.max_staleness)
+            # Invariant 2, per token, checked again where the gradient is made: the proxy should never send these.
+            check_fresh(base_version, oldest_token_version(rollout), config.async_.max_staleness)
 
         samples, sample_keys = build_train_samples(rollouts, config.loss)
         sample_rollout = [owner for owner, _ in sample_keys]

@@ -17,6 +17,10 @@ its ratio sums are those of the correction weight exp(trainer - generator).
 
 Every ratio and token count here is over the model's tokens: an agent sample's tool tokens carry no
 behaviour logprob to check.
+
+A sequence that followed newer versions while it was sampled (``async.inflight_versions = "follow"``) is checked
+segment by segment: under each version it holds, the tokens that version sampled (``TrainSample.segment``), so
+each token is compared with its own version's logprob and the sums of its segments add up to the sequence's.
 """
 
 from __future__ import annotations
@@ -116,12 +120,15 @@ def plan_rescoring(
     def rollout_corrected(indices: list[int]) -> bool:
         return samples is not None and samples[indices[0]].corrected
 
+    def versions(index: int, owner: int) -> list[int]:
+        return samples[index].versions() if samples is not None else [rollouts[owner].version]
+
     reuse = trainer.training_forward_is_eval_forward
     first = set(first_update)
     plan = RescorePlan()
     others: dict[int, list[int]] = {}
     for index, owner in enumerate(sample_rollout):
-        if reuse and rollouts[owner].version == base_version and index in first:
+        if reuse and versions(index, owner) == [base_version] and index in first:
             plan.reused.append(index)
         else:
             others.setdefault(owner, []).append(index)
@@ -129,8 +136,9 @@ def plan_rescoring(
     for owner, indices in sorted(others.items()):
         whole = fraction >= 1.0 or rollout_corrected(indices)
         count = len(indices) if whole else math.ceil(fraction * len(indices))  # >= 1
-        chosen = sorted(rng.sample(indices, count))
-        plan.separate.setdefault(rollouts[owner].version, []).extend(chosen)
+        for index in sorted(rng.sample(indices, count)):
+            for version in versions(index, owner):  # a sequence that followed new versions: each segment
+                plan.separate.setdefault(version, []).append(index)
     for indices in plan.separate.values():
         indices.sort()
     return plan
@@ -182,14 +190,31 @@ def rescore_planned(
         corrected = [i for i in indices if samples[i].corrected]
         checked = [i for i in indices if not samples[i].corrected]
         if checked:
-            scored = trainer.rescore_ratio_sums([samples[i] for i in checked], lora_values=weights)
-            sums.update(zip(checked, scored, strict=True))
+            scored = trainer.rescore_ratio_sums([samples[i].segment(version) for i in checked], lora_values=weights)
+            for index, (ratio, log_ratio) in zip(checked, scored, strict=True):
+                earlier = sums.get(index, (0.0, 0.0))  # another segment's, under another version
+                sums[index] = (earlier[0] + ratio, earlier[1] + log_ratio)
         if corrected:
             logprobs = trainer.rescore([samples[i] for i in corrected], lora_values=weights)
-            for index, old in zip(corrected, logprobs, strict=True):
-                samples[index].old_logprobs = old
-                sums[index] = _sequence_ratio_sums(samples[index], old)
+            for index, current in zip(corrected, logprobs, strict=True):
+                samples[index].old_logprobs = _merged(samples[index], version, current)
+    for index in {i for indices in plan.separate.values() for i in indices if samples[i].corrected}:
+        old = samples[index].old_logprobs
+        assert old is not None
+        sums[index] = _sequence_ratio_sums(samples[index], old)
     return sums
+
+
+def _merged(sample: TrainSample, version: int, current: list[float]) -> list[float]:
+    """``sample``'s rescored logprobs with ``version``'s tokens taken from ``current`` (every token, for a sample of
+    one version); the other segments' come from their own versions' rescoring."""
+    if sample.token_versions is None:
+        return current
+    merged = list(sample.old_logprobs) if sample.old_logprobs is not None else [0.0] * len(current)
+    for position, token_version in enumerate(sample.token_versions):
+        if token_version == version:
+            merged[position] = current[position]
+    return merged
 
 
 def _sequence_ratio_sums(sample: TrainSample, current: list[float]) -> RatioSums:

@@ -170,6 +170,14 @@ SAMPLE_STALENESS_VERSIONS = _histogram(
 STEP_MAX_STALENESS_VERSIONS = _gauge(
     "asyncgrpo_trainer_step_max_staleness_versions", "Largest staleness among the last step's rollouts."
 )
+STEP_TOKEN_STALENESS_MEAN_VERSIONS = _gauge(
+    "asyncgrpo_trainer_step_token_staleness_mean_versions",
+    "Mean over the last step's model tokens of base version minus the version that sampled each one (below the "
+    "rollouts' staleness where sequences followed newer versions: async.inflight_versions = follow).",
+)
+STEP_TOKEN_STALENESS_MAX_VERSIONS = _gauge(
+    "asyncgrpo_trainer_step_token_staleness_max_versions", "The stalest model token of the last step."
+)
 
 # ---- optimize side: policy ----------------------------------------------------------------------------
 POLICY_RATIO = _gauge("asyncgrpo_policy_ratio", "Mean importance ratio pi/pi_behaviour over the last step's tokens.")
@@ -421,6 +429,8 @@ def observe_optimize_step(record: StepRecord | None, status: str) -> None:
     for value in record.staleness_per_sample():
         SAMPLE_STALENESS_VERSIONS.observe(value)
     STEP_MAX_STALENESS_VERSIONS.set(record.max_staleness)
+    _set(STEP_TOKEN_STALENESS_MEAN_VERSIONS, record.token_staleness_mean)
+    _set(STEP_TOKEN_STALENESS_MAX_VERSIONS, record.token_staleness_max)
     _observe_policy(record)
 
 

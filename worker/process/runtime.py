@@ -55,6 +55,7 @@ from asyncgrpo.run.creation import RunNotFound, load_eval_prompts, load_run
 from worker.algo.math_scoring import MathVerifier
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.backend import GenerationBackend
+from worker.generate.inflight import StagedVersion, VersionOffers
 from worker.process.heartbeat import Heartbeat
 from worker.process.metrics import MetricsEndpoint
 from worker.process.preemption import Preemption
@@ -113,6 +114,8 @@ class WorkerRuntime:
     # version: backends (vLLM's engine above all) are not thread-safe.
     adapter_lock: threading.RLock = field(default_factory=threading.RLock)
     prefetcher: AdapterPrefetcher | None = None
+    # Versions the prefetcher verified, offered to a task that follows new versions while it samples.
+    version_offers: VersionOffers = field(default_factory=VersionOffers)
 
     def run_context(self, run: str) -> RunContext:
         context = self.runs.get(run)
@@ -334,6 +337,7 @@ def start_prefetcher(role: str) -> None:
         runtime.backend_and_cache,
         runtime.adapter_lock,
         wait_s=settings.prefetch_wait_s,
+        offers=runtime.version_offers,
     )
     runtime.prefetcher.start()
     log.info("worker.prefetch_started", wait_s=settings.prefetch_wait_s)
@@ -361,8 +365,12 @@ class AdapterPrefetcher:
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         max_attempts: int = 3,
+        offers: VersionOffers | None = None,
     ) -> None:
         self.client = client
+        self.offers = offers
+        """Where each verified version is offered to a task that follows new versions before the lock is waited
+        for (None: never offered)."""
         self.bucket = bucket
         self.staging_root = staging_root
         self.prepare = prepare
@@ -452,13 +460,18 @@ class AdapterPrefetcher:
                 names=bucket_keys.ADAPTER_FILE_NAMES,
             )
             fetched = time.perf_counter()
+            # A task sampling under the lock and following new versions takes it from here (worker.generate.inflight).
+            offer = StagedVersion(latest.run, version, latest.manifest_sha256, staged)
+            if self.offers is not None:
+                self.offers.offer(offer)
             with self.lock:
                 if self._stop.is_set():  # the process is exiting (see close)
                     return
                 locked = time.perf_counter()
-                cache, backend = self.prepare(latest.run)
-                path = cache.get(version, latest.manifest_sha256, staged=staged)
-                backend.load_adapter(bucket_keys.adapter_name(version), version, path)
+                if self.offers is None or self.offers.withdraw(offer):
+                    cache, backend = self.prepare(latest.run)
+                    path = cache.get(version, latest.manifest_sha256, staged=staged)
+                    backend.load_adapter(bucket_keys.adapter_name(version), version, path)
                 loaded = time.perf_counter()
                 # Wall clock, for measuring publish -> loaded across processes (benchmarks/bench_adapter_sync.py).
                 loaded_at = time.time()

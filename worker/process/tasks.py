@@ -285,6 +285,7 @@ def _task_context(runtime: WorkerRuntime, run: str) -> TaskContext:
             reward_models=runtime.run_reward_models(context),
             math_verifier=runtime.math_verifier,
             agent=runtime.run_agent(context),
+            version_offers=runtime.version_offers,
         )
 
 

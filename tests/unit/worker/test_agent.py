@@ -28,7 +28,7 @@ from worker.generate.agent import (
     parse_tool_calls,
     tool_answer_ids,
 )
-from worker.generate.backend import Completion, chat_messages
+from worker.generate.backend import Completion, VersionSource, chat_messages
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
 from worker.model.tiny_model import ensure_tiny_model
@@ -165,6 +165,7 @@ class ScriptedBackend:
         self.cut = cut or set()
         self.calls = 0
         self.seen: list[list[int]] = []
+        self.adapters: list[str | None] = []  # the adapter of each turn
 
     @property
     def eos_token_id(self) -> int:
@@ -177,6 +178,7 @@ class ScriptedBackend:
         turn = self.calls
         self.calls += 1
         self.seen.extend(sequences)
+        self.adapters.append(options["adapter"])
         ids = self.tokenize([self.turns[turn]], add_special_tokens=False)[0]
         cut = turn in self.cut
         ids = ids if cut else [*ids, self.eos_token_id]
@@ -210,7 +212,15 @@ def scripted_tokenizer(agent_model_dir: Path) -> Any:
     return tokenizer
 
 
-def _run(tokenizer: Any, turns: list[str], *, budget: int = 200, cut: set[int] | None = None, **agent: Any) -> Any:
+def _run(
+    tokenizer: Any,
+    turns: list[str],
+    *,
+    budget: int = 200,
+    cut: set[int] | None = None,
+    follow: VersionSource | None = None,
+    **agent: Any,
+) -> Any:
     config = AgentConfig.model_validate(
         {
             "tools": [f"{TOOLS}:{name}" for name in ("add", "fail", "hang", "exit_hard", "segfault", "as_dict")],
@@ -226,18 +236,44 @@ def _run(tokenizer: Any, turns: list[str], *, budget: int = 200, cut: set[int] |
             run,
             [{"prompt": "?=", "answer": "1"}],
             [[{"role": "user", "content": "?="}]],
-            adapter=None,
+            adapter="v4" if follow is not None else None,
             samples_per_prompt=2,
             max_completion_length=budget,
             temperature=1.0,
             top_p=1.0,
             seed=0,
             task_id="scripted",
+            version=4,
+            follow=follow,
         )
     finally:
         run.close()
     assert scores == {}
     return groups[0], backend
+
+
+class NewerAfter:
+    """A ``VersionSource``: ``v5`` from the ``at``-th question on (asked before every turn but the first)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.asked = at, 0
+
+    def newer(self, version: int) -> tuple[str, int] | None:
+        self.asked += 1
+        return ("v5", 5) if self.asked >= self.at and version < 5 else None
+
+
+@pytest.mark.processes
+def test_a_conversation_follows_new_versions_between_turns_only(scripted_tokenizer: Any) -> None:
+    add = _call("add", '{"a": 2, "b": 3}')
+    group, backend = _run(scripted_tokenizer, [add, add, "7"], follow=NewerAfter(at=2))
+    assert backend.adapters == ["v4", "v4", "v5"], "asked between turns, never before the first"
+    for completion in group.completions:
+        # Turn 1 (call + EOS) and its answer, turn 2 and its answer: v4's; the last turn ("7" + EOS): v5's.
+        assert completion.mask == [True, True, False, False, False, True, True, False, False, False, True, True]
+        assert completion.versions == [4] * 10 + [5] * 2
+    kept, _ = _run(scripted_tokenizer, [add, "7"], follow=NewerAfter(at=99))
+    assert all(completion.versions is None for completion in kept.completions), "no switch: no versions"
 
 
 @pytest.mark.processes

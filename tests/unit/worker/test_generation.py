@@ -8,26 +8,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from asyncgrpo.run.config import LoraConfig
+from tests.support.fixtures_model import random_adapter
 from worker.generate.backend import GenerationBackend, UnknownAdapter
 from worker.generate.transformers_backend import TransformersBackend
-from worker.model.policy import Policy, wrap_with_lora
-from worker.optimize.trainer_state import adapter_files, write_adapter_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["7=", "3=", "12="]
-
-
-def make_adapter(base_dir: Path, out: Path, seed: int) -> Path:
-    """A PEFT adapter folder whose LoRA B matrices are random (a fresh LoRA is a no-op)."""
-    model = wrap_with_lora(Policy.load(str(base_dir)), LoraConfig(), seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    return write_adapter_folder(adapter_files(model, base=str(base_dir)), out)
 
 
 @pytest.fixture
@@ -105,8 +92,8 @@ def test_tiny_top_p_is_greedy_with_logprob_zero(backend: TransformersBackend) ->
 
 
 def test_switching_adapters_without_reloading_the_base(tiny_model_dir: Path, tmp_path: Path) -> None:
-    first = make_adapter(tiny_model_dir, tmp_path / "v1", seed=1)
-    second = make_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
+    first = random_adapter(tiny_model_dir, tmp_path / "v1", seed=1)
+    second = random_adapter(tiny_model_dir, tmp_path / "v2", seed=2)
     backend = TransformersBackend(str(tiny_model_dir))
     embedding = backend.policy.model.get_input_embeddings().weight
     base_only = sample(backend, None)
@@ -139,7 +126,7 @@ def test_switching_adapters_without_reloading_the_base(tiny_model_dir: Path, tmp
 def test_a_new_version_reuses_a_dropped_adapters_layers_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Eviction then load, as a generate worker's cache does each version: the new weights are copied into
     the dropped adapter's layers, and sample exactly as a backend that loaded them afresh."""
-    folders = {v: make_adapter(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in (1, 2, 3, 4)}
+    folders = {v: random_adapter(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in (1, 2, 3, 4)}
     backend = TransformersBackend(str(tiny_model_dir))
     backend.load_adapter("v1", 1, folders[1])
     backend.load_adapter("v2", 2, folders[2])

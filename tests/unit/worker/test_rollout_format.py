@@ -1,5 +1,5 @@
 """The rollout object format (worker/algo/rollout.py): agent samples' completion masks round trip, and a
-rollout without them is the same bytes as before the mask existed."""
+rollout without them is the same bytes as before the mask existed; likewise per-token versions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
 from asyncgrpo.protocol.schemas import GroupRef
-from worker.algo.rollout import Rollout, RolloutFormatError, RolloutSample, decode_rollout, encode_rollout
+from worker.algo.rollout import (
+    Rollout,
+    RolloutFormatError,
+    RolloutSample,
+    decode_rollout,
+    encode_rollout,
+    oldest_token_version,
+)
 
 MODEL, TOOL = True, False
 
@@ -85,3 +92,44 @@ def test_a_mask_that_does_not_fit_its_completion_is_refused_naming_the_task() ->
     for bad in (np.array([1, 0, 1, 1], dtype=np.uint8), np.array([1, 0, 2, 1, 1], dtype=np.uint8)):
         with pytest.raises(RolloutFormatError, match=r"task-7: completion_mask"):
             decode_rollout(save_tensors({**tensors, "completion_mask": bad}, metadata=metadata))
+
+
+def _with_versions(versions: list[list[int] | None]) -> Rollout:
+    """``_rollout`` (version 3) with ``versions[i]`` as sample i's token versions."""
+    rollout = _rollout([None] * len(versions))
+    for sample, token_versions in zip(rollout.samples, versions, strict=True):
+        sample.token_versions = token_versions
+    return rollout
+
+
+def test_token_versions_round_trip_and_a_one_version_rollout_is_the_bytes_before_them() -> None:
+    followed = [3, 3, 4, 4, 5, 5]
+    rollout = _with_versions([None, followed, [3] * 7])
+    data = encode_rollout(rollout)
+    # Aligned with completion_ids: a sample that never switched is written as the rollout's version throughout.
+    assert load_tensors(data)["completion_versions"].tolist() == [3] * 5 + followed + [3] * 7
+    decoded = decode_rollout(data)
+    assert [s.token_versions for s in decoded.samples] == [None, followed, None]
+    assert oldest_token_version(decoded) == 3
+    # Every token the rollout's version (or none recorded): the same bytes as a rollout of the format before.
+    assert encode_rollout(_with_versions([None, None, [3] * 7])) == encode_rollout(_rollout([None, None, None]))
+    assert "completion_versions" not in load_tensors(encode_rollout(_with_versions([None, None])))
+
+
+def test_a_token_older_than_the_rollouts_version_is_refused_on_write_and_read() -> None:
+    """The proxy admits and claims by the header's version: a token older than it would slip past the window."""
+    with pytest.raises(RolloutFormatError, match=r"task-7: a token was sampled by version 2, older than .* 3"):
+        encode_rollout(_with_versions([[3, 2, 3, 3, 3]]))
+    with pytest.raises(RolloutFormatError, match=r"task-7: a completion has 5 tokens but 4 versions"):
+        encode_rollout(_with_versions([[3, 3, 3, 3]]))
+    tensors = load_tensors(encode_rollout(_with_versions([[3, 3, 4, 4, 4]])))
+    metadata = {"asyncgrpo": json.dumps(_rollout([None]).header().model_dump(mode="json"), sort_keys=True)}
+    for bad, match in (
+        (np.array([3, 3, 2, 4, 4], dtype=np.int64), "older than the rollout's version 3"),
+        (np.array([3, 3, 4], dtype=np.int64), "completion_versions must hold one version per completion token"),
+    ):
+        with pytest.raises(RolloutFormatError, match=match):
+            decode_rollout(save_tensors({**tensors, "completion_versions": bad}, metadata=metadata))
+    # In memory, where no format stands guard, the trainer's check still sees the oldest token.
+    in_memory = _with_versions([[3, 1, 3, 3, 3]])
+    assert oldest_token_version(in_memory) == 1
