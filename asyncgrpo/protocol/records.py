@@ -136,6 +136,9 @@ class RolloutHeader(_Stored):
     versions (``async.inflight_versions = "follow"``), the oldest token's, which no token is older than."""
     worker_id: str
     """The generate worker that sampled them (named when its rescoring ratio is flagged)."""
+    newest_version: int | None = Field(None, ge=0, exclude_if=lambda value: value is None)
+    """Where tokens record their own versions: the newest token's (what a redelivered task submits again as
+    ``RolloutSubmission.newest_version``); absent when every token is ``version``'s."""
     groups: list[GroupRef]
     """The task's accepted prompt groups, in sample order."""
     finish_reasons: list[str]
@@ -297,6 +300,9 @@ class StepRecord(_Stored):
     (``async.inflight_versions = "follow"``). Absent from records written before it existed."""
     token_staleness_max: int | None = Field(None, exclude_if=lambda value: value is None)
     """The stalest model token trained on (the rollouts' ``max_staleness`` bounds it)."""
+    masked_stale_tokens: int | None = Field(None, exclude_if=lambda value: value is None)
+    """With ``async.stale_tokens = "mask"``: model tokens left out of the loss because their version fell out of
+    the staleness window (the token figures above leave them out too); absent otherwise."""
     ratio: float | None
     """Mean over the updates of their ``UpdateMetrics`` figure; likewise kl ... lr below."""
     rescore_ratio: float | None

@@ -221,6 +221,10 @@ class RolloutSubmission(_Request):
     """The task's lease: the submission must be one of its holder's leases of the task, at ``version``. It is
     released with the submission (one round trip less per task), except on a ``not_holder`` refusal, where
     it may be another worker's (the refused worker releases its own)."""
+    newest_version: Count | None = None
+    """The version of the rollout's newest token where its sequences followed newer versions
+    (``async.inflight_versions = "follow"``); None: every token is ``version``'s. With ``async.stale_tokens =
+    "mask"`` admission and claim check this one, and the trainer masks the tokens older than the window."""
 
 
 class PublishRequest(_Request):

@@ -481,6 +481,14 @@ class AsyncConfig(_Section):
         "staleness is that of the rollout's oldest token. On the vLLM backend only agent conversations follow (between "
         "turns); its single-turn sampling keeps the leased version.",
     )
+    stale_tokens: Literal["drop", "mask"] = Field(
+        "drop",
+        description="A rollout whose oldest tokens fell out of the staleness window (its sequences followed newer "
+        "versions, inflight_versions = follow). drop: it is dropped as stale and its prompts requeued, as a "
+        "rollout of one version is. mask: it is admitted and trained while its newest token is inside the window, "
+        "its tokens older than the window masked out of the loss and counted (the step record's "
+        "masked_stale_tokens). No token older than the window trains unmasked either way.",
+    )
     lease_ttl_s: float = Field(60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed.")
     generate_task_timeout_s: float = Field(
         600.0,

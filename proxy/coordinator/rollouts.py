@@ -1,9 +1,13 @@
 """Rollout submission: admit a generate task's rollout into the buffer iff it is fresh enough.
 
 A rollout made with version ``n`` is admitted iff ``current - n <= async.max_staleness`` (invariant 2);
-a stale one is counted and its prompts are requeued. Groups the worker rejected (bad input) end with a
-normalised reason; groups the submission does not mention end as ``missing_from_rollout``. The snapshot is
-written before the worker hears "admitted", so an admitted rollout survives a proxy crash.
+a stale one is counted and its prompts are requeued. ``n`` is the rollout's oldest token's version (the one
+it leased); with ``async.stale_tokens = "mask"``, its newest token's, and the trainer masks the tokens older
+than the window (``window_version``). The buffered rollout keeps ``n`` as its version, which the claim checks.
+
+Groups the worker rejected (bad input) end with a normalised reason; groups the submission does not mention end
+as ``missing_from_rollout``. The snapshot is written before the worker hears "admitted", so an admitted rollout
+survives a proxy crash.
 
 A submission is bound to its lease (``lua/submit_rollout.lua``): it must come from the worker holding the
 task's lease, with a version (and lease id, when given) that worker leased for the task, and a repeat of an
@@ -62,6 +66,12 @@ class RolloutIntake:
         expected_key = bucket_keys.rollout_key(store.run, submission.task_id)
         if submission.key != expected_key:
             raise BadRollout(f"rollout key {submission.key!r} must be {expected_key!r} for task {submission.task_id}")
+        newest = submission.newest_version
+        if newest is not None and newest < submission.version:
+            raise BadRollout(
+                f"rollout of task {submission.task_id}: newest_version v{newest} is older than its version "
+                f"v{submission.version} (the version it leased, its oldest token's)"
+            )
         ref = {
             "task_id": submission.task_id,
             "key": submission.key,
@@ -83,7 +93,15 @@ class RolloutIntake:
             "track": track_flag(self.config),
             "sha256": submission.sha256,
             "lease_id": submission.lease_id or "",
+            "window_version": self.window_version(submission),
         }
+
+    def window_version(self, submission: RolloutSubmission) -> int:
+        """The version whose staleness decides the rollout's admission and claim: its oldest token's (the leased
+        ``version``), or with ``async.stale_tokens = "mask"`` its newest token's (the older ones are masked)."""
+        if self.config.stale_tokens == "mask" and submission.newest_version is not None:
+            return submission.newest_version
+        return submission.version
 
     async def submit(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
         """Admit a rollout iff it is fresh and bound to its lease; raises StaleRolloutError, TaskCancelled,

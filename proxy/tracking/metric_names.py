@@ -61,6 +61,7 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
         "max_staleness": record.max_staleness,
         "token_staleness/mean": record.token_staleness_mean,
         "token_staleness/max": record.token_staleness_max,
+        "token_staleness/masked": record.masked_stale_tokens,
         "mean_staleness": (
             sum(record.staleness_per_sample()) / len(record.staleness_per_sample())
             if record.staleness_per_sample()

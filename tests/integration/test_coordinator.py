@@ -225,6 +225,42 @@ def test_stale_rollout_is_refused_and_its_prompts_dispatched_again(coord: Coordi
     assert coord.status().counters["groups_stale"] == 2
 
 
+@pytest.mark.parametrize("stale_tokens", ["drop", "mask"])
+def test_a_rollout_that_followed_newer_versions_is_as_stale_as_its_oldest_token_unless_masked(
+    redis_client: Redis, tmp_path: Path, stale_tokens: str
+) -> None:
+    """Leased at v0, its sequences followed v1 and v2: at v2 (max_staleness 1) its oldest tokens are out of the
+    window. Dropped and requeued by default; with async.stale_tokens = "mask" admitted, buffered at its newest
+    token's version (what the claim checks), the trainer masking the older tokens."""
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=small_config(stale_tokens=stale_tokens))
+    started(coord)
+    late = coord.dispatcher.generate[0]
+    lease_task(coord, late)  # on v0
+    submitted = {late["task_id"]}
+    advance_version(coord, submitted)
+    advance_version(coord, submitted)
+    assert coord.current_version() == 2
+    followed = submission(coord, late, version=0).model_copy(update={"newest_version": 2})
+    if stale_tokens == "mask":  # unmasked, the newest token decides nothing
+        with pytest.raises(BadRollout, match="v3 is newer than the current version v2"):
+            coord.submit(followed.model_copy(update={"newest_version": 3}))
+    with pytest.raises(BadRollout, match="newest_version v0 is older than its version v1"):
+        coord.submit(followed.model_copy(update={"version": 1, "newest_version": 0}))
+    task_state = coord.redis.hget(coord.keys.task(late["task_id"]), "state")
+    assert task_state == "inflight", "a refused submission changes nothing"
+    if stale_tokens == "drop":
+        with pytest.raises(StaleRolloutError, match="rollout v0 is 2 versions behind v2"):
+            coord.submit(followed)
+        assert coord.status().counters["rollouts_stale"] == 1
+        return
+    assert coord.submit(followed).status == "admitted"
+    assert coord.redis.hget(coord.keys.rollout(late["task_id"]), "version") == "2"
+    assert {coord.group_record(g["group_id"])["version"] for g in late["groups"]} == {"2"}
+    assert coord.status().counters.get("rollouts_stale", 0) == 0
+    # The ref the trainer gets still names the leased version (the tokens' own versions are in the rollout).
+    assert '"version":0' in coord.redis.hget(coord.keys.rollout(late["task_id"]), "ref")
+
+
 def test_fresh_rollout_admitted_once_when_submitted_twice(coord: Coordinator) -> None:
     started(coord)
     task = coord.dispatcher.generate[0]

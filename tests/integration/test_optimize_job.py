@@ -202,6 +202,51 @@ def test_too_stale_rollout_never_reaches_a_gradient(setup: tuple[Trainer, Bucket
     assert all((p == b).all() for p, b in zip(trainer.lora_parameters, before, strict=True))
 
 
+@pytest.mark.parametrize("stale_tokens", ["drop", "mask"])
+def test_tokens_older_than_the_window_never_train_unmasked(
+    setup: tuple[Trainer, Bucket, Path], tiny_model_dir: Path, stale_tokens: str
+) -> None:
+    """Leased at v0, its sequences followed v2 after their second token; step 3 from v2 (max_staleness 1): the
+    v0 tokens are out of the window. Dropped by default; with async.stale_tokens = "mask" trained on its v2
+    tokens alone, the v0 ones masked and counted (a sequence that ended before the switch is v0's whole)."""
+    trainer, bucket, adapter_dir = setup
+    backend = backend_at_v0(tiny_model_dir, adapter_dir)
+    ref = make_rollout(bucket, backend, "v0", "t-followed", "gen-1", 0)
+    rollout = decode_rollout(bucket.get(ref.key))
+    for sample in rollout.samples:
+        length = len(sample.completion_token_ids)
+        sample.token_versions = [0, 0, *[2] * (length - 2)] if length > 2 else None
+    assert rollout.newest_version() == 2
+    data = encode_rollout(rollout)
+    bucket.put(ref.key, data)
+    ref = ref.model_copy(update={"sha256": sha256_hex(data)})
+    for version in (1, 2):  # the same weights as v0's: the rollout's logprobs are every version's
+        metadata = {"step": version, "base_version": version - 1}
+        write_version(bucket, RUN, version, trainer.version_files(version), metadata)
+    cfg = RunConfig.model_validate(
+        {**config().model_dump(by_alias=True), "async": {"max_staleness": 1, "stale_tokens": stale_tokens}}
+    )
+    optimizer = Optimizer(RUN, cfg, trainer, bucket, RecordingProxy(current_version=2), "opt-1")
+    if stale_tokens == "drop":
+        with pytest.raises(StaleRolloutError, match="rollout v0 is 2 versions behind v2"):
+            optimizer.step(3, 2, [ref])
+        return
+    result = optimizer.step(3, 2, [ref])
+    assert result.status == "published" and result.record is not None
+    old = sum(min(2, len(s.completion_token_ids)) for s in rollout.samples)
+    fresh = sum(max(0, len(s.completion_token_ids) - 2) for s in rollout.samples)
+    assert old > 0 and fresh > 0
+    assert result.record.masked_stale_tokens == old
+    assert result.record.updates[0].tokens == fresh, "only the v2 tokens train"
+    assert (result.record.token_staleness_mean, result.record.token_staleness_max) == (0.0, 0)
+    assert result.record.staleness == [2], "the rollout's own staleness is its oldest token's"
+    # What the trainer built: no token older than the window in any loss mask.
+    samples, _ = build_train_samples([rollout], cfg.loss, oldest_trained=1)
+    for sample in samples:
+        versions = sample.token_versions or [0] * len(sample.completion_token_ids)
+        assert not any(model and v < 1 for model, v in zip(sample.model_flags(), versions, strict=True))
+
+
 def test_redelivered_step_that_is_published_is_a_no_op(setup: tuple[Trainer, Bucket, Path]) -> None:
     # Version 1 is published and already collected (no files, no step record): nothing to do, no error.
     trainer, bucket, _ = setup

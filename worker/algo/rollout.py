@@ -84,12 +84,18 @@ class Rollout:
     timings: GenerateTimings = field(default_factory=GenerateTimings)
     extra: RolloutExtra = field(default_factory=RolloutExtra)
 
+    def newest_version(self) -> int | None:
+        """The newest token's version where some token is newer than the rollout's version; else None."""
+        newest = max((max(s.token_versions) for s in self.samples if s.token_versions), default=self.version)
+        return newest if newest > self.version else None
+
     def header(self) -> RolloutHeader:
         return RolloutHeader(
             format=ROLLOUT_FORMAT,
             run=self.run,
             task_id=self.task_id,
             version=self.version,
+            newest_version=self.newest_version(),
             worker_id=self.worker_id,
             groups=self.groups,
             finish_reasons=[sample.finish_reason for sample in self.samples],
@@ -105,6 +111,11 @@ def oldest_token_version(rollout: Rollout) -> int:
     sample's token versions say older, which the format refuses to write or read."""
     recorded = [min(s.token_versions) for s in rollout.samples if s.token_versions]
     return min([rollout.version, *recorded])
+
+
+def newest_token_version(rollout: Rollout) -> int:
+    """The version of the rollout's newest token (its version, unless a sequence followed newer versions)."""
+    return rollout.newest_version() or rollout.version
 
 
 def _flatten(sequences: Sequence[Sequence[float]], dtype: type) -> tuple[np.ndarray, np.ndarray]:

@@ -73,6 +73,7 @@ class WrittenRollout:
     num_samples: int
     tokens: int = 0
     reward_mean: float | None = None
+    newest_version: int | None = None  # its newest token's version, where newer than ``version``
 
 
 class GenerateTask:
@@ -148,6 +149,7 @@ class GenerateTask:
             groups=header.groups,
             rejected=header.extra.rejected_groups,
             num_samples=len(header.rewards),
+            newest_version=header.newest_version,
         )
         return self.submit(written, reused=True)
 
@@ -300,6 +302,7 @@ class GenerateTask:
             num_samples=len(samples),
             tokens=tokens,
             reward_mean=sum(s.reward for s in samples) / len(samples) if samples else None,
+            newest_version=rollout.newest_version(),
         )
 
     def submit(self, written: WrittenRollout, *, reused: bool, lease_id: str | None = None) -> GenerateResult:
@@ -321,6 +324,7 @@ class GenerateTask:
             rejected_groups=written.rejected,
             stats=stats,
             lease_id=lease_id,
+            newest_version=written.newest_version,
         )
         try:
             status = client.submit_rollout(submission).status

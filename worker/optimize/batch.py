@@ -57,6 +57,9 @@ class TrainSample:
     completion_mask: list[bool] | None = None
     # Per completion token, the version that sampled it (async.inflight_versions = "follow"); None: ``version``.
     token_versions: list[int] | None = None
+    # Model tokens masked out (completion_mask False) because their version fell out of the staleness window
+    # (async.stale_tokens = "mask").
+    masked_stale: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -126,17 +129,32 @@ def corrects(rollout: Rollout, setting: bool | None) -> bool:
     return setting if setting is not None else rollout.extra.sampler == "vllm"
 
 
+def _window_mask(
+    mask: list[bool] | None, versions: list[int], oldest_trained: int | None
+) -> tuple[list[bool] | None, int]:
+    """``mask`` with the model tokens older than ``oldest_trained`` turned off, and how many were."""
+    if oldest_trained is None or not versions or min(versions) >= oldest_trained:
+        return mask, 0
+    flags = mask or [True] * len(versions)
+    kept = [model and version >= oldest_trained for model, version in zip(flags, versions, strict=True)]
+    return kept, sum(flags) - sum(kept)
+
+
 def build_train_samples(
-    rollouts: list[Rollout], loss: LossConfig | None = None
+    rollouts: list[Rollout], loss: LossConfig | None = None, oldest_trained: int | None = None
 ) -> tuple[list[TrainSample], list[tuple[int, int]]]:
     """Flatten rollouts into train samples (marked for the correction and the truncation mask of ``loss``);
-    also return each sample's (rollout index, group index)."""
+    also return each sample's (rollout index, group index). ``oldest_trained`` (``async.stale_tokens =
+    "mask"``): tokens sampled by an older version are masked out, like a tool's (no loss, ratio or count), and
+    counted in ``masked_stale``."""
     samples: list[TrainSample] = []
     keys: list[tuple[int, int]] = []
     for owner, rollout in enumerate(rollouts):
         corrected = corrects(rollout, loss.vllm_importance_sampling_correction) if loss else False
         for sample in rollout.samples:
             truncated = sample.finish_reason == "length"
+            versions = sample.token_versions or [rollout.version] * len(sample.completion_token_ids)
+            mask, masked = _window_mask(sample.completion_mask, versions, oldest_trained)
             samples.append(
                 TrainSample(
                     prompt_token_ids=sample.prompt_token_ids,
@@ -146,8 +164,9 @@ def build_train_samples(
                     version=rollout.version,
                     corrected=corrected,
                     trained=not (loss is not None and loss.mask_truncated_completions and truncated),
-                    completion_mask=sample.completion_mask,
+                    completion_mask=mask,
                     token_versions=sample.token_versions,
+                    masked_stale=masked,
                 )
             )
             keys.append((owner, sample.group_index))

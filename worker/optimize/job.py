@@ -98,7 +98,7 @@ from asyncgrpo.protocol.schemas import (
 )
 from asyncgrpo.run.config import RunConfig
 from worker.algo.grpo import NonFiniteError
-from worker.algo.rollout import Rollout, decode_rollout, oldest_token_version
+from worker.algo.rollout import Rollout, decode_rollout, newest_token_version, oldest_token_version
 from worker.corrupt_report import report_corrupt
 from worker.optimize.batch import TrainSample, build_train_samples, split_indices_by_group
 from worker.optimize.rescore import (
@@ -136,15 +136,16 @@ class _TokenStalenesses:
         return max(self.counts, default=None)
 
 
-def _token_stalenesses(base_version: int, rollouts: list[Rollout]) -> _TokenStalenesses:
-    """Each model token's staleness: base_version minus the version that sampled it."""
+def _token_stalenesses(base_version: int, rollouts: list[Rollout], oldest_trained: int | None) -> _TokenStalenesses:
+    """Each model token's staleness: base_version minus the version that sampled it; a token older than
+    ``oldest_trained`` was masked out, so it is not counted."""
     counts: dict[int, int] = {}
     for rollout in rollouts:
         for sample in rollout.samples:
             flags = sample.completion_mask or [True] * len(sample.completion_token_ids)
             versions = sample.token_versions or [rollout.version] * len(flags)
             for version, model in zip(versions, flags, strict=True):
-                if model:
+                if model and (oldest_trained is None or version >= oldest_trained):
                     value = staleness(base_version, version)
                     counts[value] = counts.get(value, 0) + 1
     return _TokenStalenesses(counts)
@@ -161,12 +162,14 @@ def build_step_record(
     flagged: list[FlaggedRollout],
     updates: list[UpdateMetrics],
     timings: StepTimings,
+    oldest_trained: int | None = None,
 ) -> StepRecord:
-    """The record of step ``step`` (from ``base_version``); ``ratios`` are the rollouts' rescoring ratios."""
+    """The record of step ``step`` (from ``base_version``); ``ratios`` are the rollouts' rescoring ratios;
+    ``oldest_trained``: tokens of older versions were masked out (``async.stale_tokens = "mask"``)."""
     samples = [sample for rollout in rollouts for sample in rollout.samples]
     rewards = [sample.reward for sample in samples]
     stalenesses = [staleness(base_version, rollout.version) for rollout in rollouts]
-    token_stalenesses = _token_stalenesses(base_version, rollouts)
+    token_stalenesses = _token_stalenesses(base_version, rollouts, oldest_trained)
     reward_names = sorted({name for sample in samples for name in sample.rewards_by_name})
     by_name = {name: [sample.rewards_by_name.get(name, 0.0) for sample in samples] for name in reward_names}
     # The model's tokens: an agent completion's tool answers are not its length, nor tokens trained on.
@@ -479,11 +482,16 @@ class Optimizer:
         fetch_started = time.perf_counter()
         rollouts = _fetch_rollouts(self.bucket, refs)
         fetch_s = time.perf_counter() - fetch_started
+        max_staleness = config.async_.max_staleness
+        masking = config.async_.stale_tokens == "mask"
         for rollout in rollouts:
             # Invariant 2, per token, checked again where the gradient is made: the proxy should never send these.
-            check_fresh(base_version, oldest_token_version(rollout), config.async_.max_staleness)
+            # Masking, only the newest token must be in the window: the older ones are masked out below.
+            checked = newest_token_version(rollout) if masking else oldest_token_version(rollout)
+            check_fresh(base_version, checked, max_staleness)
+        oldest_trained = base_version - max_staleness if masking else None
 
-        samples, sample_keys = build_train_samples(rollouts, config.loss)
+        samples, sample_keys = build_train_samples(rollouts, config.loss, oldest_trained)
         sample_rollout = [owner for owner, _ in sample_keys]
         chunks = split_indices_by_group(sample_keys, config.async_.publish_every)
         plan = plan_rescoring(
@@ -516,10 +524,13 @@ class Optimizer:
             ratios=rollout_ratios.mean,
             flagged=flagged,
             updates=updates,
+            oldest_trained=oldest_trained,
             timings=StepTimings(
                 fetch_s=fetch_s, rescore_s=rescore_s, serialize_s=serialize_s, step_s=time.perf_counter() - started
             ),
         )
+        if masking:
+            record.masked_stale_tokens = sum(sample.masked_stale for sample in samples)
         record.rescored_sequences = plan.rescored
         record.reused_sequences = len(plan.reused)
         record.importance_sampling_ratio = CorrectionFigures.combine(

@@ -178,6 +178,11 @@ STEP_TOKEN_STALENESS_MEAN_VERSIONS = _gauge(
 STEP_TOKEN_STALENESS_MAX_VERSIONS = _gauge(
     "asyncgrpo_trainer_step_token_staleness_max_versions", "The stalest model token of the last step."
 )
+MASKED_STALE_TOKENS = _counter(
+    "asyncgrpo_trainer_masked_stale_tokens_total",
+    "Model tokens masked out of the loss because their version fell out of the staleness window "
+    "(async.stale_tokens = mask).",
+)
 
 # ---- optimize side: policy ----------------------------------------------------------------------------
 POLICY_RATIO = _gauge("asyncgrpo_policy_ratio", "Mean importance ratio pi/pi_behaviour over the last step's tokens.")
@@ -431,6 +436,8 @@ def observe_optimize_step(record: StepRecord | None, status: str) -> None:
     STEP_MAX_STALENESS_VERSIONS.set(record.max_staleness)
     _set(STEP_TOKEN_STALENESS_MEAN_VERSIONS, record.token_staleness_mean)
     _set(STEP_TOKEN_STALENESS_MAX_VERSIONS, record.token_staleness_max)
+    if record.masked_stale_tokens:
+        MASKED_STALE_TOKENS.inc(record.masked_stale_tokens)
     _observe_policy(record)
 
 

@@ -7,6 +7,8 @@
 -- ARGV[11] omitted_reason: recorded for groups of the task the submission does not mention
 -- ARGV[12] track: rollouts for retention ("1") or keep them all ("0")
 -- ARGV[13] sha256: of the rollout object  ARGV[14] lease_id: the lease it was made under ("" when not given)
+-- ARGV[15] window_version: the version whose staleness is checked, here and at claim (the leased version, or
+--   with async.stale_tokens = "mask" the rollout's newest token's); the rollout and its groups are buffered at it
 -- a refused late or repeated submission (STALE, CANCELLED, DUPLICATE of a finished rollout) puts its
 -- rollout object, possibly written again just now, back under retention; a task that ran to its submission
 -- clears the failed-attempt counts of its prompts
@@ -22,6 +24,7 @@ local tk = key(TASK, tid)
 local tstate = redis.call('HGET', tk, 'state')
 local current = num(KEYS[1], 'current_version', -1)
 local worker, version, sha, lease_id = ARGV[6], tonumber(ARGV[7]), ARGV[13], ARGV[14]
+local window = tonumber(ARGV[15])
 -- why the holder's leases of the task (recorded by grant_lease.lua) do not cover this submission, or nil
 local function not_leased()
   local leases = redis.call('HGET', tk, 'leases')
@@ -70,8 +73,8 @@ if tstate ~= 'inflight' then
   retain_until(KEYS[7], track, tid, current)
   return {'CANCELLED'}
 end
-if version > current then
-  return {'BAD_ROLLOUT', 'rollout version v' .. version .. ' is newer than the current version v' .. current}
+if window > current then
+  return {'BAD_ROLLOUT', 'rollout version v' .. window .. ' is newer than the current version v' .. current}
 end
 local holder = redis.call('HGET', tk, 'worker_id')
 if not holder then
@@ -97,7 +100,7 @@ for _, pair in ipairs(cjson.decode(ARGV[10])) do
   if fate[gid] then return {'BAD_ROLLOUT', 'group ' .. gid .. ' is listed twice'} end
   fate[gid] = pair[2]
 end
-local stale = current - version > max_staleness
+local stale = current - window > max_staleness
 local admitted, rejected, dropped = {}, 0, 0
 for _, gid in ipairs(task_groups) do
   local f = fate[gid] or ARGV[11]
@@ -108,7 +111,7 @@ for _, gid in ipairs(task_groups) do
       end_group(gid, 'stale', now, ttl, KEYS[4])
       dropped = dropped + 1
     else
-      call('HSET', key(GROUP, gid), 'state', 'buffered', 'version', version, 'admitted_ms', now)
+      call('HSET', key(GROUP, gid), 'state', 'buffered', 'version', window, 'admitted_ms', now)
       admitted[#admitted + 1] = gid
     end
   else
@@ -132,7 +135,7 @@ end
 call('HSET', tk, 'state', 'admitted', 'version', version, 'worker_id', ARGV[6], 'sha256', sha,
   'ended_ms', now)
 if #admitted > 0 then
-  call('HSET', key(ROLLOUT, tid), 'ref', ARGV[8], 'version', version, 'admitted_ms', now,
+  call('HSET', key(ROLLOUT, tid), 'ref', ARGV[8], 'version', window, 'admitted_ms', now,
     'group_ids', ARGV[9], 'groups', #admitted, 'worker_id', ARGV[6], 'state', 'buffered')
   call('RPUSH', KEYS[6], tid)
   call('HINCRBY', KEYS[1], 'groups_buffered', #admitted)
