@@ -3,6 +3,7 @@
     python3 benchmarks/bench_end_to_end.py                               # tiny and compute, every configuration
     python3 benchmarks/bench_end_to_end.py --workloads tiny --steps 100 --configs sync,s0,s2x1
     python3 benchmarks/bench_end_to_end.py --bucket seaweedfs            # a private SeaweedFS instead of file://
+    python3 benchmarks/bench_end_to_end.py --workloads longtail --configs keep,follow,s0x2   # in-flight updates
 
 Workloads (both random-init models built here, no download):
 
@@ -11,6 +12,9 @@ Workloads (both random-init models built here, no download):
 - *compute*: a ~4.5M-parameter Qwen2 model with a 2,048-token vocabulary (so that a random policy rarely
   samples EOS), 8 prompts x 8 samples x 128 completion tokens. Generation takes most of a step, as it does
   on GPUs with long completions; the ``sync`` line prints the split.
+- *longtail*: the same architecture with a 128-token vocabulary, so that a random policy samples EOS about
+  once in 128 tokens: geometric completion lengths up to 512 (median ~89, p90 ~295), the long-tailed mix of
+  math runs, where a generate task waits for its longest completion.
 
 Configurations:
 
@@ -22,11 +26,15 @@ Configurations:
 - ``s4`` / ``s4full``: ``max_staleness = 4`` with a deep buffer (``queue_maxsize = 32``) and two generate
   workers, so the trainer is the bottleneck; with the proxy sizing its in-flight work from the rates it
   measures (``s4``) and with that sizing off, so the buffer stays full (``s4full``).
+- ``keep`` / ``follow`` / ``s0x2``: two generate workers; ``max_staleness = 1`` keeping each task's leased
+  version, the same following new versions mid-generation (``async.inflight_versions = "follow"``, tokens older
+  than the window masked: ``async.stale_tokens = "mask"``), and ``max_staleness = 0`` (their synchronous mode).
 
 Each configuration prints one JSON line: completions/s and steps/s over the steps after a warm-up, trainer
 and generator busy shares (task time over wall time, from the workers' own log lines), mean and max
-staleness of trained samples, mean reward over the first and last 10 steps, and a per-step breakdown
-(medians). The last line compares them: ratios measured side by side in this run. Asserts nothing.
+staleness of trained samples (per rollout and per token), stale generate tasks and the tokens they threw away,
+masked tokens, mean reward over the first and last 10 steps, and a per-step breakdown (medians). The last
+line compares them: ratios measured side by side in this run. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -77,16 +85,37 @@ class Workload:
 WORKLOADS = {
     "tiny": Workload("tiny", completion_tokens=8, steps=100, warmup_steps=10, timeout_s=600),
     "compute": Workload("compute", completion_tokens=128, steps=12, warmup_steps=2, timeout_s=900),
+    "longtail": Workload("longtail", completion_tokens=512, steps=12, warmup_steps=2, timeout_s=1200),
 }
+LONGTAIL_FILLERS = 114
+"""The long-tailed workload's vocabulary is 128 tokens: a near-uniform random policy samples EOS about once in
+128 tokens, so completion lengths are geometric (median ~89, p90 ~295, a tail cut at 512)."""
 
-# name -> (max_staleness, generate workers, queue_maxsize, adaptive in-flight sizing)
-CONFIGS: dict[str, tuple[int, int, int, bool]] = {
-    "s0": (0, 1, 16, True),
-    "s2x1": (2, 1, 16, True),
-    "s2x2": (2, 2, 16, True),
+
+@dataclass(frozen=True)
+class System:
+    """One configuration of the real system."""
+
+    max_staleness: int
+    generate_workers: int
+    queue_maxsize: int = 16
+    adaptive: bool = True  # the proxy sizes its in-flight work from the rates it measures
+    inflight_versions: str = "keep"
+    stale_tokens: str = "drop"
+
+
+CONFIGS: dict[str, System] = {
+    "s0": System(0, 1),
+    "s2x1": System(2, 1),
+    "s2x2": System(2, 2),
     # Two generate workers: the trainer is the bottleneck, so a full buffer would only age the samples.
-    "s4": (4, 2, 32, True),
-    "s4full": (4, 2, 32, False),
+    "s4": System(4, 2, 32),
+    "s4full": System(4, 2, 32, adaptive=False),
+    # In-flight updates, two generate workers, one version of staleness: tasks keep their leased version, or
+    # follow new versions mid-generation (older tokens masked out, not dropped). s0x2 is their sync mode.
+    "keep": System(1, 2),
+    "follow": System(1, 2, inflight_versions="follow", stale_tokens="mask"),
+    "s0x2": System(0, 2),
 }
 
 
@@ -133,9 +162,7 @@ def build_compute_model(out_dir: Path, vocab_fillers: int = 2035) -> Path:
     return out_dir
 
 
-def config_toml(
-    base: str, workload: Workload, steps: int, max_staleness: int, queue_maxsize: int, adaptive: bool
-) -> str:
+def config_toml(base: str, workload: Workload, steps: int, system: System) -> str:
     return f"""\
 seed = 0
 
@@ -164,12 +191,14 @@ total_steps = {steps}
 loss_type = "dapo"
 
 [async]
-max_staleness = {max_staleness}
+max_staleness = {system.max_staleness}
 groups_per_task = 4
 groups_per_step = 8
-queue_maxsize = {queue_maxsize}
-adaptive_inflight = {"true" if adaptive else "false"}
+queue_maxsize = {system.queue_maxsize}
+adaptive_inflight = {"true" if system.adaptive else "false"}
 generate_task_timeout_s = 300
+inflight_versions = "{system.inflight_versions}"
+stale_tokens = "{system.stale_tokens}"
 """
 
 
@@ -193,7 +222,7 @@ def run_sync(config: RunConfig, steps: int, warmup_steps: int) -> dict[str, Any]
         rows = [ids for ids in prompt_ids for _ in range(group)]
         with torch.no_grad():
             trainer.model.eval()
-            tokens, logprobs = sample_completions(
+            tokens, logprobs, _ = sample_completions(
                 trainer.model,
                 rows,
                 max_completion_length=config.sampling.max_completion_length,
@@ -290,6 +319,8 @@ def summarize_system(
     optimize_events = [e for p in logs.glob("optimize-*.log") for e in _log_events(p, "optimize.task_done")]
     generate_events = [e for p in logs.glob("generate-*.log") for e in _log_events(p, "generate.task_done")]
     staleness = [s for record in window for s in record.staleness_per_sample()]
+    token_means = [r.token_staleness_mean for r in window if r.token_staleness_mean is not None]
+    stale_events = [e for e in generate_events if e.get("status") == "stale"]
     rewards = [r.reward_mean for r in records if r.reward_mean is not None]
     trained_steps = [e for e in optimize_events if "step_s" in e]
     gen_timings = [e.get("timings", {}) for e in generate_events if e.get("status") == "admitted"]
@@ -300,6 +331,12 @@ def summarize_system(
         "generator_busy_share": round(_busy_share(generate_events, start, end, generate_workers), 3),
         "staleness_mean": round(sum(staleness) / max(len(staleness), 1), 3),
         "staleness_max": max(staleness, default=0),
+        # Per token (a sequence that followed newer versions is fresher than its rollout), over the tokens trained.
+        "token_staleness_mean": round(sum(token_means) / len(token_means), 3) if token_means else None,
+        "token_staleness_max": max((r.token_staleness_max or 0 for r in window), default=0),
+        "masked_stale_tokens": sum(r.masked_stale_tokens or 0 for r in records),
+        "completion_length_mean": _mean([r.completion_length_mean for r in window if r.completion_length_mean]),
+        "versions_followed": sum(int(e.get("versions_followed", 0)) for e in generate_events),
         "reward_first10": _mean(rewards[:10]),
         "reward_last10": _mean(rewards[-10:]),
         "breakdown_s": {  # mean seconds per optimize task (trained steps) and per admitted generate task
@@ -318,7 +355,9 @@ def summarize_system(
             "score": _per_task([float(t["score_s"]) for t in gen_timings if "score_s" in t]),
         },
         "generate_tasks": len(generate_events),
-        "generate_tasks_stale": sum(1 for e in generate_events if e.get("status") == "stale"),
+        "generate_tasks_stale": len(stale_events),
+        # Sampled, then thrown away as stale: their prompts are generated again.
+        "regenerated_tokens": sum(int(e.get("tokens", 0)) for e in stale_events),
     }
 
 
@@ -392,11 +431,14 @@ def main() -> None:
             steps = args.steps or workload.steps
             if workload_name == "tiny":
                 base = str(ensure_tiny_model(cache_dir=workdir / "cache"))
+            elif workload_name == "longtail":
+                base = str(build_compute_model(workdir / "longtail-model", vocab_fillers=LONGTAIL_FILLERS))
             else:
                 base = str(build_compute_model(workdir / "compute-model"))
             for name in args.configs.split(","):
-                staleness, gen_workers, queue, adaptive = CONFIGS.get(name, (0, 0, 16, True))
-                toml = config_toml(base, workload, steps, staleness, queue, adaptive)
+                system = CONFIGS.get(name, System(0, 0))
+                gen_workers = system.generate_workers
+                toml = config_toml(base, workload, steps, system)
                 started = time.monotonic()
                 if name == "sync":
                     path = workdir / f"{workload_name}-sync.toml"
@@ -411,8 +453,10 @@ def main() -> None:
                     line = {
                         "workload": workload_name,
                         "config": name,
-                        "max_staleness": staleness,
+                        "max_staleness": system.max_staleness,
                         "generate_workers": gen_workers,
+                        "inflight_versions": system.inflight_versions,
+                        "stale_tokens": system.stale_tokens,
                         "bucket": args.bucket,
                         **summarize_system(records, logs, gen_workers, 64, workload.warmup_steps),
                     }
@@ -440,6 +484,9 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
             for reference in ("s0", "sync"):
                 if rate(config) and rate(reference):
                     figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
+        for config, reference in (("follow", "keep"), ("follow", "s0x2"), ("keep", "s0x2"), ("follow", "sync")):
+            if rate(config) and rate(reference):
+                figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
         if rate("s4") and rate("s4full"):
             figures["s4_throughput_over_s4full"] = round(rate("s4") / rate("s4full"), 3)
             figures["s4_staleness_mean"] = by_config["s4"]["staleness_mean"]

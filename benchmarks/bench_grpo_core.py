@@ -147,7 +147,7 @@ def _make_batch(backend: TransformersBackend, args: argparse.Namespace, long: bo
     rows = [ids for ids in prompt_ids for _ in range(args.group)]
     eos = -1 if long else backend.eos_token_id  # -1: never stop early, so completions are long
     with torch.no_grad():
-        tokens, logprobs = sample_completions(
+        tokens, logprobs, _ = sample_completions(
             backend._select("v0"),
             rows,
             max_completion_length=args.max_completion_length,

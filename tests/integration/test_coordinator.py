@@ -200,7 +200,8 @@ def test_publish_without_a_claimed_step_is_refused(coord: Coordinator) -> None:
 # ---- submit: staleness, duplicates, bad input ----
 
 
-def test_stale_rollout_is_refused_and_its_prompts_dispatched_again(coord: Coordinator) -> None:
+def _leased_two_versions_ago(coord: Coordinator) -> dict:
+    """A generate task leased on v0, not submitted while the run went on to v2."""
     started(coord)
     late = coord.dispatcher.generate[0]
     lease_task(coord, late)  # on v0
@@ -208,6 +209,11 @@ def test_stale_rollout_is_refused_and_its_prompts_dispatched_again(coord: Coordi
     advance_version(coord, submitted)
     advance_version(coord, submitted)
     assert coord.current_version() == 2
+    return late
+
+
+def test_stale_rollout_is_refused_and_its_prompts_dispatched_again(coord: Coordinator) -> None:
+    late = _leased_two_versions_ago(coord)
     with pytest.raises(StaleRolloutError, match="rollout v0 is 2 versions behind v2"):
         coord.submit(submission(coord, late, version=0))
     for group in late["groups"]:
@@ -233,13 +239,7 @@ def test_a_rollout_that_followed_newer_versions_is_as_stale_as_its_oldest_token_
     window. Dropped and requeued by default; with async.stale_tokens = "mask" admitted, buffered at its newest
     token's version (what the claim checks), the trainer masking the older tokens."""
     coord = make_coordinator(redis_client, file_bucket(tmp_path), config=small_config(stale_tokens=stale_tokens))
-    started(coord)
-    late = coord.dispatcher.generate[0]
-    lease_task(coord, late)  # on v0
-    submitted = {late["task_id"]}
-    advance_version(coord, submitted)
-    advance_version(coord, submitted)
-    assert coord.current_version() == 2
+    late = _leased_two_versions_ago(coord)
     followed = submission(coord, late, version=0).model_copy(update={"newest_version": 2})
     if stale_tokens == "mask":  # unmasked, the newest token decides nothing
         with pytest.raises(BadRollout, match="v3 is newer than the current version v2"):

@@ -231,7 +231,7 @@ class TransformersBackend:
         model = self._select(adapter)
         start_version = self.adapter_version(adapter) if adapter is not None else -1
         rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]
-        tokens, logprobs, step_versions = sample_following(
+        tokens, logprobs, step_versions = sample_completions(
             model,
             rows,
             max_completion_length=max_completion_length,
@@ -268,7 +268,7 @@ class TransformersBackend:
         model = self._select(adapter)
         # One batch to the longest budget; a row's tokens past its own budget are dropped (its earlier tokens and
         # their logprobs do not depend on them).
-        tokens, logprobs = sample_completions(
+        tokens, logprobs, _ = sample_completions(
             model,
             sequences,
             max_completion_length=max(max_completion_lengths),
@@ -368,42 +368,15 @@ def sample_completions(
     eos_token_id: int,
     pad_token_id: int,
     device: torch.device,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample one completion per row; returns token ids (EOS included) and their sampling logprobs.
-
-    ``model`` is a causal LM (or PeftModel) in eval mode; call under ``torch.no_grad()``.
-    """
-    tokens, logprobs, _ = sample_following(
-        model,
-        prompt_rows,
-        max_completion_length=max_completion_length,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        device=device,
-    )
-    return tokens, logprobs
-
-
-def sample_following(
-    model: torch.nn.Module,
-    prompt_rows: list[list[int]],
-    *,
-    max_completion_length: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    device: torch.device,
     version: int = -1,
     follow: Follow | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[int]]:
-    """``sample_completions`` that may move onto newer versions: ``follow`` is asked between two decode steps,
-    and on a newer version every row's cache is computed again under it (see the module docstring). Also
-    returns the version that sampled each decode step (``version`` until the first switch)."""
+    """Sample one completion per row; returns token ids (EOS included), their sampling logprobs, and the version
+    that sampled each decode step (``version`` until the first switch).
+
+    ``model`` is a causal LM (or PeftModel) in eval mode; call under ``torch.no_grad()``. ``follow`` is asked
+    between two decode steps; on a newer version every row's cache is computed again under it (see the module
+    docstring)."""
     batch = len(prompt_rows)
     width = max(len(ids) for ids in prompt_rows)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)

@@ -54,7 +54,7 @@ def synchronous_grpo(
         prompt_ids = policy.encode_prompts([r["prompt"] for r in batch])
         rows = [ids for ids in prompt_ids for _ in range(group_size)]
         with torch.no_grad():
-            tokens, logprobs = sample_completions(
+            tokens, logprobs, _ = sample_completions(
                 trainer.model,
                 rows,
                 max_completion_length=config.sampling.max_completion_length,
