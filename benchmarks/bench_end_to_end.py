@@ -28,7 +28,8 @@ Configurations:
   measures (``s4``) and with that sizing off, so the buffer stays full (``s4full``).
 - ``keep`` / ``follow`` / ``s0x2``: two generate workers; ``max_staleness = 1`` keeping each task's leased
   version, the same following new versions mid-generation (``async.inflight_versions = "follow"``, tokens older
-  than the window masked: ``async.stale_tokens = "mask"``), and ``max_staleness = 0`` (their synchronous mode).
+  than the window masked: ``async.stale_tokens = "mask"``), and ``max_staleness = 0`` (their synchronous mode);
+  ``follow0``: ``max_staleness = 0`` following new versions, older tokens masked.
 
 Each configuration prints one JSON line: completions/s and steps/s over the steps after a warm-up, trainer
 and generator busy shares (task time over wall time, from the workers' own log lines), mean and max
@@ -116,6 +117,9 @@ CONFIGS: dict[str, System] = {
     "keep": System(1, 2),
     "follow": System(1, 2, inflight_versions="follow", stale_tokens="mask"),
     "s0x2": System(0, 2),
+    # max_staleness = 0 following new versions: a task in flight at a publish moves onto the new version, and
+    # its older tokens are masked instead of the whole rollout being dropped and sampled again.
+    "follow0": System(0, 2, inflight_versions="follow", stale_tokens="mask"),
 }
 
 
@@ -484,7 +488,8 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
             for reference in ("s0", "sync"):
                 if rate(config) and rate(reference):
                     figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
-        for config, reference in (("follow", "keep"), ("follow", "s0x2"), ("keep", "s0x2"), ("follow", "sync")):
+        pairs = (("follow", "keep"), ("follow", "s0x2"), ("keep", "s0x2"), ("follow0", "s0x2"), ("follow", "sync"))
+        for config, reference in pairs:
             if rate(config) and rate(reference):
                 figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
         if rate("s4") and rate("s4full"):
