@@ -224,13 +224,13 @@ class FileBucket(Bucket):
         if path.is_dir():
             raise BucketError(f"cannot store bucket key {key!r}: it is a folder of other keys")
         # A concurrent delete may prune the freshly made (empty) parent folder; make it again then.
-        for attempt in range(3):
+        for attempt in range(_MKDIR_ATTEMPTS):
             self._make_parent(path, key)
             temp = temp_sibling(path)
             try:
                 handle = open(temp, "xb")  # noqa: SIM115 - closed by the with below, before the rename
             except FileNotFoundError:
-                if attempt == 2:
+                if attempt == _MKDIR_ATTEMPTS - 1:
                     raise
                 continue
             try:
