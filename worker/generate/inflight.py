@@ -89,9 +89,13 @@ class Follower:
         self.offers = offers
         self.switches = 0
         """Versions this task moved onto (for its figures)."""
+        self._scanned = False  # the cache was looked through: while the task holds the lock only offers add to it
 
     def newer(self, version: int) -> tuple[str, int] | None:
         staged = self.offers.take(self.run, version) if self.offers is not None else None
+        if staged is None and self._scanned:
+            return None  # asked at every decode step: nothing new unless an offer came
+        self._scanned = True
         if staged is not None:
             try:
                 path = self.cache.get(staged.version, staged.manifest_sha256, staged=staged.path)

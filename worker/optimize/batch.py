@@ -129,11 +129,9 @@ def corrects(rollout: Rollout, setting: bool | None) -> bool:
     return setting if setting is not None else rollout.extra.sampler == "vllm"
 
 
-def _window_mask(
-    mask: list[bool] | None, versions: list[int], oldest_trained: int | None
-) -> tuple[list[bool] | None, int]:
+def _window_mask(mask: list[bool] | None, versions: list[int], oldest_trained: int) -> tuple[list[bool] | None, int]:
     """``mask`` with the model tokens older than ``oldest_trained`` turned off, and how many were."""
-    if oldest_trained is None or not versions or min(versions) >= oldest_trained:
+    if not versions or min(versions) >= oldest_trained:
         return mask, 0
     flags = mask or [True] * len(versions)
     kept = [model and version >= oldest_trained for model, version in zip(flags, versions, strict=True)]
@@ -153,8 +151,10 @@ def build_train_samples(
         corrected = corrects(rollout, loss.vllm_importance_sampling_correction) if loss else False
         for sample in rollout.samples:
             truncated = sample.finish_reason == "length"
-            versions = sample.token_versions or [rollout.version] * len(sample.completion_token_ids)
-            mask, masked = _window_mask(sample.completion_mask, versions, oldest_trained)
+            mask, masked = sample.completion_mask, 0
+            if oldest_trained is not None:
+                versions = sample.token_versions or [rollout.version] * len(sample.completion_token_ids)
+                mask, masked = _window_mask(sample.completion_mask, versions, oldest_trained)
             samples.append(
                 TrainSample(
                     prompt_token_ids=sample.prompt_token_ids,
