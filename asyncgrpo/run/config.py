@@ -326,6 +326,20 @@ class LossConfig(_Section):
         "epsilon_high), so a negative advantage cannot weigh without bound. Unset: off. The clipped loss types "
         "only.",
     )
+    decoupled: bool = Field(
+        False,
+        description="Decoupled PPO (AReaL): clip the ratio to the proximal policy (the weights right before the "
+        "update) instead of to the behaviour policy that sampled, and weigh each token by its behavior weight "
+        "exp(proximal - behaviour) (no gradient), so a stale sample is corrected without its staleness eating "
+        "the clip range. The clipped loss types only (dapo, grpo, dr_grpo, bnpo, luspo).",
+    )
+    behavior_weight_cap: float | None = Field(
+        None,
+        gt=1.0,
+        le=100.0,
+        description="With decoupled: a token whose behavior weight exceeds this leaves the policy term (weight 0; "
+        "the normalisers still count it). Unset: no cap.",
+    )
     sapo_temperature_pos: float = Field(
         1.0, gt=0.0, le=100.0, description="sapo: temperature of the gate on tokens with a positive advantage."
     )
@@ -431,6 +445,17 @@ class LossConfig(_Section):
             raise ValueError(
                 f"loss.vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the weight: "
                 "set loss.vllm_importance_sampling_clip_min or loss.vllm_importance_sampling_clip_max"
+            )
+        if self.decoupled and self.loss_type in ("cispo", "sapo", "vespo"):
+            raise ValueError(
+                f"loss.decoupled = true clips the ratio to the proximal policy, and loss.loss_type="
+                f"{self.loss_type!r} has no clipped ratio: set loss.loss_type to dapo, grpo, dr_grpo, bnpo or luspo, "
+                "or loss.decoupled = false"
+            )
+        if self.behavior_weight_cap is not None and not self.decoupled:
+            raise ValueError(
+                f"loss.behavior_weight_cap={self.behavior_weight_cap} caps the decoupled behavior weight, but "
+                "loss.decoupled is false: set loss.decoupled = true, or unset loss.behavior_weight_cap"
             )
         if self.loss_type == "cispo" and self.epsilon_high == 0:
             raise ValueError("loss.loss_type='cispo' caps the weight at loss.epsilon_high: set it above 0 (TRL: 5.0)")

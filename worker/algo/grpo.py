@@ -30,6 +30,25 @@ TRL's option names and defaults; ``tests/unit/worker/test_loss_trl.py`` holds it
                                when ``A >= 0``, else the ``vespo_*_neg`` pair (``phi`` non-finite -> 0)
   ===========================  ========================================================================
 
+* **Decoupled PPO** (AReaL; not in TRL), for the clipped types only, when ``proximal_logprobs`` (the policy
+  right before this update, ``prox``) is given: the ratio that is clipped is taken against it, and the
+  behaviour policy enters through a weight with no gradient:
+
+  ===========================  ========================================================================
+  factor                       definition
+  ===========================  ========================================================================
+  clipped ratio ``r``          ``exp(logprobs - prox)``: the per-token loss is the clipped row above
+                               with ``r`` in place of ``w`` (``r' = min(r, delta)`` likewise)
+  behavior weight ``b``        ``sg(exp(prox - behavior_logprobs))``, multiplying that per-token loss
+  ``behavior_weight_cap``      a token with ``b > cap`` gets weight 0 (it leaves the policy term but
+                               still counts in the denominators, like the masks below); None: no cap
+  ===========================  ========================================================================
+
+  So ``r * b = w``, and with ``prox = behavior_logprobs`` (``b = 1``) it is the plain clipped loss.
+  ``importance_sampling_level="sequence"`` forms ``r`` and ``b`` alike per sequence (``exp`` of the masked
+  mean log ratio), a capped ``b`` dropping its whole sequence. ``w`` itself still drives what it drives
+  below (the KL factor, the ``kl`` figure); the masks and the correction weight apply as to any clipped type.
+
   Then, in TRL's order: sequences dropped by the **off-policy mask** (DeepSeek-V3.2: a sequence with
   ``A < 0`` whose mean of ``sampling_logprobs - logprobs`` (``behavior_logprobs`` when no
   ``sampling_logprobs``; NaN counts 0) exceeds ``off_policy_mask_threshold``) lose their policy term;
@@ -69,9 +88,12 @@ TRL's option names and defaults; ``tests/unit/worker/test_loss_trl.py`` holds it
 * **Diagnostics** (no gradient; masked token means unless said otherwise): ``ratio`` (mean ``w``, a sequence
   weight counted once per token), ``kl`` (k3 of the behaviour policy against the current one, ``exp(beh -
   logp) - (beh - logp) - 1``), ``clip_low`` (``w < lo`` with ``A < 0``), ``clip_high`` (``w > hi`` with
-  ``A > 0``; ``w`` after the ``delta`` cap, as TRL), ``clip_region`` (either). For ``cispo``, ``clip_high``
-  is TRL's ``cispo_clip_ratio`` (``w > epsilon_high`` with ``A > 0``), ``clip_low`` is 0; ``sapo`` and
-  ``vespo`` clip nothing, their three figures are the trust-region drift a clipped loss would have clipped.
+  ``A > 0``; ``w`` after the ``delta`` cap, as TRL), ``clip_region`` (either); decoupled, ``ratio`` and the
+  three clip figures are of ``r`` instead of ``w``, and ``behavior_weight_mean`` (mean ``b``, before the
+  cap) and ``behavior_weight_masked`` (the share of tokens the cap dropped) are added. For ``cispo``,
+  ``clip_high`` is TRL's ``cispo_clip_ratio`` (``w > epsilon_high`` with ``A > 0``), ``clip_low`` is 0;
+  ``sapo`` and ``vespo`` clip nothing, their three figures are the trust-region drift a clipped loss would
+  have clipped.
   ``entropy`` of the token distribution when ``entropy`` or ``logits`` (already divided by the temperature)
   are given, ``kl_ref`` (the KL term as added, so with the ``w`` factor under ``use_bias_correction_kl``)
   when ``beta > 0``. ``tokens`` is the masked token count. With the off-policy mask: ``off_policy_masked``,
@@ -185,6 +207,21 @@ def _check_options(
         raise ValueError(f"micro_batches={micro_batches!r} is not allowed; use an integer >= 1")
 
 
+def _check_decoupled(loss_type: str, decoupled: bool, behavior_weight_cap: float | None) -> None:
+    """A ValueError naming the option for a decoupled call outside the clipped types, or a cap without one."""
+    if decoupled and loss_type in ("cispo", "sapo", "vespo"):
+        raise ValueError(
+            f"proximal_logprobs (decoupled) needs a clipped loss_type; loss_type={loss_type!r} has no clipped "
+            "ratio: use one of dapo, grpo, dr_grpo, bnpo, luspo, or do not pass proximal_logprobs"
+        )
+    if behavior_weight_cap is not None and not decoupled:
+        raise ValueError(
+            f"behavior_weight_cap={behavior_weight_cap!r} caps the decoupled behavior weight: pass "
+            "proximal_logprobs, or leave behavior_weight_cap None"
+        )
+    _require("behavior_weight_cap", behavior_weight_cap, "None or a number > 1", lambda x: x > 1, optional=True)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -197,6 +234,8 @@ def policy_loss(
     max_completion_length: int | None = None,
     importance_sampling_level: ImportanceSamplingLevel = "token",
     delta: float | None = None,
+    proximal_logprobs: torch.Tensor | None = None,
+    behavior_weight_cap: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     vespo_k_pos: float = 2.0,
@@ -222,10 +261,11 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO-family policy loss of one micro-batch and its diagnostics (see the module docstring).
 
-    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``sampling_logprobs`` (the
-    generator's own logprobs of the sampled tokens) and ``entropy`` are (B, T); ``advantages`` is (B,) (or
-    (B, 1)); ``importance_sampling_ratio`` is (B, T) or (B, 1); ``logits`` (optional, for the entropy) is
-    (B, T, V) and already divided by the temperature. ``logprobs`` carries the gradient; nothing else does.
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``proximal_logprobs``, ``mask``, ``ref_logprobs``,
+    ``sampling_logprobs`` (the generator's own logprobs of the sampled tokens) and ``entropy`` are (B, T);
+    ``advantages`` is (B,) (or (B, 1)); ``importance_sampling_ratio`` is (B, T) or (B, 1); ``logits``
+    (optional, for the entropy) is (B, T, V) and already divided by the temperature. ``logprobs`` carries the
+    gradient; nothing else does.
     ``max_completion_length`` is needed by ``dr_grpo`` only (default T). ``step_tokens`` / ``step_sequences``
     are the masked-token / sequence counts of the whole optimizer step (default: this micro-batch's);
     ``micro_batches`` divides ``bnpo`` as TRL's gradient accumulation does.
@@ -233,6 +273,9 @@ def policy_loss(
     ``vllm_importance_sampling_correction=True`` applies the correction weight: ``importance_sampling_ratio``
     when given, else the one ``vllm_importance_sampling_mode`` / ``_clip_min`` / ``_clip_max`` make of
     ``sampling_logprobs``. ``top_entropy_quantile < 1`` needs ``entropy`` or ``logits``.
+
+    ``proximal_logprobs`` (the policy right before this update; a clipped ``loss_type`` only) turns on the
+    decoupled objective, ``behavior_weight_cap`` (> 1, or None) its cap on the behavior weight.
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     _check_options(
@@ -256,11 +299,13 @@ def policy_loss(
         vllm_importance_sampling_clip_max,
         micro_batches,
     )
+    _check_decoupled(loss_type, proximal_logprobs is not None, behavior_weight_cap)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (B, T); got shape {tuple(logprobs.shape)}")
     batch, width = logprobs.shape
     for name, tensor in (
         ("behavior_logprobs", behavior_logprobs),
+        ("proximal_logprobs", proximal_logprobs),
         ("mask", mask),
         ("sampling_logprobs", sampling_logprobs),
         ("entropy", entropy),
@@ -301,6 +346,8 @@ def policy_loss(
 
     _check_finite("logprobs", logprobs.detach(), mask)
     _check_finite("behavior_logprobs", behavior_logprobs, mask)
+    if proximal_logprobs is not None:
+        _check_finite("proximal_logprobs", proximal_logprobs.detach(), mask)
     if not torch.isfinite(advantages).all():
         raise NonFiniteError("advantages has NaN or infinite values")
     if beta > 0.0:
@@ -327,6 +374,18 @@ def policy_loss(
     else:
         log_weight = log_ratio
     weight = torch.exp(log_weight)  # coef_1: (B, T) or (B, 1)
+    ratio = weight  # the ratio the clipped types clip
+    behavior_weight = None  # decoupled: (B, T) or (B, 1), no gradient
+    if proximal_logprobs is not None:
+        proximal_m = torch.where(mask, proximal_logprobs.detach().to(dtype), zero)
+        log_ratio_proximal = logprobs_m - proximal_m
+        log_behavior_weight = proximal_m - behavior_m
+        if importance_sampling_level == "sequence":
+            lengths = token_counts.clamp(min=1).to(dtype)
+            log_ratio_proximal = log_ratio_proximal.sum(dim=1, keepdim=True) / lengths
+            log_behavior_weight = log_behavior_weight.sum(dim=1, keepdim=True) / lengths
+        ratio = torch.exp(log_ratio_proximal)
+        behavior_weight = torch.exp(log_behavior_weight)
 
     extra: dict[str, torch.Tensor] = {}  # 0-dim diagnostics, read back with the token means in one sync
     keep_sequence = None
@@ -389,7 +448,8 @@ def policy_loss(
         if use_bias_correction_kl:
             per_token_ref_kl = per_token_ref_kl * weight  # the sequence weight broadcasts at "sequence" level
 
-    clip_weight = weight  # the weight the clip figures are judged on
+    clip_weight = ratio  # the weight the clip figures are judged on
+    behavior_weight_dropped = None
     if loss_type == "cispo":
         capped = torch.clamp(weight, max=epsilon_high).detach()
         per_token = -capped * adv * logprobs_m
@@ -408,10 +468,17 @@ def policy_loss(
         )
         per_token = -phi * adv * logprobs_m
     else:  # the clipped surrogate
-        clipped = torch.clamp(weight, 1.0 - epsilon_low, 1.0 + epsilon_high)
+        clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
         if delta is not None:
-            clip_weight = torch.clamp(weight, max=delta)
+            clip_weight = torch.clamp(ratio, max=delta)
         per_token = -torch.min(clip_weight * adv, clipped * adv)
+        if behavior_weight is not None:
+            applied = behavior_weight
+            if behavior_weight_cap is not None:
+                behavior_weight_dropped = behavior_weight > behavior_weight_cap
+                # Zero the weight itself, not the product: an overflowed b (inf) would make a NaN gradient.
+                applied = torch.where(behavior_weight_dropped, zero, behavior_weight)
+            per_token = per_token * applied
     per_token = per_token.expand(batch, width)
     if keep_sequence is not None:
         per_token = torch.where(keep_sequence, per_token, zero)
@@ -455,13 +522,23 @@ def policy_loss(
         is_high = (clip_weight > 1.0 + epsilon_high) & (adv > 0)
     stats = _loss_stats(
         {
-            "ratio": weight.detach().expand(batch, width),
+            "ratio": ratio.detach().expand(batch, width),
             "kl": torch.exp(-log_ratio.detach()) + log_ratio.detach() - 1.0,
             "clip_low": is_low.expand(batch, width),
             "clip_high": is_high.expand(batch, width),
             "clip_region": (is_low | is_high).expand(batch, width),
             **({"entropy": entropy} if entropy is not None else {}),
             **({"kl_ref": per_token_ref_kl.detach()} if per_token_ref_kl is not None else {}),
+            **(
+                {
+                    "behavior_weight_mean": behavior_weight.expand(batch, width),
+                    "behavior_weight_masked": (
+                        torch.zeros_like(mask) if behavior_weight_dropped is None else behavior_weight_dropped
+                    ).expand(batch, width),
+                }
+                if behavior_weight is not None
+                else {}
+            ),
         },
         extra,
         mask,

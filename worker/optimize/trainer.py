@@ -122,17 +122,20 @@ def _ratio_sums(logprobs: torch.Tensor, batch: MicroBatch) -> list[RatioSums]:
 
 
 _FIGURES = ("ratio", "kl", "clip_low", "clip_high", "clip_region", "entropy")
-"""The token-weighted figures of an update (``worker.algo.grpo``'s stats; ``kl_ref`` too when beta > 0)."""
+"""The token-weighted figures of an update (``worker.algo.grpo``'s stats; ``kl_ref`` too when beta > 0). The
+decoupled ``behavior_weight_*`` stats are not among them: the stored update record has no field for them."""
 
 
 def loss_options(loss: LossConfig) -> dict[str, Any]:
-    """The ``policy_loss`` keywords a run's ``[loss]`` table fixes, under their shared (TRL) names."""
+    """The ``policy_loss`` keywords a run's ``[loss]`` table fixes, under their shared names (TRL's where TRL has
+    the option); ``loss.decoupled`` is the trainer's to apply (it passes ``proximal_logprobs``)."""
     names = (
         "loss_type",
         "epsilon_low",
         "epsilon_high",
         "importance_sampling_level",
         "delta",
+        "behavior_weight_cap",
         "sapo_temperature_pos",
         "sapo_temperature_neg",
         "vespo_k_pos",
@@ -493,6 +496,9 @@ class Trainer:
             logprobs, entropy = batch.completion_view(logprobs), batch.completion_view(entropy)
             # A fresh corrected sample's denominator is this very forward under the version that sampled it.
             denominator = torch.where(batch.from_forward.unsqueeze(1), logprobs.detach(), batch.denominator)
+            # Decoupled: the proximal policy is the weights this update starts from, i.e. this very forward
+            # (one optimizer update per forward, weights unchanged between its micro-batches).
+            proximal = logprobs.detach() if loss_cfg.decoupled else None
             try:
                 loss, stats = policy_loss(
                     logprobs,
@@ -501,6 +507,7 @@ class Trainer:
                     batch.loss_mask,
                     **self._loss_options,
                     max_completion_length=self.max_completion_length,
+                    proximal_logprobs=proximal,
                     ref_logprobs=reference,
                     entropy=entropy,
                     sampling_logprobs=batch.behavior_logprobs if correcting else None,

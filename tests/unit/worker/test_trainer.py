@@ -252,18 +252,24 @@ LOSS_EDGES = [
     {"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_min": 0.0,
      "vllm_importance_sampling_clip_max": None},
     {"vllm_importance_sampling_clip_max": None, "beta": 100.0, "use_bias_correction_kl": False},
+    {"loss_type": "luspo", "decoupled": True, "behavior_weight_cap": 1.0 + 1e-6,
+     "importance_sampling_level": "sequence"},
+    {"decoupled": True, "behavior_weight_cap": 100.0, "delta": 100.0},
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("edge", LOSS_EDGES, ids=lambda edge: ",".join(edge))
 def test_a_loss_table_the_config_accepts_the_loss_accepts(edge: dict[str, object]) -> None:
-    options = loss_options(LossConfig(**edge))
+    config = LossConfig(**edge)
+    options = loss_options(config)
     torch.manual_seed(0)
     logprobs = -torch.rand(3, 4, requires_grad=True)
     ones = torch.ones(3, 4, dtype=torch.bool)
+    proximal = logprobs.detach() if config.decoupled else None  # as the trainer passes it
     loss, _ = policy_loss(
         logprobs, -torch.rand(3, 4), torch.randn(3), ones, **options, ref_logprobs=-torch.rand(3, 4),
         entropy=torch.rand(3, 4), sampling_logprobs=-torch.rand(3, 4), vllm_importance_sampling_correction=True,
+        proximal_logprobs=proximal,
     )  # fmt: skip
     assert torch.isfinite(loss)
 
