@@ -107,11 +107,14 @@ class RolloutExtra(_Stored):
     agent: AgentStats | None = None
     """Per sample, what its conversation did, for an ``[agent]`` run (``worker.generate.agent``); None (and not
     written) otherwise."""
+    resumed_tokens: int | None = Field(None, ge=0)
+    """Completion tokens continued from partial sequences an interrupted task saved (``async.partial_rollouts``;
+    ``worker.generate.partial``), not sampled by this task; None (and not written) when there were none."""
 
     @model_serializer(mode="wrap")
     def _drop_unset_prompts(self, handler: SerializerFunctionWrapHandler, _: SerializationInfo) -> dict[str, Any]:
         data = handler(self)
-        for name in ("prompts", "sampler", "agent"):
+        for name in ("prompts", "sampler", "agent", "resumed_tokens"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
@@ -132,13 +135,18 @@ class RolloutHeader(_Stored):
     task_id: str
     """The generate task that made it; the object key is named after it."""
     version: int = Field(ge=0)
-    """Adapter version the completions were sampled with (the leased one); where tokens record their own
-    versions (``async.inflight_versions = "follow"``), the oldest token's, which no token is older than."""
+    """Adapter version the completions were sampled with: the one the task leased (what the submission and the
+    claim name). Where tokens record their own versions (``async.inflight_versions = "follow"``), no token is
+    older, unless ``oldest_version`` says so."""
     worker_id: str
     """The generate worker that sampled them (named when its rescoring ratio is flagged)."""
     newest_version: int | None = Field(None, ge=0, exclude_if=lambda value: value is None)
     """Where tokens record their own versions: the newest token's (what a redelivered task submits again as
     ``RolloutSubmission.newest_version``); absent when every token is ``version``'s."""
+    oldest_version: int | None = Field(None, ge=0, exclude_if=lambda value: value is None)
+    """Where a sequence continues a partial one an earlier task saved (``async.partial_rollouts``): the oldest
+    token's version, older than ``version``, which no token is older than (what a redelivered task submits
+    again as ``RolloutSubmission.oldest_version``); absent when no token is older than ``version``."""
     groups: list[GroupRef]
     """The task's accepted prompt groups, in sample order."""
     finish_reasons: list[str]

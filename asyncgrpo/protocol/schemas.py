@@ -225,6 +225,10 @@ class RolloutSubmission(_Request):
     """The version of the rollout's newest token where its sequences followed newer versions
     (``async.inflight_versions = "follow"``); None: every token is ``version``'s. With ``async.stale_tokens =
     "mask"`` admission and claim check this one, and the trainer masks the tokens older than the window."""
+    oldest_version: Count | None = None
+    """The version of the rollout's oldest token where a sequence continues a partial one an earlier task saved
+    (``async.partial_rollouts``), older than ``version``; None: no token is older than ``version``. Admission
+    and claim check this one (with ``async.stale_tokens = "drop"``), not the leased ``version``."""
 
 
 class PublishRequest(_Request):

@@ -2,8 +2,9 @@
 
 A rollout made with version ``n`` is admitted iff ``current - n <= async.max_staleness`` (invariant 2);
 a stale one is counted and its prompts are requeued. ``n`` is the rollout's oldest token's version (the one
-it leased); with ``async.stale_tokens = "mask"``, its newest token's, and the trainer masks the tokens older
-than the window (``window_version``). The buffered rollout keeps ``n`` as its version, which the claim checks.
+it leased, or an older one where it continues a partial sequence an earlier task saved); with
+``async.stale_tokens = "mask"``, its newest token's, and the trainer masks the tokens older than the window
+(``window_version``). The buffered rollout keeps ``n`` as its version, which the claim checks.
 
 Groups the worker rejected (bad input) end with a normalised reason; groups the submission does not mention end
 as ``missing_from_rollout``. The snapshot is written before the worker hears "admitted", so an admitted rollout
@@ -72,6 +73,12 @@ class RolloutIntake:
                 f"rollout of task {submission.task_id}: newest_version v{newest} is older than its version "
                 f"v{submission.version} (the version it leased, its oldest token's)"
             )
+        oldest = submission.oldest_version
+        if oldest is not None and oldest >= submission.version:
+            raise BadRollout(
+                f"rollout of task {submission.task_id}: oldest_version v{oldest} is not older than its version "
+                f"v{submission.version}; send oldest_version only for tokens older than the leased version"
+            )
         ref = {
             "task_id": submission.task_id,
             "key": submission.key,
@@ -98,10 +105,11 @@ class RolloutIntake:
 
     def window_version(self, submission: RolloutSubmission) -> int:
         """The version whose staleness decides the rollout's admission and claim: its oldest token's (the leased
-        ``version``), or with ``async.stale_tokens = "mask"`` its newest token's (the older ones are masked)."""
-        if self.config.stale_tokens == "mask" and submission.newest_version is not None:
-            return submission.newest_version
-        return submission.version
+        ``version``, or ``oldest_version`` where a sequence continues an older partial one), or with
+        ``async.stale_tokens = "mask"`` its newest token's (the older ones are masked)."""
+        if self.config.stale_tokens == "mask":
+            return submission.newest_version if submission.newest_version is not None else submission.version
+        return submission.oldest_version if submission.oldest_version is not None else submission.version
 
     async def submit(self, submission: RolloutSubmission, scripts: LoopScripts) -> SubmitResult:
         """Admit a rollout iff it is fresh and bound to its lease; raises StaleRolloutError, TaskCancelled,
@@ -129,4 +137,4 @@ class RolloutIntake:
         return SubmitResult(status="admitted" if reply.code == "OK" else "duplicate")
 
     def _stale(self, submission: RolloutSubmission, stale: RolloutTooStale) -> StaleRolloutError:
-        return StaleRolloutError(submission.version, stale.current, self.config.max_staleness)
+        return StaleRolloutError(self.window_version(submission), stale.current, self.config.max_staleness)

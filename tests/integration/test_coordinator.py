@@ -261,6 +261,39 @@ def test_a_rollout_that_followed_newer_versions_is_as_stale_as_its_oldest_token_
     assert '"version":0' in coord.redis.hget(coord.keys.rollout(late["task_id"]), "ref")
 
 
+@pytest.mark.parametrize("stale_tokens", ["drop", "mask"])
+def test_a_rollout_that_continues_older_partial_sequences_is_as_stale_as_its_oldest_token(
+    redis_client: Redis, tmp_path: Path, stale_tokens: str
+) -> None:
+    """Handed back after sampling on v0, the task is leased again on v2 by another worker, which continues the
+    saved sequences (async.partial_rollouts): its tokens go back to v0, older than the window of v2 at
+    max_staleness 1. Judged by that oldest token by default; with "mask" by its newest, the leased version."""
+    coord = make_coordinator(redis_client, file_bucket(tmp_path), config=small_config(stale_tokens=stale_tokens))
+    late = _leased_two_versions_ago(coord)
+    lease_task(coord, late, worker_id="gen-2")  # on v2
+    continued = submission(coord, late, version=2, worker_id="gen-2").model_copy(update={"oldest_version": 0})
+    with pytest.raises(BadRollout, match="oldest_version v2 is not older than its version v2"):
+        coord.submit(continued.model_copy(update={"oldest_version": 2}))
+    if stale_tokens == "drop":
+        with pytest.raises(StaleRolloutError, match="rollout v0 is 2 versions behind v2"):
+            coord.submit(continued)
+        assert coord.status().counters["rollouts_stale"] == 1
+        return
+    assert coord.submit(continued).status == "admitted"
+    assert coord.redis.hget(coord.keys.rollout(late["task_id"]), "version") == "2"
+
+
+def test_a_rollout_whose_continued_tokens_are_inside_the_window_is_buffered_at_their_version(
+    coord: Coordinator,
+) -> None:
+    late = _leased_two_versions_ago(coord)
+    lease_task(coord, late, worker_id="gen-2")  # on v2; its saved tokens are v1's, inside the window
+    continued = submission(coord, late, version=2, worker_id="gen-2").model_copy(update={"oldest_version": 1})
+    assert coord.submit(continued).status == "admitted"
+    assert coord.redis.hget(coord.keys.rollout(late["task_id"]), "version") == "1"  # what the claim checks
+    assert {coord.group_record(g["group_id"])["version"] for g in late["groups"]} == {"1"}
+
+
 def test_fresh_rollout_admitted_once_when_submitted_twice(coord: Coordinator) -> None:
     started(coord)
     task = coord.dispatcher.generate[0]

@@ -13,12 +13,14 @@ generator writes 0.0). It is written only when some sample has a mask, so a roll
 bytes as before the field existed; absent, every completion token is the model's. A sample's mask decodes to
 None when it is all 1 (one form for "every token is the model's").
 
-Per-token versions (``async.inflight_versions = "follow"``): ``completion_versions`` (int64, aligned with
-``completion_ids``) is the adapter version that sampled each completion token; ``behavior_logprobs`` is then
-each token's logprob under its own version. The header's ``version`` is the rollout's **oldest** token's (the
-version it leased), which is what the proxy's admission and claim check: no token may be older (an error to
-write or read). Written only when some token's version differs, so a rollout of one version is the same bytes
-as before the field existed; a sample's versions decode to None when they are all the header's.
+Per-token versions (``async.inflight_versions = "follow"``, ``async.partial_rollouts``): ``completion_versions``
+(int64, aligned with ``completion_ids``) is the adapter version that sampled each completion token;
+``behavior_logprobs`` is then each token's logprob under its own version. The header's ``version`` is the one
+the task leased. No token is older than it, except the tokens a sequence continued from a partial one an
+earlier task saved (``extra.resumed_tokens``), which may be as old as the header's ``oldest_version``: an
+older token is an error to write or read. Written only when some token's version differs, so a rollout of one
+version is the same bytes as before the field existed; a sample's versions decode to None when they are all
+the header's.
 
 The header is ``asyncgrpo.protocol.records.RolloutHeader``. Only numpy, safetensors and pydantic: no torch
 needed to read or write one, and no pickle anywhere.
@@ -59,8 +61,8 @@ class RolloutSample:
     # Per completion token, whether the model sampled it (False: a tool's or environment's answer, which
     # never trains or counts); None: every completion token is the model's.
     completion_mask: list[bool] | None = None
-    # Per completion token, the version that sampled it (never older than the rollout's version); None: every
-    # token is the rollout's version.
+    # Per completion token, the version that sampled it (never older than the rollout's version, except tokens
+    # continued from a partial sequence); None: every token is the rollout's version.
     token_versions: list[int] | None = None
 
     @property
@@ -89,6 +91,11 @@ class Rollout:
         newest = max((max(s.token_versions) for s in self.samples if s.token_versions), default=self.version)
         return newest if newest > self.version else None
 
+    def oldest_version(self) -> int | None:
+        """The oldest token's version where a sequence continues an older partial one; else None."""
+        oldest = min((min(s.token_versions) for s in self.samples if s.token_versions), default=self.version)
+        return oldest if oldest < self.version else None
+
     def header(self) -> RolloutHeader:
         return RolloutHeader(
             format=ROLLOUT_FORMAT,
@@ -96,6 +103,7 @@ class Rollout:
             task_id=self.task_id,
             version=self.version,
             newest_version=self.newest_version(),
+            oldest_version=self.oldest_version(),
             worker_id=self.worker_id,
             groups=self.groups,
             finish_reasons=[sample.finish_reason for sample in self.samples],
@@ -108,7 +116,7 @@ class Rollout:
 
 def oldest_token_version(rollout: Rollout) -> int:
     """The version of the rollout's oldest token (its staleness is this one's): the header's version, unless a
-    sample's token versions say older, which the format refuses to write or read."""
+    sequence continues an older partial one (``extra.resumed_tokens``)."""
     recorded = [min(s.token_versions) for s in rollout.samples if s.token_versions]
     return min([rollout.version, *recorded])
 
@@ -131,6 +139,8 @@ def _split(flat: np.ndarray, offsets: np.ndarray) -> list[list]:
 
 def encode_rollout(rollout: Rollout) -> bytes:
     samples = rollout.samples
+    # Only tokens continued from a partial sequence may be older than the leased version.
+    floor = 0 if rollout.extra.resumed_tokens else rollout.version
     for sample in samples:
         if len(sample.completion_token_ids) != len(sample.behavior_logprobs):
             raise RolloutFormatError(
@@ -142,7 +152,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
                 f"rollout {rollout.task_id}: a completion has {len(sample.completion_token_ids)} tokens but a "
                 f"mask of {len(sample.completion_mask)}"
             )
-        _check_versions(rollout.task_id, rollout.version, len(sample.completion_token_ids), sample.token_versions)
+        _check_versions(rollout.task_id, floor, len(sample.completion_token_ids), sample.token_versions)
     prompt_ids, prompt_offsets = _flatten([s.prompt_token_ids for s in samples], np.int64)
     completion_ids, completion_offsets = _flatten([s.completion_token_ids for s in samples], np.int64)
     logprobs, _ = _flatten([s.behavior_logprobs for s in samples], np.float32)
@@ -169,16 +179,18 @@ def encode_rollout(rollout: Rollout) -> bytes:
     return save_tensors(tensors, metadata={_HEADER_FIELD: metadata})
 
 
-def _check_versions(task_id: str, version: int, tokens: int, versions: Sequence[int] | None) -> None:
-    """A sample's token versions align with its tokens and none is older than the rollout's ``version``."""
+def _check_versions(task_id: str, floor: int, tokens: int, versions: Sequence[int] | None) -> None:
+    """A sample's token versions align with its tokens and none is older than ``floor``: the rollout's version,
+    or its oldest version where sequences continue partial ones (``extra.resumed_tokens``)."""
     if versions is None:
         return
     if len(versions) != tokens:
         raise RolloutFormatError(f"rollout {task_id}: a completion has {tokens} tokens but {len(versions)} versions")
-    if versions and min(versions) < version:
+    if versions and min(versions) < floor:
         raise RolloutFormatError(
-            f"rollout {task_id}: a token was sampled by version {min(versions)}, older than the rollout's version "
-            f"{version}; the header's version must be its oldest token's"
+            f"rollout {task_id}: a token was sampled by version {min(versions)}, older than version {floor}; only "
+            "tokens continued from a partial sequence (extra.resumed_tokens) may be older than the leased version, "
+            "and none older than the header's oldest_version"
         )
 
 
@@ -228,8 +240,14 @@ def _decode_versions(header: RolloutHeader, tensors: dict[str, np.ndarray], coun
             f"({flat.shape[0] if flat.ndim else 0} values for {tensors['completion_ids'].shape[0]} tokens)"
         )
     per_sample = _split(flat, tensors["completion_offsets"])
+    if header.oldest_version is not None and not header.extra.resumed_tokens:
+        raise RolloutFormatError(
+            f"rollout {header.task_id}: oldest_version v{header.oldest_version} is older than its version, but no "
+            "token was continued from a partial sequence (extra.resumed_tokens)"
+        )
+    floor = header.oldest_version if header.oldest_version is not None else header.version
     for versions in per_sample:
-        _check_versions(header.task_id, header.version, len(versions), versions)
+        _check_versions(header.task_id, floor, len(versions), versions)
     return [None if all(v == header.version for v in versions) else versions for versions in per_sample]
 
 

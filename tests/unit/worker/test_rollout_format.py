@@ -18,6 +18,7 @@ from worker.algo.rollout import (
     decode_rollout,
     encode_rollout,
     oldest_token_version,
+    read_rollout_header,
 )
 
 MODEL, TOOL = True, False
@@ -125,7 +126,7 @@ def test_a_token_older_than_the_rollouts_version_is_refused_on_write_and_read() 
     tensors = load_tensors(encode_rollout(_with_versions([[3, 3, 4, 4, 4]])))
     metadata = {"asyncgrpo": json.dumps(_rollout([None]).header().model_dump(mode="json"), sort_keys=True)}
     for bad, match in (
-        (np.array([3, 3, 2, 4, 4], dtype=np.int64), "older than the rollout's version 3"),
+        (np.array([3, 3, 2, 4, 4], dtype=np.int64), "older than version 3"),
         (np.array([3, 3, 4], dtype=np.int64), "completion_versions must hold one version per completion token"),
     ):
         with pytest.raises(RolloutFormatError, match=match):
@@ -133,3 +134,31 @@ def test_a_token_older_than_the_rollouts_version_is_refused_on_write_and_read() 
     # In memory, where no format stands guard, the trainer's check still sees the oldest token.
     in_memory = _with_versions([[3, 1, 3, 3, 3]])
     assert oldest_token_version(in_memory) == 1
+
+
+def test_tokens_continued_from_a_partial_sequence_may_be_older_than_the_leased_version() -> None:
+    """A sequence an interrupted task began (``async.partial_rollouts``) keeps its tokens' own versions: older
+    than the version the continuing task leased, which the header records as ``oldest_version``."""
+    continued = _with_versions([[1, 1, 3, 3, 3]])
+    with pytest.raises(RolloutFormatError, match="only tokens continued from a partial sequence"):
+        encode_rollout(continued)  # not marked as continued: a bug the window check would miss
+    continued.extra = continued.extra.model_copy(update={"resumed_tokens": 2})
+    data = encode_rollout(continued)
+    header = read_rollout_header(data)
+    assert (header.version, header.oldest_version, header.extra.resumed_tokens) == (3, 1, 2)
+    decoded = decode_rollout(data)
+    assert decoded.samples[0].token_versions == [1, 1, 3, 3, 3]
+    assert oldest_token_version(decoded) == 1 and decoded.oldest_version() == 1
+    # A header that says older tokens without saying they were continued is refused on read.
+    tensors = load_tensors(data)
+    forged = header.model_copy(update={"extra": header.extra.model_copy(update={"resumed_tokens": None})})
+    metadata = {"asyncgrpo": json.dumps(forged.model_dump(mode="json"), sort_keys=True)}
+    with pytest.raises(RolloutFormatError, match="no token was continued from a partial sequence"):
+        decode_rollout(save_tensors(tensors, metadata=metadata))
+    # And no token older than the header's oldest_version.
+    older = {**tensors, "completion_versions": np.array([0, 1, 3, 3, 3], dtype=np.int64)}
+    with pytest.raises(RolloutFormatError, match="older than version 1"):
+        decode_rollout(save_tensors(older, metadata={"asyncgrpo": json.dumps(header.model_dump(mode="json"))}))
+    # A rollout of no continued tokens writes neither field.
+    plain = read_rollout_header(encode_rollout(_with_versions([[3, 3, 4, 4, 4]])))
+    assert plain.oldest_version is None and plain.extra.resumed_tokens is None
