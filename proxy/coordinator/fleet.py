@@ -137,7 +137,7 @@ class FleetRequests:
         return await self._rebuilding(lambda scripts: self.leases.renew(lease_id, scripts))
 
     async def release(self, lease_id: str) -> bool:
-        return await self._rebuilding(lambda scripts: self.leases.release(lease_id, scripts))
+        return await self._rebuilding(lambda scripts: self.leases.release(lease_id, scripts, ends_hold=True))
 
     async def submit(self, submission: RolloutSubmission) -> SubmitResult:
         """Admit a rollout iff it is fresh, durable in the bucket before it returns; raises StaleRolloutError,
@@ -154,6 +154,6 @@ class FleetRequests:
         finally:
             if release is not None:
                 # Admitted, stale or refused: the worker is done with the version either way.
-                await self.leases.release(release, scripts)
+                await self.leases.release(release, scripts, ends_hold=False)
         self.pacer.submitted(submission.task_id, submission.worker_id)
         return result

@@ -140,9 +140,11 @@ class Leases:
         reply = await scripts.renew_lease(now_ms=self.store.clock_ms(), ttl_ms=self._ttl_ms, lease_id=lease_id)
         return self._grant(lease_id, reply["version"], reply["manifest_sha256"], reply["expires_ms"])
 
-    async def release(self, lease_id: str, scripts: LoopScripts) -> bool:
-        """Drop a lease; False if it was already gone (releasing is idempotent)."""
-        return bool((await scripts.release_lease(lease_id=lease_id))["released"])
+    async def release(self, lease_id: str, scripts: LoopScripts, *, ends_hold: bool) -> bool:
+        """Drop a lease; False if it was already gone (releasing is idempotent). ``ends_hold``: the worker's own
+        release, which also ends its hold on the task (a submission's release keeps it)."""
+        reply = await scripts.release_lease(lease_id=lease_id, ends_hold="1" if ends_hold else "0")
+        return bool(reply["released"])
 
     def expire(self) -> int:
         """Forget the leases past their expiry; returns how many."""

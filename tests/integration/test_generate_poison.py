@@ -76,6 +76,31 @@ def test_task_of_a_silent_lease_holder_is_cancelled_at_once(coord: Coordinator, 
         coord.lease("gen-other", dead_task["task_id"])
 
 
+def test_a_task_handed_back_before_its_worker_exits_is_not_cancelled_as_the_dead_workers(
+    coord: Coordinator, clock: ManualClock
+) -> None:
+    """A preempted worker releases its lease and requeues the message, then exits: its silence must not cancel
+    the task and count an attempt against its prompts (repeated preemptions would quarantine a good prompt)."""
+    start_run(coord)
+    handed_back, still_held = coord.dispatcher.generate[:2]
+    beat(coord, "gen-gone")
+    grant = coord.lease("gen-gone", handed_back["task_id"])
+    coord.lease("gen-gone", still_held["task_id"])
+    spare = coord.lease("gen-gone", still_held["task_id"])  # a second lease of one task by its holder
+    assert coord.release(grant.lease_id) is True
+    assert coord.release(spare.lease_id) is True  # the first lease of still_held is live: still its holder
+    clock.advance(ALIVE_S + 1)
+    assert coord.tick().tasks_worker_lost == 1  # still_held only
+    assert coord.group_record(handed_back["groups"][0]["group_id"])["state"] == "inflight"
+    assert coord.group_record(still_held["groups"][0]["group_id"])["state"] == "cancelled"
+    handed_back_prompts = {str(g["prompt_index"]) for g in handed_back["groups"]}
+    assert handed_back_prompts.isdisjoint(attempts(coord)), "no attempt counted against the handed-back prompts"
+    # The redelivered message is leased by the next worker, which submits it.
+    assert (
+        coord.submit(submission(coord, handed_back, coord.current_version(), worker_id="gen-next")).status == "admitted"
+    )
+
+
 def test_a_prompt_failing_max_group_attempts_times_ends_rejected(coord: Coordinator, clock: ManualClock) -> None:
     start_run(coord)
     task = coord.dispatcher.generate[0]
