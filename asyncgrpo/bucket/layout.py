@@ -13,6 +13,8 @@ Layout of one run (``<run>`` is the run name)::
     runs/<run>/adapters/v00000042/<attempt>/<file> adapter_model.safetensors, adapter_config.json,
                                                   trainer_state.safetensors, trainer_state.json, ...
     runs/<run>/rollouts/<task-id>.safetensors     one generate task's samples
+    runs/<run>/partials/p00000042.json            an interrupted task's unfinished sequences of prompt 42,
+                                                  which the next task of that prompt continues
     runs/<run>/metrics/step-00000042.json         one record per optimizer step
     runs/<run>/evals/v00000042.json               the evaluation of one version (only with [eval])
     runs/<run>/proxy/snapshot.json                what the proxy needs to rebuild Redis (compacted)
@@ -162,6 +164,17 @@ def rollouts_prefix(run: str) -> str:
 
 def rollout_key(run: str, task_id: str) -> str:
     return f"{rollouts_prefix(run)}{check_task_id(task_id)}.safetensors"
+
+
+def partials_prefix(run: str) -> str:
+    return run_prefix(run) + "partials/"
+
+
+def partial_key(run: str, prompt_index: int) -> str:
+    """The partial sequences of prompt ``prompt_index`` an interrupted task saved (``worker.generate.partial``)."""
+    if prompt_index < 0:
+        raise ValueError(f"prompt index {prompt_index} must be >= 0")
+    return f"{partials_prefix(run)}p{prompt_index:08d}.json"
 
 
 def metrics_prefix(run: str) -> str:

@@ -514,6 +514,23 @@ class AsyncConfig(_Section):
         "its tokens older than the window masked out of the loss and counted (the step record's "
         "masked_stale_tokens). No token older than the window trains unmasked either way.",
     )
+    partial_rollouts: bool = Field(
+        True,
+        description="A generate task saves its unfinished sequences (tokens so far, each one's logprob and "
+        "version) to the bucket every partial_save_every_s seconds and when its worker is told to stop (SIGTERM), "
+        "and the next task of the same prompt continues them from their token ids instead of sampling them "
+        "again; a kill -9 loses only what was sampled since the last save. Saved tokens keep their own "
+        "versions: their staleness is checked like a followed sequence's (stale_tokens). The transformers "
+        "backend only (the vLLM backend samples every task afresh). false: nothing saved, an interrupted task "
+        "samples again from nothing.",
+    )
+    partial_save_every_s: float = Field(
+        10.0,
+        gt=0.0,
+        le=3600.0,
+        description="Seconds between two saves of a generate task's unfinished sequences (partial_rollouts): "
+        "what a kill -9 can lose at most. Each save is one small bucket write per prompt of the task.",
+    )
     lease_ttl_s: float = Field(60.0, gt=0.0, le=86400.0, description="Seconds a lease lives unless renewed.")
     generate_task_timeout_s: float = Field(
         600.0,

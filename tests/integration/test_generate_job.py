@@ -27,6 +27,7 @@ from worker.algo.rewards import RewardError
 from worker.algo.rollout import decode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.job import GenerateResult, GenerateTask
+from worker.generate.partial import Interrupted, PartialStore, StopRequest
 from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
@@ -46,16 +47,18 @@ class RecordingProxy:
     """Stands in for ProxyClient: grants leases on version 0 and admits every submission."""
 
     manifest_sha256: str
+    version: int = 0
     leases: list[LeaseRequest] = field(default_factory=list)
     submissions: list[RolloutSubmission] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
 
     def lease(self, request: LeaseRequest) -> LeaseGrant:
         self.leases.append(request)
         return LeaseGrant(
             lease_id="lease-1",
-            version=0,
-            adapter_prefix=bucket_keys.adapter_prefix(RUN, 0),
-            manifest_key=bucket_keys.manifest_key(RUN, 0),
+            version=self.version,
+            adapter_prefix=bucket_keys.adapter_prefix(RUN, self.version),
+            manifest_key=bucket_keys.manifest_key(RUN, self.version),
             manifest_sha256=self.manifest_sha256,
             ttl_s=60.0,
             expires_at=0.0,
@@ -65,6 +68,7 @@ class RecordingProxy:
         raise AssertionError(f"a 60 s lease ({lease_id}) needs no renewal in this test")
 
     def release(self, lease_id: str) -> ReleaseResult:
+        self.releases.append(lease_id)
         return ReleaseResult(released=True)
 
     def submit_rollout(self, submission: RolloutSubmission) -> SubmitResult:
@@ -174,3 +178,96 @@ def test_math_verify_scores_with_the_verifier_of_the_tasks_context(
         assert verifier.pid is not None  # the context's helper scored them
     finally:
         verifier.close()
+
+
+class StopAtCall(StopRequest):
+    """A ``StopRequest`` whose stop is requested from its ``at``-th read on (one read per decode step)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.reads = 0
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def requested(self) -> bool:
+        self.reads += 1
+        return self.reads >= self.at
+
+    @requested.setter
+    def requested(self, value: bool) -> None:
+        """The worker's handler would set it; here the reads decide."""
+
+
+def test_an_interrupted_task_saves_its_sequences_and_the_next_one_continues_them(
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """Stopped on v0 after a few decode steps (a SIGTERM), the task saves its sequences and goes back to its
+    queue; another worker leases it on v1 and continues them: the rollout holds the saved tokens as they were
+    (their version v0, older than the lease, is what the proxy checks), and the saved objects are deleted."""
+    run_config = RunConfig.model_validate(
+        {
+            "dataset": {"answer_column": "answer"},
+            "sampling": {"samples_per_prompt": 3, "max_completion_length": 16},
+            "rewards": [{"name": "repeat_digit"}],
+        }
+    )
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), run_config)
+    shas = [
+        write_version(bucket, RUN, v, trainer.version_files(v), {"step": v, "base_version": v - 1})[1] for v in (0, 1)
+    ]
+    backend = TransformersBackend(str(tiny_model_dir))
+    groups = [GroupRef(group_id=f"{TASK}.0", prompt_index=0), GroupRef(group_id=f"{TASK}.1", prompt_index=1)]
+
+    def task(worker: str, version: int, proxy: RecordingProxy, stop: StopAtCall | None) -> GenerateTask:
+        context = TaskContext(
+            run=RUN,
+            config=run_config,
+            prompts=PROMPTS,
+            bucket=bucket,
+            client=proxy,
+            backend=backend,
+            adapter_cache=AdapterCache(bucket, RUN, tmp_path / f"cache-{worker}", capacity=2),
+            worker_id=worker,
+            stop=stop,
+        )
+        return GenerateTask(context, TASK, groups)
+
+    first_proxy = RecordingProxy(manifest_sha256=shas[0])
+    with pytest.raises(Interrupted):
+        task("gen-1", 0, first_proxy, StopAtCall(at=4)).run()
+    assert first_proxy.submissions == [] and first_proxy.releases == ["lease-1"], "the lease is let go at once"
+    assert bucket.head(bucket_keys.rollout_key(RUN, TASK)) is None
+    saved = {g.prompt_index: PartialStore(bucket, RUN).load(g.prompt_index) for g in groups}
+    assert all(partial is not None and partial.task_id == TASK for partial in saved.values())
+    saved_tokens = sum(len(s.token_ids) for p in saved.values() for s in p.sequences if s is not None)  # type: ignore[union-attr]
+    assert saved_tokens > 0
+
+    second_proxy = RecordingProxy(manifest_sha256=shas[1], version=1)
+    result = task("gen-2", 1, second_proxy, None).run()
+    assert result.status == "admitted" and result.tokens_resumed == saved_tokens
+    (submitted,) = second_proxy.submissions
+    header = read_rollout_header(bucket.get(submitted.key))
+    assert (submitted.version, submitted.oldest_version) == (1, 0)
+    assert (header.version, header.oldest_version, header.extra.resumed_tokens) == (1, 0, saved_tokens)
+    rollout = decode_rollout(bucket.get(submitted.key))
+    for sample in rollout.samples:
+        begun = saved[header.groups[sample.group_index].prompt_index].sequences  # type: ignore[union-attr]
+        sequence = begun[rollout.samples.index(sample) % 3]
+        assert sequence is not None, "every sequence was begun before the stop"
+        length = len(sequence.token_ids)
+        assert sample.completion_token_ids[:length] == sequence.token_ids
+        assert sample.behavior_logprobs[:length] == pytest.approx(sequence.logprobs, abs=1e-6)
+        versions = sample.token_versions or [1] * len(sample.completion_token_ids)
+        assert versions == [0] * length + [1] * (len(sample.completion_token_ids) - length)
+    assert all(PartialStore(bucket, RUN).load(g.prompt_index) is None for g in groups), "deleted once written"
+
+    # A saved group that does not fit (its prompt tokenized otherwise) is sampled afresh, and deleted with the
+    # rollout: else every later task of the prompt would read it and discard it again.
+    store = PartialStore(bucket, RUN)
+    store.save(saved[0].model_copy(update={"prompt_token_ids": [1, 2, 3]}))  # type: ignore[union-attr]
+    bucket.delete(bucket_keys.rollout_key(RUN, TASK))
+    third_proxy = RecordingProxy(manifest_sha256=shas[1], version=1)
+    result = task("gen-3", 1, third_proxy, None).run()
+    assert (result.status, result.tokens_resumed, result.partials_discarded) == ("admitted", 0, 1)
+    assert store.load(0) is None, "the discarded group is deleted once the rollout is written"

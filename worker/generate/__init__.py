@@ -10,6 +10,8 @@ Modules:
     adapter_cache         the local LRU cache of verified adapter versions (at most max_staleness + 2)
     inflight              in-flight updates: the prefetcher's verified versions offered to a sampling task, which
                           moves its sequences onto the newest between two decode steps
+    partial               partial rollouts: an interrupted task's unfinished sequences saved to the bucket, and
+                          continued from their token ids by the next task of the same prompt
     backend               the generation backend interface and its result types; the exact prompt text fed to
                           the model (chat template) and how to tokenize it
     factory               picks a worker's backend (transformers or vLLM)

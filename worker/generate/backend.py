@@ -131,6 +131,40 @@ class Completion:
             )
 
 
+@dataclass(frozen=True)
+class PartialSequence:
+    """A completion so far, as a task saves it and a later task continues it (``async.partial_rollouts``):
+    its tokens, each token's behaviour logprob and the version that sampled it. ``finish_reason`` set: it has
+    ended and is taken as it is; None: the later task samples on from its last token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"a partial sequence has {len(self.token_ids)} tokens, {len(self.logprobs)} logprobs and "
+                f"{len(self.versions)} versions; they must align"
+            )
+
+
+@runtime_checkable
+class Checkpoints(Protocol):
+    """Where a backend that continues partial sequences (``continues_partials``) hands its sequences so far,
+    between two decode steps (``worker.generate.partial``)."""
+
+    def due(self) -> bool:
+        """Whether to save now (cheap: asked at every decode step)."""
+        ...
+
+    def save(self, sequences: list[PartialSequence]) -> None:
+        """Every sequence so far, row by row (``samples_per_prompt`` rows per prompt, in prompt order). It may
+        raise to stop the sampling (a stop was requested), after it has stored them."""
+        ...
+
+
 @dataclass
 class PromptResult:
     prompt: str
@@ -247,6 +281,10 @@ class GenerationBackend(Protocol):
     follows_versions: bool
     """Whether ``generate`` takes a ``follow`` (moves its sequences onto newer versions mid-generation)."""
 
+    continues_partials: bool
+    """Whether ``generate`` takes ``partials`` and ``checkpoints`` (saves its sequences mid-generation and
+    continues saved ones)."""
+
     @property
     def eos_token_id(self) -> int: ...
 
@@ -286,6 +324,8 @@ class GenerationBackend(Protocol):
         seed: int,
         add_special_tokens: bool = True,
         follow: VersionSource | None = None,
+        partials: list[list[PartialSequence | None]] | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> GenerationResult:
         """Sample ``samples_per_prompt`` completions of each prompt with ``adapter`` (None: base model).
 
@@ -295,6 +335,12 @@ class GenerationBackend(Protocol):
         under that one; each token's logprob is then exactly its version's (given the tokens before it), and
         ``Completion.versions`` says which version sampled each token. A backend that cannot follow says so
         with ``follows_versions = False`` and refuses a ``follow``.
+
+        ``partials``: per prompt, ``samples_per_prompt`` entries; a ``PartialSequence`` is that completion begun
+        by an earlier task, continued from its last token (or taken as it is, when it has ended) within
+        ``max_completion_length`` in all, its tokens, logprobs and versions kept; None samples it afresh.
+        ``checkpoints``: asked between two decode steps, and handed every sequence so far when ``due()``. A
+        backend that cannot says so with ``continues_partials = False`` and refuses both.
 
         The same seed, prompts, adapter and settings give the same completions on the same hardware.
         """

@@ -4,12 +4,14 @@ score, write the rollout, submit it.
 
 Idempotent by task id: the rollout key is ``rollouts/<task-id>``, so a redelivered task whose first run
 already wrote its rollout submits that object again instead of generating anew, and the proxy admits a
-task id at most once.
+task id at most once. A task interrupted while it sampled saved its unfinished sequences
+(``worker.generate.partial``); whichever task samples those prompts next continues them.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ from worker.generate.agent import (
 )
 from worker.generate.backend import FedPrompts, GenerationBackend, GenerationResult, Message, chat_messages, fed_prompts
 from worker.generate.inflight import Follower
+from worker.generate.partial import PartialStore, Resumption, TaskCheckpoints, resume
 from worker.generate.task_context import LeaseRenewer, TaskContext, release_quietly
 
 log = structlog.get_logger()
@@ -54,6 +57,9 @@ class GenerateResult:
     timings: GenerateTimings = field(default_factory=GenerateTimings)
     reward_mean: float | None = None
     versions_followed: int = 0  # newer versions its sequences moved onto (async.inflight_versions = "follow")
+    tokens_resumed: int = 0  # completion tokens continued from partial sequences an interrupted task saved
+    partials_discarded: int = 0  # saved groups that did not fit the task, sampled afresh
+    partial_saves: int = 0  # times the task saved its unfinished sequences
 
     def summary(self) -> dict[str, Any]:
         """The task's JSON result (and its log line's fields)."""
@@ -74,6 +80,8 @@ class WrittenRollout:
     tokens: int = 0
     reward_mean: float | None = None
     newest_version: int | None = None  # its newest token's version, where newer than ``version``
+    oldest_version: int | None = None  # its oldest token's version, where older (continued partial sequences)
+    resumed_tokens: int = 0  # its tokens continued from partial sequences, not sampled by this task
 
 
 class GenerateTask:
@@ -97,6 +105,8 @@ class GenerateTask:
         self.rejected: list[RejectedGroup] = []
         self.started = 0.0
         self.versions_followed = 0  # newer versions the task's sequences moved onto while it sampled
+        self.resumption: Resumption | None = None  # the partial sequences it continues
+        self.checkpoints: TaskCheckpoints | None = None  # where it saves its own
 
     def run(self) -> GenerateResult:
         self.started = time.perf_counter()
@@ -123,6 +133,7 @@ class GenerateTask:
                 if self.context.agent is not None:
                     result, chats, environment_scores = self.converse(adapter, chats, lease.version, follower)
                 else:
+                    self.partial_rollouts(fed, lease.version)
                     result, environment_scores = self.sample(adapter, fed, follower), {}
                 self.versions_followed = follower.switches if follower is not None else 0
                 self.timings.generate_s = time.perf_counter() - gen_started
@@ -132,6 +143,7 @@ class GenerateTask:
             if renewer.lost:
                 log.warning("generate.submit_after_lease_lost", task_id=self.task_id)
         written = self.write(lease, fed, samples, tokens, stats, renewer)
+        self.clear_partials()
         return self.submit(written, reused=False, lease_id=lease.lease_id)
 
     # ---- the phases, in order ----
@@ -150,6 +162,8 @@ class GenerateTask:
             rejected=header.extra.rejected_groups,
             num_samples=len(header.rewards),
             newest_version=header.newest_version,
+            oldest_version=header.oldest_version,
+            resumed_tokens=header.extra.resumed_tokens or 0,
         )
         return self.submit(written, reused=True)
 
@@ -195,16 +209,52 @@ class GenerateTask:
             return None
         return context.follower()
 
+    def partial_rollouts(self, fed: FedPrompts, version: int) -> None:
+        """``async.partial_rollouts`` on a backend that can: the saved sequences of the kept groups that this task
+        continues (``resumption``), and where it saves its own while it samples (``checkpoints``)."""
+        context = self.context
+        if not self.config.async_.partial_rollouts or not getattr(context.backend, "continues_partials", False):
+            return
+        store = PartialStore(context.bucket, context.run)
+        prompt_ids = context.backend.tokenize(fed.of(self.kept), add_special_tokens=fed.add_special_tokens)
+        self.resumption = resume(store, self.kept, prompt_ids, self.config, version)
+        self.checkpoints = TaskCheckpoints(
+            store,
+            groups=self.kept,
+            prompt_ids=prompt_ids,
+            samples_per_prompt=self.config.sampling.samples_per_prompt,
+            task_id=self.task_id,
+            worker_id=context.worker_id,
+            every_s=self.config.async_.partial_save_every_s,
+            stop=context.stop,
+        )
+
     def sample(self, adapter: str, fed: FedPrompts, follower: Follower | None = None) -> GenerationResult:
         """The kept groups' completions, sampled with the run's settings (following new versions with a
-        ``follower``)."""
-        return self.context.backend.generate(
-            fed.of(self.kept),
-            adapter=adapter,
-            **self.sampling(),
-            add_special_tokens=fed.add_special_tokens,
-            **({"follow": follower} if follower is not None else {}),
-        )
+        ``follower``; continuing saved partial sequences and saving its own with ``partial_rollouts``)."""
+        partial: dict[str, Any] = {}
+        if self.checkpoints is not None:
+            partial["checkpoints"] = self.checkpoints
+        if self.resumption is not None and self.resumption.any:
+            partial["partials"] = self.resumption.partials
+        stop = self.context.stop
+        with stop.cooperating() if stop is not None and self.checkpoints is not None else nullcontext():
+            return self.context.backend.generate(
+                fed.of(self.kept),
+                adapter=adapter,
+                **self.sampling(),
+                add_special_tokens=fed.add_special_tokens,
+                **({"follow": follower} if follower is not None else {}),
+                **partial,
+            )
+
+    def clear_partials(self) -> None:
+        """Once the rollout is written, the saved sequences it holds now are deleted: those it continued or
+        discarded (else every later task of the prompt would read and discard them again), and its own saves."""
+        continued = self.resumption is not None and (self.resumption.any or self.resumption.discarded > 0)
+        saved = self.checkpoints is not None and self.checkpoints.saves > 0
+        if continued or saved:
+            PartialStore(self.context.bucket, self.context.run).clear([group.prompt_index for group in self.groups])
 
     def converse(
         self, adapter: str, chats: list[list[Message]], version: int = 0, follower: Follower | None = None
@@ -285,6 +335,7 @@ class GenerateTask:
                 prompts=fed.of(self.kept),
                 sampler=context.backend.name,
                 agent=stats if context.agent is not None and samples else None,
+                resumed_tokens=self._resumed_tokens(samples) or None,
             ),
         )
         data = encode_rollout(rollout)
@@ -303,7 +354,15 @@ class GenerateTask:
             tokens=tokens,
             reward_mean=sum(s.reward for s in samples) / len(samples) if samples else None,
             newest_version=rollout.newest_version(),
+            oldest_version=rollout.oldest_version(),
+            resumed_tokens=rollout.extra.resumed_tokens or 0,
         )
+
+    def _resumed_tokens(self, samples: list[RolloutSample]) -> int:
+        """The continued tokens among the samples kept."""
+        if self.resumption is None or not samples:
+            return 0
+        return sum(self.resumption.by_group.get(group.group_id, 0) for group in self.kept)
 
     def submit(self, written: WrittenRollout, *, reused: bool, lease_id: str | None = None) -> GenerateResult:
         """Submit the rollout to the proxy, under ``lease_id`` (which the proxy releases); the proxy's answer is
@@ -325,6 +384,7 @@ class GenerateTask:
             stats=stats,
             lease_id=lease_id,
             newest_version=written.newest_version,
+            oldest_version=written.oldest_version,
         )
         try:
             status = client.submit_rollout(submission).status
@@ -353,6 +413,9 @@ class GenerateTask:
             timings=timings,
             reward_mean=written.reward_mean,
             versions_followed=self.versions_followed,
+            tokens_resumed=written.resumed_tokens,
+            partials_discarded=self.resumption.discarded if self.resumption is not None else 0,
+            partial_saves=self.checkpoints.saves if self.checkpoints is not None else 0,
         )
 
 

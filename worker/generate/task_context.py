@@ -29,6 +29,7 @@ from worker.generate.adapter_cache import AdapterCache
 from worker.generate.agent import AgentRun
 from worker.generate.backend import GenerationBackend
 from worker.generate.inflight import Follower, VersionOffers
+from worker.generate.partial import StopRequest
 from worker.model.reward_models import RewardModels
 
 log = structlog.get_logger()
@@ -61,6 +62,9 @@ class TaskContext:
     version_offers: VersionOffers | None = None
     """The versions the worker's prefetcher verified, which a task following new versions loads while it samples
     (``worker.generate.inflight``)."""
+    stop: StopRequest | None = None
+    """Whether the worker was told to stop: a task saving partial sequences saves them and hands itself back
+    (``worker.generate.partial``)."""
 
     def follower(self) -> Follower:
         """What a task that follows new versions asks between two decode steps (or two agent turns)."""
@@ -118,6 +122,12 @@ class LeaseRenewer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            # A hand-back (preemption, a stop after saving partial sequences): release now, not from the daemon
+            # thread the exiting process may take with it. The release ends this worker's hold on the task
+            # (release_lease.lua), so its silence after it exits is not taken for a dead holder's.
+            self.release()
+            return
         # On failure the renewal thread releases the lease on its way out, off the task's path.
         self._release_on_stop = exc_type is not None
         self._stop.set()

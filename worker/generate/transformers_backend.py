@@ -13,6 +13,10 @@ one, it selects that adapter and computes the KV cache again from every sequence
 prefill), so each later token's logprob is exactly the new version's given the tokens before it, the
 distribution the trainer rescores under that version. A cache kept from the old version would give logprobs
 of no version at all. With LoRA the switch is a ``set_adapter``; the prefill is the whole cost.
+
+Partial sequences (``generate(partials=..., checkpoints=...)``): a sequence an earlier task began is one more
+row whose prompt is its prompt and its tokens so far, sampled on within what is left of its budget; every
+row's tokens so far go to the checkpoints between two decode steps when they are due.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import inspect
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +36,11 @@ from safetensors.torch import load_file as load_safetensors
 from transformers import DynamicCache
 
 from worker.generate.backend import (
+    Checkpoints,
     Completion,
     FinishReason,
     GenerationResult,
+    PartialSequence,
     UnknownAdapter,
     VersionSource,
     check_continuations,
@@ -55,6 +62,7 @@ class TransformersBackend:
 
     name = "transformers"  # what rollouts record as their sampler (RolloutExtra.sampler)
     follows_versions = True
+    continues_partials = True
 
     def __init__(
         self,
@@ -224,6 +232,8 @@ class TransformersBackend:
         seed: int = 0,
         add_special_tokens: bool = True,
         follow: VersionSource | None = None,
+        partials: list[list[PartialSequence | None]] | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
         prompt_ids = sampled_prompt_ids(self, prompts, add_special_tokens)
@@ -231,24 +241,44 @@ class TransformersBackend:
         model = self._select(adapter)
         start_version = self.adapter_version(adapter) if adapter is not None else -1
         rows = [ids for ids in prompt_ids for _ in range(samples_per_prompt)]
-        tokens, logprobs, step_versions = sample_completions(
-            model,
-            rows,
-            max_completion_length=max_completion_length,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            eos_token_id=self.policy.eos_token_id,
-            pad_token_id=self.policy.pad_token_id,
-            device=self.policy.device,
-            version=start_version,
-            follow=self._follower(follow, adapter),
-        )
+        begun = _begun_rows(partials, len(prompts), samples_per_prompt, max_completion_length)
+        # Only the rows still open are sampled: a fresh one from its prompt, a begun one from its tokens so far.
+        live = [row for row, partial in enumerate(begun) if partial is None or partial.finish_reason is None]
+        saver = _RowSaver(checkpoints, begun, live, start_version) if checkpoints is not None else None
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        step_versions: list[int] = []
+        if live:
+            tokens, logprobs, step_versions = self._sample(
+                model,
+                [rows[row] + (begun[row].token_ids if begun[row] else []) for row in live],  # type: ignore[union-attr]
+                max_completion_length=max_completion_length,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                version=start_version,
+                follow=self._follower(follow, adapter),
+                budgets=[_budget(begun[row], max_completion_length) for row in live],
+                checkpoint=saver,
+            )
         elapsed = time.perf_counter() - started
-        completions = [
-            self._completion(ids, row_logprobs, _row_versions(step_versions, len(ids), start_version))
-            for ids, row_logprobs in zip(tokens, logprobs, strict=True)
-        ]
+        sampled = dict(zip(live, zip(tokens, logprobs, strict=True), strict=True))
+        completions = []
+        for row, partial in enumerate(begun):
+            ids, row_logprobs = sampled.get(row, ([], []))
+            versions = _row_versions(step_versions, len(ids), start_version)
+            if partial is None:
+                completions.append(self._completion(ids, row_logprobs, versions))
+                continue
+            new_versions = versions if versions is not None else [start_version] * len(ids)
+            completions.append(
+                self._completion(
+                    partial.token_ids + ids,
+                    partial.logprobs + row_logprobs,
+                    partial.versions + new_versions,
+                    ended=partial.finish_reason,
+                )
+            )
         # Row r is sample r % samples_per_prompt of prompt r // samples_per_prompt.
         per_prompt = (completions[row : row + samples_per_prompt] for row in range(0, len(rows), samples_per_prompt))
         return generation_result(prompts, prompt_ids, per_prompt, adapter, elapsed)
@@ -266,27 +296,28 @@ class TransformersBackend:
     ) -> list[Completion]:
         check_continuations(sequences, max_completion_lengths, temperature, top_p)
         model = self._select(adapter)
-        # One batch to the longest budget; a row's tokens past its own budget are dropped (its earlier tokens and
-        # their logprobs do not depend on them).
-        tokens, logprobs, _ = sample_completions(
+        tokens, logprobs, _ = self._sample(
             model,
             sequences,
             max_completion_length=max(max_completion_lengths),
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            eos_token_id=self.policy.eos_token_id,
-            pad_token_id=self.policy.pad_token_id,
-            device=self.policy.device,
+            budgets=max_completion_lengths,
         )
-        return [
-            self._completion(ids[:budget], row_logprobs[:budget])
-            for ids, row_logprobs, budget in zip(tokens, logprobs, max_completion_lengths, strict=True)
-        ]
+        return [self._completion(ids, row_logprobs) for ids, row_logprobs in zip(tokens, logprobs, strict=True)]
 
-    def _completion(self, ids: list[int], logprobs: list[float], versions: list[int] | None = None) -> Completion:
-        """Sampled ids as a completion: "stop" when it ends with EOS, its text without special tokens."""
-        finish: FinishReason = "stop" if ids and ids[-1] == self.policy.eos_token_id else "length"
+    def _completion(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        versions: list[int] | None = None,
+        *,
+        ended: FinishReason | None = None,
+    ) -> Completion:
+        """Sampled ids as a completion: "stop" when it ends with EOS (or ``ended``, as an earlier task saw it end),
+        its text without special tokens."""
+        finish: FinishReason = ended or ("stop" if ids and ids[-1] == self.policy.eos_token_id else "length")
         text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish, text=text, versions=versions)
 
@@ -305,6 +336,20 @@ class TransformersBackend:
             return self._select(name), number
 
         return newer
+
+    def _sample(
+        self, model: torch.nn.Module, sequences: list[list[int]], **options: Any
+    ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """``sample_completions`` with this policy's end, padding and device."""
+        policy = self.policy
+        return sample_completions(
+            model,
+            sequences,
+            eos_token_id=policy.eos_token_id,
+            pad_token_id=policy.pad_token_id,
+            device=policy.device,
+            **options,
+        )
 
     def _select(self, adapter: str | None) -> torch.nn.Module:
         if adapter is None:
@@ -357,6 +402,72 @@ def _row_versions(step_versions: list[int], length: int, start: int) -> list[int
     return versions if any(version != start for version in versions) else None
 
 
+def _begun_rows(
+    partials: list[list[PartialSequence | None]] | None, prompts: int, samples_per_prompt: int, budget: int
+) -> list[PartialSequence | None]:
+    """``generate``'s partials, one per row (None: sampled afresh), checked against the call's shape."""
+    if partials is None:
+        return [None] * (prompts * samples_per_prompt)
+    if len(partials) != prompts or any(len(per_prompt) != samples_per_prompt for per_prompt in partials):
+        raise ValueError(f"partials must hold {samples_per_prompt} entries (or None) for each of the {prompts} prompts")
+    rows = [partial for per_prompt in partials for partial in per_prompt]
+    for row, partial in enumerate(rows):
+        if partial is None:
+            continue
+        if len(partial.token_ids) > budget:
+            raise ValueError(f"a partial sequence has {len(partial.token_ids)} tokens > max_completion_length={budget}")
+        if partial.finish_reason is None and len(partial.token_ids) == budget:
+            rows[row] = replace(partial, finish_reason="length")  # saved at its last token, before it was marked
+    return rows
+
+
+def _budget(partial: PartialSequence | None, max_completion_length: int) -> int:
+    """The tokens a row may still sample (>= 1: a begun row at the full length has ended, and is not sampled)."""
+    return max_completion_length - (len(partial.token_ids) if partial is not None else 0)
+
+
+class _RowSaver:
+    """The sampling loop's side of ``Checkpoints``: the open rows' new tokens, put back among every row's tokens
+    so far (a begun row's earlier tokens first) before they are saved."""
+
+    def __init__(
+        self, checkpoints: Checkpoints, begun: list[PartialSequence | None], live: list[int], start_version: int
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.begun = begun
+        self.live = live
+        self.start_version = start_version
+
+    def due(self) -> bool:
+        return self.checkpoints.due()
+
+    def save(
+        self,
+        tokens: list[list[int]],
+        logprobs: list[list[float]],
+        versions: list[int],
+        finishes: list[FinishReason | None],
+    ) -> None:
+        """The open rows' tokens so far (trimmed), the version of each decode step, and how each row ended."""
+        by_row = dict(zip(self.live, zip(tokens, logprobs, finishes, strict=True), strict=True))
+        sequences: list[PartialSequence] = []
+        for row, partial in enumerate(self.begun):
+            before = partial or PartialSequence([], [], [])
+            if row not in by_row:
+                sequences.append(before)  # it ended before this task
+                continue
+            ids, row_logprobs, finish = by_row[row]
+            sequences.append(
+                PartialSequence(
+                    before.token_ids + ids,
+                    before.logprobs + row_logprobs,
+                    before.versions + versions[: len(ids)],
+                    finish,
+                )
+            )
+        self.checkpoints.save(sequences)
+
+
 def sample_completions(
     model: torch.nn.Module,
     prompt_rows: list[list[int]],
@@ -370,14 +481,22 @@ def sample_completions(
     device: torch.device,
     version: int = -1,
     follow: Follow | None = None,
+    budgets: list[int] | None = None,
+    checkpoint: _RowSaver | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[int]]:
     """Sample one completion per row; returns token ids (EOS included), their sampling logprobs, and the version
     that sampled each decode step (``version`` until the first switch).
 
     ``model`` is a causal LM (or PeftModel) in eval mode; call under ``torch.no_grad()``. ``follow`` is asked
     between two decode steps; on a newer version every row's cache is computed again under it (see the module
-    docstring)."""
+    docstring). ``budgets``: per row, at most that many tokens (each >= 1, ``max_completion_length`` the
+    largest); a row's draws go on past its budget as padding, so the other rows sample what they would alone.
+    ``checkpoint`` is handed every row's tokens so far between two decode steps when it is due."""
     batch = len(prompt_rows)
+    budgets = budgets if budgets is not None else [max_completion_length] * batch
+    if len(budgets) != batch or min(budgets) < 1 or max(budgets) > max_completion_length:
+        raise ValueError(f"budgets must hold one value in [1, {max_completion_length}] per row, got {budgets}")
+    budget = torch.tensor(budgets, device=device)
     width = max(len(ids) for ids in prompt_rows)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((batch, width), dtype=torch.long)
@@ -415,9 +534,13 @@ def sample_completions(
         next_tokens = torch.where(finished, torch.full_like(next_tokens, pad_token_id), next_tokens)
         sampled.append(next_tokens)
         sampled_logprobs.append(log_probs.gather(1, next_tokens.unsqueeze(1)).squeeze(1))
-        finished = finished | (next_tokens == eos_token_id)
+        finished = finished | (next_tokens == eos_token_id) | (budget <= step + 1)
         if step == max_completion_length - 1 or bool(finished.all()):
             break
+        if checkpoint is not None and checkpoint.due():
+            so_far, so_far_logprobs = _trimmed(sampled, sampled_logprobs, budgets, eos_token_id)
+            finishes = [_finish(ids, cap, eos_token_id) for ids, cap in zip(so_far, budgets, strict=True)]
+            checkpoint.save(so_far, so_far_logprobs, step_versions, finishes)
         attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=1)
         switch = follow(version) if follow is not None else None
         if switch is not None:
@@ -444,12 +567,28 @@ def sample_completions(
             logits_to_keep=1,
             **cache,
         )
+    tokens, logprobs = _trimmed(sampled, sampled_logprobs, budgets, eos_token_id)
+    return tokens, logprobs, step_versions
+
+
+def _trimmed(
+    sampled: list[torch.Tensor], sampled_logprobs: list[torch.Tensor], budgets: list[int], eos_token_id: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's tokens and logprobs so far, up to its EOS (included) or its budget, without the padding after."""
     all_tokens = torch.stack(sampled, dim=1).tolist()
     all_logprobs = torch.stack(sampled_logprobs, dim=1).tolist()
     tokens: list[list[int]] = []
     logprobs: list[list[float]] = []
-    for row_tokens, row_logprobs in zip(all_tokens, all_logprobs, strict=True):
+    for row_tokens, row_logprobs, cap in zip(all_tokens, all_logprobs, budgets, strict=True):
+        row_tokens = row_tokens[:cap]
         length = row_tokens.index(eos_token_id) + 1 if eos_token_id in row_tokens else len(row_tokens)
         tokens.append(row_tokens[:length])
         logprobs.append(row_logprobs[:length])
-    return tokens, logprobs, step_versions
+    return tokens, logprobs
+
+
+def _finish(ids: list[int], budget: int, eos_token_id: int) -> FinishReason | None:
+    """How a row so far has ended: at its EOS, at its budget, or not yet (None)."""
+    if ids and ids[-1] == eos_token_id:
+        return "stop"
+    return "length" if len(ids) >= budget else None

@@ -48,9 +48,11 @@ from typing import Any
 import structlog
 
 from worker.generate.backend import (
+    Checkpoints,
     Completion,
     FinishReason,
     GenerationResult,
+    PartialSequence,
     UnknownAdapter,
     VersionSource,
     check_continuations,
@@ -170,6 +172,7 @@ class VLLMBackend:
     name = "vllm"  # what rollouts record as their sampler (RolloutExtra.sampler)
     # Not yet: a vLLM request keeps its LoRA to the end. The job keeps the version a task started on.
     follows_versions = False
+    continues_partials = False
 
     def __init__(
         self,
@@ -319,10 +322,16 @@ class VLLMBackend:
         seed: int = 0,
         add_special_tokens: bool = True,
         follow: VersionSource | None = None,
+        partials: list[list[PartialSequence | None]] | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> GenerationResult:
         check_sampling_arguments(samples_per_prompt, max_completion_length, temperature, top_p)
         if follow is not None:
             raise ValueError("the vLLM backend does not follow new versions mid-generation (follows_versions = False)")
+        if partials is not None or checkpoints is not None:
+            raise ValueError(
+                "the vLLM backend does not save or continue partial sequences (continues_partials = False)"
+            )
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest

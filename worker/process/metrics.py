@@ -107,6 +107,15 @@ GENERATE_BACKPRESSURE_SECONDS = _histogram(
     "Time a generate worker sat idle between tasks (the proxy held back work because the buffer was full).",
 )
 GENERATE_TOKENS = _counter("asyncgrpo_generate_tokens", "Completion tokens generated.")
+GENERATE_TOKENS_RESUMED = _counter(
+    "asyncgrpo_generate_tokens_resumed",
+    "Completion tokens continued from partial sequences an interrupted task saved (async.partial_rollouts), "
+    "not sampled again; not counted in asyncgrpo_generate_tokens_total.",
+)
+GENERATE_PARTIALS_DISCARDED = _counter(
+    "asyncgrpo_generate_partials_discarded",
+    "Saved partial groups a task could not continue (too stale, or another prompt or shape), sampled afresh.",
+)
 GENERATE_SAMPLES = _counter("asyncgrpo_generate_samples", "Completions generated.")
 GENERATE_GROUPS = _counter("asyncgrpo_generate_groups", "Prompt groups generated.")
 GENERATE_TOKENS_PER_SECOND = _gauge(
@@ -381,12 +390,14 @@ def observe_generate_task(result: GenerateResult) -> None:
     _observe(GENERATE_ADAPTER_FETCH_SECONDS, timings.adapter_fetch_s)
     _observe(GENERATE_SAMPLING_SECONDS, timings.generate_s)
     _observe(GENERATE_SCORING_SECONDS, timings.score_s)
-    GENERATE_TOKENS.inc(result.tokens)
+    GENERATE_TOKENS.inc(result.tokens - result.tokens_resumed)
+    GENERATE_TOKENS_RESUMED.inc(result.tokens_resumed)
+    GENERATE_PARTIALS_DISCARDED.inc(result.partials_discarded)
     GENERATE_SAMPLES.inc(result.samples)
     GENERATE_GROUPS.inc(result.groups)
     sampling_s = _finite(timings.generate_s)
     if sampling_s:
-        GENERATE_TOKENS_PER_SECOND.set(result.tokens / sampling_s)
+        GENERATE_TOKENS_PER_SECOND.set((result.tokens - result.tokens_resumed) / sampling_s)
     task_s = _finite(timings.task_s)
     if task_s:
         GENERATE_SAMPLES_PER_SECOND.set(result.samples / task_s)

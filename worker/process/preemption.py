@@ -11,6 +11,12 @@ handles SIGTERM itself:
    it without waiting for the broker's visibility timeout. Every task is idempotent by id, so that worker
    simply does it again.
 
+A generate task that saves partial sequences (``async.partial_rollouts``) stops by itself while it samples:
+it reads ``stop.requested`` (a ``worker.generate.partial.StopRequest``) at every decode step, saves what it
+has sampled and hands itself back (``worker.generate.partial.Interrupted``), so nothing sampled is lost. Inside
+``stop.cooperating()`` a SIGTERM only asks it to; the timer still fires, after at least
+``COOPERATIVE_GRACE_S``, should the task not stop.
+
 Signals are delivered to the main thread, which is where a solo worker runs its task, so the exception
 lands in the task's own stack. The state (grace period, whether a task runs) is a ``Preemption`` the worker's
 runtime owns, one per process.
@@ -26,7 +32,14 @@ from types import FrameType
 import structlog
 from celery.worker import state as worker_state
 
+from worker.generate.partial import StopRequest
+
 log = structlog.get_logger()
+
+
+COOPERATIVE_GRACE_S = 10.0
+"""The least time a task that stops by itself gets before it is interrupted: a decode step and one small
+bucket write per prompt group fit in it many times over."""
 
 
 class WorkerPreempted(BaseException):
@@ -39,6 +52,7 @@ class Preemption:
     def __init__(self) -> None:
         self.grace_s = 0.0
         self.task_running = False
+        self.stop = StopRequest()  # what the running task is asked, and whether it stops by itself
 
     def install(self, grace_s: float) -> None:
         """Take over SIGTERM for this worker process (call from the main thread once the worker is ready)."""
@@ -54,6 +68,7 @@ class Preemption:
             yield
         finally:
             self.task_running = False
+            self.stop.requested = False
             signal.setitimer(signal.ITIMER_REAL, 0)  # the task ended within its grace period
 
     def _on_terminate(self, signum: int, _frame: FrameType | None) -> None:
@@ -61,10 +76,13 @@ class Preemption:
         if not self.task_running:
             log.warning("worker.stopping", signal=signum)
             return
-        log.warning("worker.stopping_after_grace", signal=signum, grace_s=self.grace_s)
-        if self.grace_s <= 0:
+        self.stop.requested = True
+        cooperative = self.stop.cooperative
+        grace_s = max(self.grace_s, COOPERATIVE_GRACE_S) if cooperative else self.grace_s
+        log.warning("worker.stopping_after_grace", signal=signum, grace_s=grace_s, cooperating=cooperative)
+        if grace_s <= 0:
             raise WorkerPreempted(f"signal {signum}")
-        signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+        signal.setitimer(signal.ITIMER_REAL, grace_s)
 
     def _on_grace_over(self, _signum: int, _frame: FrameType | None) -> None:
         if self.task_running:

@@ -40,6 +40,7 @@ from asyncgrpo.protocol.schemas import (
 from worker.generate.agent import AgentSetupError
 from worker.generate.evals import EvalTask
 from worker.generate.job import GenerateTask
+from worker.generate.partial import Interrupted
 from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
 from worker.model.reward_models import RewardModelError
@@ -196,8 +197,9 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
     try:
         with worker_metrics.task_in_flight(role), runtime.preemption.running():
             yield
-    except WorkerPreempted as error:
-        # Straight back to the queue: another worker redoes it (tasks are idempotent by id).
+    except (WorkerPreempted, Interrupted) as error:
+        # Straight back to the queue: another worker redoes it (tasks are idempotent by id), continuing the
+        # partial sequences an interrupted generate task saved.
         log.warning("worker.task_handed_back", task=task_name, reason=str(error))
         raise Reject(str(error), requeue=True) from error
     except SETUP_ERRORS as error:
@@ -286,6 +288,7 @@ def _task_context(runtime: WorkerRuntime, run: str) -> TaskContext:
             math_verifier=runtime.math_verifier,
             agent=runtime.run_agent(context),
             version_offers=runtime.version_offers,
+            stop=runtime.preemption.stop,
         )
 
 

@@ -20,7 +20,7 @@ from worker.algo.math_scoring import MathVerifier
 from worker.optimize.job import HeldVersion
 from worker.optimize.rescore import RecentAdapterWeights
 from worker.process.celery_app import WorkerApp
-from worker.process.preemption import Preemption, WorkerPreempted
+from worker.process.preemption import COOPERATIVE_GRACE_S, Preemption, WorkerPreempted
 from worker.process.runtime import WorkerRuntime, get_runtime
 from worker.process.settings import WorkerSettings
 
@@ -64,6 +64,27 @@ def test_two_preemptions_hand_back_only_their_own_running_task(monkeypatch: pyte
         with pytest.raises(WorkerPreempted, match="signal"):
             busy._on_terminate(signal.SIGTERM, None)  # grace 0: handed back at once
     assert busy.task_running is False
+
+
+def test_a_task_that_stops_by_itself_is_asked_to_and_interrupted_only_if_it_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A generate task saving partial sequences (worker.generate.partial) stops at its next decode step: with the
+    grace period at 0 a SIGTERM only asks it to, the timer set to COOPERATIVE_GRACE_S as the backstop."""
+    monkeypatch.setattr(worker_state, "should_stop", None)
+    timers: list[float] = []
+    monkeypatch.setattr(signal, "setitimer", lambda _which, seconds: timers.append(seconds))
+    preemption = Preemption()
+    with preemption.running():
+        with preemption.stop.cooperating():
+            assert not preemption.stop.requested
+            preemption._on_terminate(signal.SIGTERM, None)  # grace 0, yet no WorkerPreempted
+            assert preemption.stop.requested
+        assert timers == [COOPERATIVE_GRACE_S]
+        with pytest.raises(WorkerPreempted, match="grace period"):
+            preemption._on_grace_over(signal.SIGALRM, None)  # it did not stop: interrupted after all
+    assert not preemption.stop.requested, "the next task starts with no stop requested"
+    assert timers[-1] == 0  # disarmed when the task ended
 
 
 def test_a_runtime_is_kept_on_its_own_app_and_joins_its_ranks_once(
