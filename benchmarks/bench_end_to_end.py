@@ -29,7 +29,8 @@ Configurations:
 - ``keep`` / ``follow`` / ``s0x2``: two generate workers; ``max_staleness = 1`` keeping each task's leased
   version, the same following new versions mid-generation (``async.inflight_versions = "follow"``, tokens older
   than the window masked: ``async.stale_tokens = "mask"``), and ``max_staleness = 0`` (their synchronous mode);
-  ``follow0``: ``max_staleness = 0`` following new versions, older tokens masked.
+  ``follow0``: ``max_staleness = 0`` following new versions, older tokens masked; ``keepnp``: ``keep`` with
+  ``async.partial_rollouts = false`` (the cost of saving partial sequences to a task that is never stopped).
 
 Each configuration prints one JSON line: completions/s and steps/s over the steps after a warm-up, trainer
 and generator busy shares (task time over wall time, from the workers' own log lines), mean and max
@@ -103,6 +104,7 @@ class System:
     adaptive: bool = True  # the proxy sizes its in-flight work from the rates it measures
     inflight_versions: str = "keep"
     stale_tokens: str = "drop"
+    partial_rollouts: bool = True
 
 
 CONFIGS: dict[str, System] = {
@@ -120,6 +122,8 @@ CONFIGS: dict[str, System] = {
     # max_staleness = 0 following new versions: a task in flight at a publish moves onto the new version, and
     # its older tokens are masked instead of the whole rollout being dropped and sampled again.
     "follow0": System(0, 2, inflight_versions="follow", stale_tokens="mask"),
+    # keep without saving partial sequences: what async.partial_rollouts costs a task that is never stopped
+    "keepnp": System(1, 2, partial_rollouts=False),
 }
 
 
@@ -203,6 +207,7 @@ adaptive_inflight = {"true" if system.adaptive else "false"}
 generate_task_timeout_s = 300
 inflight_versions = "{system.inflight_versions}"
 stale_tokens = "{system.stale_tokens}"
+partial_rollouts = {"true" if system.partial_rollouts else "false"}
 """
 
 
@@ -341,6 +346,8 @@ def summarize_system(
         "masked_stale_tokens": sum(r.masked_stale_tokens or 0 for r in records),
         "completion_length_mean": _mean([r.completion_length_mean for r in window if r.completion_length_mean]),
         "versions_followed": sum(int(e.get("versions_followed", 0)) for e in generate_events),
+        "partial_saves": sum(int(e.get("partial_saves", 0)) for e in generate_events),
+        "tokens_resumed": sum(int(e.get("tokens_resumed", 0)) for e in generate_events),
         "reward_first10": _mean(rewards[:10]),
         "reward_last10": _mean(rewards[-10:]),
         "breakdown_s": {  # mean seconds per optimize task (trained steps) and per admitted generate task
@@ -461,6 +468,7 @@ def main() -> None:
                         "generate_workers": gen_workers,
                         "inflight_versions": system.inflight_versions,
                         "stale_tokens": system.stale_tokens,
+                        "partial_rollouts": system.partial_rollouts,
                         "bucket": args.bucket,
                         **summarize_system(records, logs, gen_workers, 64, workload.warmup_steps),
                     }
@@ -488,7 +496,14 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
             for reference in ("s0", "sync"):
                 if rate(config) and rate(reference):
                     figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
-        pairs = (("follow", "keep"), ("follow", "s0x2"), ("keep", "s0x2"), ("follow0", "s0x2"), ("follow", "sync"))
+        pairs = (
+            ("follow", "keep"),
+            ("follow", "s0x2"),
+            ("keep", "s0x2"),
+            ("follow0", "s0x2"),
+            ("follow", "sync"),
+            ("keep", "keepnp"),
+        )
         for config, reference in pairs:
             if rate(config) and rate(reference):
                 figures[f"{config}_over_{reference}"] = round(rate(config) / rate(reference), 3)
