@@ -17,7 +17,7 @@ test: install
 	ruff check .
 	ruff format --check .
 	lint-imports
-	$(PYTHON) -m pytest -q -rs
+	$(PYTHON) -m pytest -q -rfEs
 
 # The edit loop: unit and contract tests in this one process against Redis and the bucket (no child process:
 # tests/conftest.py refuses one where a test is not marked `processes`); the e2e tests are `make test`'s. One

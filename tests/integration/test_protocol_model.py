@@ -98,6 +98,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         # the tasks of a claimed step, so a repeat of those is not checked against anything).
         self.task_leases: dict[str, set[int]] = {}
         self.task_leased_ms: dict[str, int] = {}  # gen-1 (which sends no heartbeat) last leased the task then
+        self.lease_task_of: dict[str, str] = {}  # lease id -> the task in flight it was leased for
         self.admitted_version: dict[str, int] = {}
         self.bound: set[str] = set()
 
@@ -193,6 +194,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.leases[grant.lease_id] = (grant.version, int(grant.expires_at * 1000))
         self.task_leases.setdefault(tid, set()).add(grant.version)
         self.task_leased_ms[tid] = self.clock()
+        self.lease_task_of[grant.lease_id] = tid
         return self.task_leases[tid]
 
     @rule(data=st.data())
@@ -395,7 +397,21 @@ class ProtocolMachine(RuleBasedStateMachine):
         lease_id = data.draw(st.sampled_from(ids))
         self.coord.release(lease_id)
         self.leases.pop(lease_id, None)
-        self.maybe_leases.pop(lease_id, None)
+        surely_live = self.maybe_leases.pop(lease_id, None) is None
+        # The worker's own release ends its hold on the task once no other lease of it is live: its silence
+        # then cancels nothing (the task's deadline still does). A lease a rebuild may have kept leaves the
+        # answer open: either is right, so the model takes the store's.
+        tid = self.lease_task_of.pop(lease_id, None)
+        if tid is None or self.m.task_state.get(tid) != "inflight":
+            return
+        others = {k for k, t in self.lease_task_of.items() if t == tid}
+        if not surely_live or others & set(self.maybe_leases):
+            ended = self.redis.hget(self.coord.store.keys.task(tid), "worker_id") is None
+        else:
+            ended = not others & set(self.leases)
+        if ended:  # handed back: a worker leases it afresh before it submits
+            self.task_leased_ms.pop(tid, None)
+            self.task_leases.pop(tid, None)
 
     @rule()
     def restart_proxy(self) -> None:

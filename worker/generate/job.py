@@ -213,7 +213,7 @@ class GenerateTask:
         """``async.partial_rollouts`` on a backend that can: the saved sequences of the kept groups that this task
         continues (``resumption``), and where it saves its own while it samples (``checkpoints``)."""
         context = self.context
-        if not self.config.async_.partial_rollouts or not getattr(context.backend, "continues_partials", False):
+        if not self.config.async_.partial_rollouts or not context.backend.continues_partials:
             return
         store = PartialStore(context.bucket, context.run)
         prompt_ids = context.backend.tokenize(fed.of(self.kept), add_special_tokens=fed.add_special_tokens)

@@ -78,7 +78,8 @@ if window > current then
 end
 local holder = redis.call('HGET', tk, 'worker_id')
 if not holder then
-  return {'NOT_HOLDER', 'task ' .. tid .. ' was never leased; a generate worker leases its task before it submits'}
+  return {'NOT_HOLDER', 'task ' .. tid .. ' was never leased, or its holder handed it back (released its lease); '
+    .. 'a generate worker leases its task before it submits'}
 end
 if holder ~= worker then
   return {'NOT_HOLDER', 'task ' .. tid .. ' is leased by another worker, not ' .. worker
