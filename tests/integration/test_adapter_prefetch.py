@@ -22,6 +22,7 @@ from asyncgrpo.protocol.client import ProxyClient
 from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.config import RunConfig
 from proxy.api.app import create_app
+from proxy.coordinator.redis_store import RunKeys
 from proxy.coordinator.service import Coordinator
 from tests.support.fixtures_coordinator import API_TOKEN, served
 from tests.support.proxy_harness import file_bucket, make_coordinator, publish_request, submit_pending
@@ -29,6 +30,7 @@ from worker.algo.rollout import decode_rollout
 from worker.generate.adapter_cache import AdapterCache
 from worker.generate.inflight import VersionOffers
 from worker.generate.job import GenerateResult, GenerateTask
+from worker.generate.partial import LeftWindow
 from worker.generate.settings import GenerateSettings
 from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
@@ -87,7 +89,11 @@ class World:
         self.coord.tick()
         task = next(t for t in self.coord.dispatcher.generate if t["task_id"] not in self.submitted)
         self.submitted.add(task["task_id"])
-        context = TaskContext(
+        return GenerateTask(self.context(config), task["task_id"], [GroupRef(**g) for g in task["groups"]]).run()
+
+    def context(self, config: RunConfig | None = None) -> TaskContext:
+        """A task's parts as the worker has them (same cache, backend, lock and offers)."""
+        return TaskContext(
             run=RUN,
             config=config or worker_config(),
             prompts=PROMPTS,
@@ -99,7 +105,6 @@ class World:
             backend_lock=self.lock,
             version_offers=self.offers,
         )
-        return GenerateTask(context, task["task_id"], [GroupRef(**g) for g in task["groups"]]).run()
 
 
 @pytest.fixture
@@ -195,6 +200,43 @@ def test_a_task_sampling_under_the_lock_follows_the_version_the_prefetcher_offer
         unfollowed = [s for s, v in zip(rollout.samples, versions, strict=True) if v is None]
         assert all(len(s.completion_token_ids) == 1 for s in unfollowed), "ended before the switch"
     assert world.offers.offered(RUN) is None and "v1" in world.backend.loaded_adapters()
+
+
+def test_a_task_stops_once_the_prefetcher_hears_a_version_past_its_window(world: World) -> None:
+    """max_staleness 0: v1 is published while a task samples with v0, so the proxy would refuse its rollout. The
+    prefetcher hears of v1 before it downloads it, and the task stops at its next decode step, hands itself back
+    and lets its lease go, ending its hold (the proxy does not take the task for a dead worker's); nothing is
+    written. The next delivery leases v1 and is admitted."""
+    world.publish(0)
+    wait_until(lambda: world.prefetcher.loaded_version == 0)
+    plain_generate = world.backend.generate
+
+    def publish_while_sampling(prompts: list[str], **options: Any) -> Any:
+        world.publish(1)
+        wait_until(lambda: world.offers.published(RUN) == 1)
+        return plain_generate(prompts, **options)
+
+    world.backend.generate = publish_while_sampling  # type: ignore[method-assign]
+    config = RunConfig.model_validate(
+        {
+            **worker_config().model_dump(by_alias=True),
+            "sampling": {"samples_per_prompt": 2, "max_completion_length": 6},
+            "async": {"max_staleness": 0},
+        }
+    )
+    with pytest.raises(LeftWindow, match="v1 was published"):
+        world.run_task(config)
+    world.backend.generate = plain_generate  # type: ignore[method-assign]
+    redis = world.coord.store.redis
+    (task_id,) = [t for t in world.submitted if redis.hget(RunKeys(RUN).task(t), "state") == "inflight"]
+    assert "worker_id" not in redis.hgetall(RunKeys(RUN).task(task_id)), "its hold ended with the release"
+    assert world.coord.bucket.head(bucket_keys.rollout_key(RUN, task_id)) is None
+
+    wait_until(lambda: world.prefetcher.loaded_version == 1)
+    dispatched = next(t for t in world.coord.dispatcher.generate if t["task_id"] == task_id)
+    context = world.context(config)
+    again = GenerateTask(context, task_id, [GroupRef(**g) for g in dispatched["groups"]]).run()
+    assert (again.status, again.version) == ("admitted", 1)
 
 
 def test_close_keeps_the_lock_so_nothing_loads_while_the_process_exits(world: World) -> None:

@@ -26,8 +26,9 @@ from worker.algo.math_scoring import MathVerifier
 from worker.algo.rewards import RewardError
 from worker.algo.rollout import decode_rollout, read_rollout_header
 from worker.generate.adapter_cache import AdapterCache
+from worker.generate.inflight import VersionOffers
 from worker.generate.job import GenerateResult, GenerateTask
-from worker.generate.partial import Interrupted, PartialStore, StopRequest
+from worker.generate.partial import Interrupted, LeftWindow, PartialStore, StopRequest
 from worker.generate.task_context import TaskContext
 from worker.generate.transformers_backend import TransformersBackend
 from worker.model.policy import Policy
@@ -271,3 +272,70 @@ def test_an_interrupted_task_saves_its_sequences_and_the_next_one_continues_them
     result = task("gen-3", 1, third_proxy, None).run()
     assert (result.status, result.tokens_resumed, result.partials_discarded) == ("admitted", 0, 1)
     assert store.load(0) is None, "the discarded group is deleted once the rollout is written"
+
+
+class PublishedAtRead(VersionOffers):
+    """``VersionOffers`` whose prefetcher hears of ``version`` from its ``at``-th read on (one read per decode
+    step of a task that watches the window)."""
+
+    def __init__(self, version: int, at: int) -> None:
+        super().__init__()
+        self.version = version
+        self.at = at
+        self.reads = 0
+
+    def published(self, run: str) -> int | None:
+        self.reads += 1
+        return self.version if self.reads >= self.at else None
+
+
+@pytest.mark.parametrize(
+    ("stale_tokens", "published", "stops"),
+    [("drop", 2, True), ("drop", 1, False), ("mask", 2, False)],
+    ids=["out-of-the-window", "within-the-window", "masked"],
+)
+def test_a_task_whose_rollout_leaves_the_window_stops_and_goes_back_unsaved(
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None, stale_tokens: str, published: int, stops: bool
+) -> None:
+    """Leased on v0 with max_staleness 1, the task hears of ``published`` after a few decode steps. With
+    ``stale_tokens = "drop"`` and v2 its rollout would be refused: it stops at once, saves nothing (those
+    tokens could not be continued), lets its lease go and goes back to its queue. v1 is still in the window, and
+    under "mask" old tokens are masked rather than refused: both tasks finish and submit."""
+    run_config = RunConfig.model_validate(
+        {
+            "dataset": {"answer_column": "answer"},
+            "sampling": {"samples_per_prompt": 2, "max_completion_length": 16},
+            "rewards": [{"name": "repeat_digit"}],
+            "async": {"max_staleness": 1, "stale_tokens": stale_tokens},
+        }
+    )
+    bucket = open_bucket(f"file://{tmp_path / 'bucket'}")
+    trainer = Trainer.initial(Policy.load(str(tiny_model_dir)), run_config)
+    _, sha = write_version(bucket, RUN, 0, trainer.version_files(0), {"step": 0, "base_version": -1})
+    groups = [GroupRef(group_id=f"{TASK}.0", prompt_index=0)]
+    offers = PublishedAtRead(published, at=3)
+    proxy = RecordingProxy(manifest_sha256=sha)
+    context = TaskContext(
+        run=RUN,
+        config=run_config,
+        prompts=PROMPTS,
+        bucket=bucket,
+        client=proxy,
+        backend=TransformersBackend(str(tiny_model_dir)),
+        adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
+        worker_id="gen-1",
+        version_offers=offers,
+    )
+    task = GenerateTask(context, TASK, groups)
+    if not stops:
+        assert task.run().status == "admitted"
+        assert len(proxy.submissions) == 1
+        # under "drop" the window was watched at every decode step and held; under "mask" it is not watched
+        assert (offers.reads >= 3) == (stale_tokens == "drop"), offers.reads
+        return
+    with pytest.raises(LeftWindow, match="v2 was published"):
+        task.run()
+    assert isinstance(LeftWindow("x"), Interrupted), "handed back to the queue like a stop"
+    assert proxy.submissions == [] and proxy.releases == ["lease-1"], "the lease is let go at once"
+    assert bucket.head(bucket_keys.rollout_key(RUN, TASK)) is None
+    assert PartialStore(bucket, RUN).load(0) is None, "nothing saved: its tokens would be discarded"

@@ -39,11 +39,24 @@ class StagedVersion:
 
 
 class VersionOffers:
-    """The newest staged version of each run, from the prefetcher's thread to a sampling task's. Thread-safe."""
+    """The newest staged version of each run, from the prefetcher's thread to a sampling task's; and the newest
+    version the prefetcher heard the proxy publish, before it downloads it (``published``). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._offers: dict[str, StagedVersion] = {}
+        self._published: dict[str, int] = {}
+
+    def heard(self, run: str, version: int) -> None:
+        """The proxy answered ``version`` as ``run``'s current one (versions only go up)."""
+        with self._lock:
+            self._published[run] = max(version, self._published.get(run, -1))
+
+    def published(self, run: str) -> int | None:
+        """The newest version heard of for ``run`` (None: none yet). A task whose oldest token it left more than
+        ``max_staleness`` behind is refused (``worker.generate.partial.TaskCheckpoints``)."""
+        with self._lock:
+            return self._published.get(run)
 
     def offer(self, staged: StagedVersion) -> None:
         """Offer ``staged`` (replacing an older offer of its run: a task follows the newest only)."""

@@ -37,7 +37,7 @@ from worker.generate.agent import (
 )
 from worker.generate.backend import FedPrompts, GenerationBackend, GenerationResult, Message, chat_messages, fed_prompts
 from worker.generate.inflight import Follower
-from worker.generate.partial import PartialStore, Resumption, TaskCheckpoints, resume
+from worker.generate.partial import PartialStore, Resumption, StaleWatch, TaskCheckpoints, resume
 from worker.generate.task_context import LeaseRenewer, TaskContext, release_quietly
 
 log = structlog.get_logger()
@@ -218,6 +218,12 @@ class GenerateTask:
         store = PartialStore(context.bucket, context.run)
         prompt_ids = context.backend.tokenize(fed.of(self.kept), add_special_tokens=fed.add_special_tokens)
         self.resumption = resume(store, self.kept, prompt_ids, self.config, version)
+        window = self.config.async_
+        watch = None
+        offers, run = context.version_offers, context.run
+        if window.stale_tokens == "drop" and offers is not None:  # with "mask" a stale token is masked, not refused
+            oldest = self.resumption.oldest_version(version)
+            watch = StaleWatch(lambda: offers.published(run), oldest, window.max_staleness)
         self.checkpoints = TaskCheckpoints(
             store,
             groups=self.kept,
@@ -227,6 +233,7 @@ class GenerateTask:
             worker_id=context.worker_id,
             every_s=self.config.async_.partial_save_every_s,
             stop=context.stop,
+            watch=watch,
         )
 
     def sample(self, adapter: str, fed: FedPrompts, follower: Follower | None = None) -> GenerationResult:

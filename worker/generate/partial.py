@@ -47,6 +47,12 @@ class Interrupted(BaseException):
     the task going)."""
 
 
+class LeftWindow(Interrupted):
+    """A task's sampling stopped because a version newer than its oldest token by more than ``max_staleness`` was
+    published (``async.stale_tokens = "drop"``): the proxy would refuse its rollout as stale, so the task goes
+    back to its queue at once and is sampled again under the new version, rather than finished and dropped."""
+
+
 class StopRequest:
     """A stop asked of the running task: the worker's SIGTERM handler (``worker.process.preemption``) sets
     ``requested``, a task that samples reads it at every decode step. Plain state, so that neither side calls
@@ -190,6 +196,11 @@ class Resumption:
     def any(self) -> bool:
         return bool(self.by_group)
 
+    def oldest_version(self, leased_version: int) -> int:
+        """The oldest token of a task that continues these sequences and samples the rest under ``leased_version``."""
+        versions = (min(s.versions) for group in self.partials for s in group if s is not None and s.versions)
+        return min(leased_version, min(versions, default=leased_version))
+
 
 def resume(
     store: PartialStore,
@@ -222,9 +233,28 @@ def resume(
     return Resumption(partials, by_group, discarded)
 
 
+class StaleWatch:
+    """Whether a task's rollout already left the window: ``published()`` (the newest version the worker heard of)
+    is more than ``max_staleness`` ahead of the task's oldest token. Asked at every decode step: cheap."""
+
+    def __init__(self, published: Callable[[], int | None], oldest_version: int, max_staleness: int) -> None:
+        self.published = published
+        self.oldest_version = oldest_version
+        self.max_staleness = max_staleness
+
+    def left(self) -> int | None:
+        """The published version the task's rollout is too old for (None: it is still in the window)."""
+        newest = self.published()
+        if newest is None or newest - self.oldest_version <= self.max_staleness:
+            return None
+        return newest
+
+
 class TaskCheckpoints:
     """A task's ``Checkpoints`` (``worker.generate.backend``): every ``every_s`` seconds, and at a stop request,
-    each group's sequences so far are saved; after a save at a stop request, ``Interrupted`` is raised."""
+    each group's sequences so far are saved; after a save at a stop request, ``Interrupted`` is raised. With a
+    ``watch`` (``stale_tokens = "drop"``), a task whose rollout left the window saves nothing (its tokens could
+    not be continued) and raises ``LeftWindow``."""
 
     def __init__(
         self,
@@ -237,6 +267,7 @@ class TaskCheckpoints:
         worker_id: str,
         every_s: float,
         stop: StopRequest | None = None,
+        watch: StaleWatch | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -247,14 +278,27 @@ class TaskCheckpoints:
         self.worker_id = worker_id
         self.every_s = every_s
         self.stop = stop
+        self.watch = watch
         self.clock = clock
         self.last = clock()
         self.saves = 0
 
     def due(self) -> bool:
-        return (self.stop is not None and self.stop.requested) or self.clock() - self.last >= self.every_s
+        if self.stop is not None and self.stop.requested:
+            return True
+        return self.clock() - self.last >= self.every_s or (self.watch is not None and self.watch.left() is not None)
 
     def save(self, sequences: list[PartialSequence]) -> None:
+        watch = self.watch
+        newer = watch.left() if watch is not None else None
+        if watch is not None and newer is not None:  # before a stop request's save too: these tokens are lost
+            log.warning(
+                "generate.task_left_window", task_id=self.task_id, oldest_version=watch.oldest_version, published=newer
+            )
+            raise LeftWindow(
+                f"task {self.task_id} stopped: v{newer} was published, more than max_staleness="
+                f"{watch.max_staleness} ahead of its oldest token (v{watch.oldest_version})"
+            )
         expected = len(self.groups) * self.samples_per_prompt
         if len(sequences) != expected:
             raise ValueError(f"{len(sequences)} sequences saved for {len(self.groups)} groups; expected {expected}")

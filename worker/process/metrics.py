@@ -107,6 +107,11 @@ GENERATE_BACKPRESSURE_SECONDS = _histogram(
     "Time a generate worker sat idle between tasks (the proxy held back work because the buffer was full).",
 )
 GENERATE_TOKENS = _counter("asyncgrpo_generate_tokens", "Completion tokens generated.")
+GENERATE_TASKS_LEFT_WINDOW = _counter(
+    "asyncgrpo_generate_tasks_left_window",
+    "Generate tasks stopped mid-sampling and handed back because a published version left their oldest token "
+    'out of the window (async.stale_tokens = "drop"): sampled again under it, not finished and refused.',
+)
 GENERATE_TOKENS_RESUMED = _counter(
     "asyncgrpo_generate_tokens_resumed",
     "Completion tokens continued from partial sequences an interrupted task saved (async.partial_rollouts), "
@@ -331,6 +336,11 @@ def observe_error(kind: str) -> None:
         log.warning("worker.metrics_unknown_error_kind", kind=kind, known=list(ERROR_KINDS))
         kind = "other"
     WORKER_ERRORS.labels(kind=kind).inc()
+
+
+def observe_left_window() -> None:
+    """Count one generate task handed back because its rollout left the window while it sampled."""
+    GENERATE_TASKS_LEFT_WINDOW.inc()
 
 
 def observe_idle(role: str, seconds: float) -> None:

@@ -420,6 +420,8 @@ class AdapterPrefetcher:
             if latest.version <= after or latest.manifest_sha256 is None or self._stop.is_set():
                 failures = 0
                 continue  # the wait ran out with nothing new (or no version yet): poll again
+            if self.offers is not None:  # heard before the download: a task sampling may stop at once
+                self.offers.heard(latest.run, latest.version)
             try:
                 self.load(latest)
             except Exception as error:  # any failure is logged and retried; the task path still works

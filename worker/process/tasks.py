@@ -40,7 +40,7 @@ from asyncgrpo.protocol.schemas import (
 from worker.generate.agent import AgentSetupError
 from worker.generate.evals import EvalTask
 from worker.generate.job import GenerateTask
-from worker.generate.partial import Interrupted
+from worker.generate.partial import Interrupted, LeftWindow
 from worker.generate.task_context import TaskContext
 from worker.generate.tool_process import ToolSetupError
 from worker.model.reward_models import RewardModelError
@@ -201,6 +201,8 @@ def _task_scope(role: str, runtime: WorkerRuntime, task_name: str) -> Iterator[N
         # Straight back to the queue: another worker redoes it (tasks are idempotent by id), continuing the
         # partial sequences an interrupted generate task saved.
         log.warning("worker.task_handed_back", task=task_name, reason=str(error))
+        if isinstance(error, LeftWindow):
+            worker_metrics.observe_left_window()
         raise Reject(str(error), requeue=True) from error
     except SETUP_ERRORS as error:
         # Only a run created after this worker started gets here (its first task loads them): hand the task back

@@ -15,9 +15,13 @@ from asyncgrpo.protocol.schemas import GroupRef
 from asyncgrpo.run.config import RunConfig
 from tests.support.fixtures_model import random_adapter
 from worker.generate.backend import PartialSequence
+from worker.generate.inflight import VersionOffers
 from worker.generate.partial import (
     Interrupted,
+    LeftWindow,
     PartialStore,
+    Resumption,
+    StaleWatch,
     StopRequest,
     StoredPartial,
     TaskCheckpoints,
@@ -262,3 +266,44 @@ def test_checkpoints_save_at_the_default_interval_and_at_once_at_a_stop(tmp_path
     assert resumed.partials[0][0] == PartialSequence([4, 5], [-0.1, -0.2], [5, 5])
     store.clear([3, 8])
     assert store.load(3) is None and store.load(8) is None
+
+
+def test_a_version_past_the_window_of_the_oldest_token_stops_the_task_unsaved(tmp_path: Path) -> None:
+    """max_staleness 1, oldest token v4: v5 heard keeps the task going; v6 makes it due at once (long before the
+    save interval) and its save stores nothing and raises ``LeftWindow``, a hand-back, even at a stop request."""
+    offers = VersionOffers()
+    watch = StaleWatch(lambda: offers.published("r"), oldest_version=4, max_staleness=1)
+    store = PartialStore(open_bucket(f"file://{tmp_path}"), "r")
+    stop = StopRequest()
+    checkpoints = TaskCheckpoints(
+        store,
+        groups=[GroupRef(group_id="g0", prompt_index=3)],
+        prompt_ids=[[1, 2]],
+        samples_per_prompt=1,
+        task_id="t-1",
+        worker_id="gen-1",
+        every_s=10.0,
+        stop=stop,
+        watch=watch,
+        clock=Clock(),
+    )
+    assert watch.left() is None and not checkpoints.due(), "no version heard yet"
+    offers.heard("r", 5)
+    offers.heard("other-run", 9)
+    assert watch.left() is None and not checkpoints.due(), "v5 - v4 <= max_staleness"
+    offers.heard("r", 6)
+    offers.heard("r", 3)  # an older answer never moves it back
+    assert offers.published("r") == 6 and watch.left() == 6 and checkpoints.due()
+    stop.requested = True
+    with pytest.raises(LeftWindow, match="v6 was published") as raised:
+        checkpoints.save([PartialSequence([4], [-0.1], [4])])
+    assert isinstance(raised.value, Interrupted), "handed back like a stop"
+    assert checkpoints.saves == 0 and store.load(3) is None
+
+
+def test_the_oldest_token_of_a_task_counts_its_continued_sequences() -> None:
+    old = PartialSequence([4, 5], [-0.1, -0.2], [3, 4])
+    assert Resumption([[None, None]], {}, 0).oldest_version(7) == 7
+    assert Resumption([[old, None], [None, None]], {"g0": 2}, 0).oldest_version(7) == 3
+    newer_than_lease = PartialSequence([4], [-0.1], [9])  # never continued (unfit_reason), never lowers it
+    assert Resumption([[newer_than_lease]], {"g0": 1}, 0).oldest_version(7) == 7
