@@ -369,6 +369,8 @@ def summarize_system(
         "generate_tasks_stale": len(stale_events),
         # Sampled, then thrown away as stale: their prompts are generated again.
         "regenerated_tokens": sum(int(e.get("tokens", 0)) for e in stale_events),
+        # Stopped mid-sampling once out of the window (stale_tokens = "drop"), sampled again under the new version.
+        "tasks_left_window": sum(len(_log_events(p, "generate.task_left_window")) for p in logs.glob("generate-*.log")),
     }
 
 

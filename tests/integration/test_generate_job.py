@@ -290,23 +290,29 @@ class PublishedAtRead(VersionOffers):
 
 
 @pytest.mark.parametrize(
-    ("stale_tokens", "published", "stops"),
-    [("drop", 2, True), ("drop", 1, False), ("mask", 2, False)],
-    ids=["out-of-the-window", "within-the-window", "masked"],
+    ("stale_tokens", "published", "partials", "stops"),
+    [("drop", 2, True, True), ("drop", 2, False, True), ("drop", 1, True, False), ("mask", 2, True, False)],
+    ids=["out-of-the-window", "out-of-the-window-no-partial-rollouts", "within-the-window", "masked"],
 )
 def test_a_task_whose_rollout_leaves_the_window_stops_and_goes_back_unsaved(
-    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None, stale_tokens: str, published: int, stops: bool
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    one_torch_thread: None,
+    stale_tokens: str,
+    published: int,
+    partials: bool,
+    stops: bool,
 ) -> None:
     """Leased on v0 with max_staleness 1, the task hears of ``published`` after a few decode steps. With
     ``stale_tokens = "drop"`` and v2 its rollout would be refused: it stops at once, saves nothing (those
-    tokens could not be continued), lets its lease go and goes back to its queue. v1 is still in the window, and
-    under "mask" old tokens are masked rather than refused: both tasks finish and submit."""
+    tokens could not be continued), lets its lease go and goes back to its queue, with partial rollouts off too.
+    v1 is still in the window, and under "mask" old tokens are masked rather than refused: both tasks finish."""
     run_config = RunConfig.model_validate(
         {
             "dataset": {"answer_column": "answer"},
             "sampling": {"samples_per_prompt": 2, "max_completion_length": 16},
             "rewards": [{"name": "repeat_digit"}],
-            "async": {"max_staleness": 1, "stale_tokens": stale_tokens},
+            "async": {"max_staleness": 1, "stale_tokens": stale_tokens, "partial_rollouts": partials},
         }
     )
     bucket = open_bucket(f"file://{tmp_path / 'bucket'}")

@@ -10,6 +10,7 @@ task id at most once. A task interrupted while it sampled saved its unfinished s
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -210,20 +211,24 @@ class GenerateTask:
         return context.follower()
 
     def partial_rollouts(self, fed: FedPrompts, version: int) -> None:
-        """``async.partial_rollouts`` on a backend that can: the saved sequences of the kept groups that this task
-        continues (``resumption``), and where it saves its own while it samples (``checkpoints``)."""
-        context = self.context
-        if not self.config.async_.partial_rollouts or not context.backend.continues_partials:
+        """On a backend that continues partial sequences: with ``async.partial_rollouts``, the saved sequences of
+        the kept groups that this task continues (``resumption``) and where it saves its own while it samples;
+        with ``stale_tokens = "drop"``, the watch that stops the task once its rollout left the window (both in
+        ``checkpoints``, asked at every decode step)."""
+        context, window = self.context, self.config.async_
+        if not context.backend.continues_partials:
             return
         store = PartialStore(context.bucket, context.run)
         prompt_ids = context.backend.tokenize(fed.of(self.kept), add_special_tokens=fed.add_special_tokens)
-        self.resumption = resume(store, self.kept, prompt_ids, self.config, version)
-        window = self.config.async_
+        if window.partial_rollouts:
+            self.resumption = resume(store, self.kept, prompt_ids, self.config, version)
         watch = None
         offers, run = context.version_offers, context.run
         if window.stale_tokens == "drop" and offers is not None:  # with "mask" a stale token is masked, not refused
-            oldest = self.resumption.oldest_version(version)
+            oldest = self.resumption.oldest_version(version) if self.resumption is not None else version
             watch = StaleWatch(lambda: offers.published(run), oldest, window.max_staleness)
+        if not window.partial_rollouts and watch is None:
+            return
         self.checkpoints = TaskCheckpoints(
             store,
             groups=self.kept,
@@ -231,8 +236,9 @@ class GenerateTask:
             samples_per_prompt=self.config.sampling.samples_per_prompt,
             task_id=self.task_id,
             worker_id=context.worker_id,
-            every_s=self.config.async_.partial_save_every_s,
-            stop=context.stop,
+            # without partial rollouts nothing is saved: the checkpoints only watch the window
+            every_s=window.partial_save_every_s if window.partial_rollouts else math.inf,
+            stop=context.stop if window.partial_rollouts else None,
             watch=watch,
         )
 
@@ -244,8 +250,8 @@ class GenerateTask:
             partial["checkpoints"] = self.checkpoints
         if self.resumption is not None and self.resumption.any:
             partial["partials"] = self.resumption.partials
-        stop = self.context.stop
-        with stop.cooperating() if stop is not None and self.checkpoints is not None else nullcontext():
+        stop = self.checkpoints.stop if self.checkpoints is not None else None
+        with stop.cooperating() if stop is not None else nullcontext():
             return self.context.backend.generate(
                 fed.of(self.kept),
                 adapter=adapter,
