@@ -330,6 +330,8 @@ def summarize_system(
     staleness = [s for record in window for s in record.staleness_per_sample()]
     token_means = [r.token_staleness_mean for r in window if r.token_staleness_mean is not None]
     stale_events = [e for e in generate_events if e.get("status") == "stale"]
+    # Stopped mid-sampling once out of the window (stale_tokens = "drop"), sampled again under the new version.
+    left_window = [e for p in logs.glob("generate-*.log") for e in _log_events(p, "generate.task_left_window")]
     rewards = [r.reward_mean for r in records if r.reward_mean is not None]
     trained_steps = [e for e in optimize_events if "step_s" in e]
     gen_timings = [e.get("timings", {}) for e in generate_events if e.get("status") == "admitted"]
@@ -367,10 +369,9 @@ def summarize_system(
         },
         "generate_tasks": len(generate_events),
         "generate_tasks_stale": len(stale_events),
-        # Sampled, then thrown away as stale: their prompts are generated again.
-        "regenerated_tokens": sum(int(e.get("tokens", 0)) for e in stale_events),
-        # Stopped mid-sampling once out of the window (stale_tokens = "drop"), sampled again under the new version.
-        "tasks_left_window": sum(len(_log_events(p, "generate.task_left_window")) for p in logs.glob("generate-*.log")),
+        # Sampled, then thrown away as stale (at submission, or at a stop out of the window): generated again.
+        "regenerated_tokens": sum(int(e.get("tokens", 0)) for e in stale_events + left_window),
+        "tasks_left_window": len(left_window),
     }
 
 

@@ -293,7 +293,11 @@ class TaskCheckpoints:
         newer = watch.left() if watch is not None else None
         if watch is not None and newer is not None:  # before a stop request's save too: these tokens are lost
             log.warning(
-                "generate.task_left_window", task_id=self.task_id, oldest_version=watch.oldest_version, published=newer
+                "generate.task_left_window",
+                task_id=self.task_id,
+                oldest_version=watch.oldest_version,
+                published=newer,
+                tokens=sum(len(row.token_ids) for row in sequences),  # thrown away, sampled again
             )
             raise LeftWindow(
                 f"task {self.task_id} stopped: v{newer} was published, more than max_staleness="

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from asyncgrpo.bucket import layout as bucket_keys
 from asyncgrpo.bucket.backends import open_bucket
@@ -295,9 +296,11 @@ def test_a_version_past_the_window_of_the_oldest_token_stops_the_task_unsaved(tm
     offers.heard("r", 3)  # an older answer never moves it back
     assert offers.published("r") == 6 and watch.left() == 6 and checkpoints.due()
     stop.requested = True
-    with pytest.raises(LeftWindow, match="v6 was published") as raised:
-        checkpoints.save([PartialSequence([4], [-0.1], [4])])
+    with capture_logs() as events, pytest.raises(LeftWindow, match="v6 was published") as raised:
+        checkpoints.save([PartialSequence([4, 5], [-0.1, -0.2], [4, 4])])
     assert isinstance(raised.value, Interrupted), "handed back like a stop"
+    (stopped,) = [e for e in events if e["event"] == "generate.task_left_window"]
+    assert (stopped["published"], stopped["oldest_version"], stopped["tokens"]) == (6, 4, 2), "the tokens lost"
     assert checkpoints.saves == 0 and store.load(3) is None
 
 
