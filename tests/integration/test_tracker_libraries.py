@@ -41,6 +41,12 @@ def _forward_two_sessions(tracker: str, config: RunConfig, redis_client: redis.R
     def cursor() -> int:
         return int(redis_client.hget(keys.tracking, f"{tracker}:step") or 0)
 
+    def stop(forwarder: Forwarder) -> None:
+        # The tracker's run is finished (its offline log complete) before anything reads it: a loaded machine
+        # can take longer than the default stop timeout, which only bounds a proxy's shutdown.
+        forwarder.stop()
+        wait_until(lambda: not any(f.alive() for f in forwarder.followers), "the tracker run to finish")
+
     def start() -> tuple[CollectorRegistry, Forwarder]:
         registry = CollectorRegistry()
         return registry, start_forwarding(
@@ -54,11 +60,11 @@ def _forward_two_sessions(tracker: str, config: RunConfig, redis_client: redis.R
     wait_until(lambda: redis_client.hexists(keys.tracking, f"{tracker}:eval:2"), "steps 1-3 and both evals sent")
     publish_step(redis_client, bucket, 4)
     wait_until(lambda: cursor() == 4, "step 4 sent")
-    forwarder.stop()
+    stop(forwarder)
     publish_step(redis_client, bucket, 5)
     registry, forwarder = start()
     wait_until(lambda: cursor() == 5, "step 5 sent by the restarted forwarder")
-    forwarder.stop()
+    stop(forwarder)
     assert registry.get_sample_value("asyncgrpo_tracker_errors_total", {"tracker": tracker}) == 0
 
 
