@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,6 +98,29 @@ def bucket_with_v0(tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None)
     return bucket, manifest_sha
 
 
+def job_context(
+    run_config: RunConfig,
+    bucket: Bucket,
+    proxy: RecordingProxy,
+    backend: TransformersBackend,
+    cache_dir: Path,
+    worker: str = "gen-1",
+    **parts: Any,
+) -> TaskContext:
+    """A generate task's parts as a worker has them, with the recording proxy (``parts``: the optional ones)."""
+    return TaskContext(
+        run=RUN,
+        config=run_config,
+        prompts=PROMPTS,
+        bucket=bucket,
+        client=proxy,
+        backend=backend,
+        adapter_cache=AdapterCache(bucket, RUN, cache_dir, capacity=2),
+        worker_id=worker,
+        **parts,
+    )
+
+
 def test_generate_sends_typed_messages_that_match_its_rollout(
     bucket_with_v0: tuple[Bucket, str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -110,16 +134,7 @@ def test_generate_sends_typed_messages_that_match_its_rollout(
     ]
 
     def generate() -> GenerateResult:
-        context = TaskContext(
-            run=RUN,
-            config=config(),
-            prompts=PROMPTS,
-            bucket=bucket,
-            client=proxy,
-            backend=TransformersBackend(str(tiny_model_dir)),
-            adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
-            worker_id="gen-1",
-        )
+        context = job_context(config(), bucket, proxy, TransformersBackend(str(tiny_model_dir)), tmp_path / "cache")
         return GenerateTask(context, TASK, groups).run()
 
     first = generate()
@@ -157,17 +172,8 @@ def test_math_verify_scores_with_the_verifier_of_the_tasks_context(
     groups = [GroupRef(group_id=f"{TASK}.0", prompt_index=0), GroupRef(group_id=f"{TASK}.1", prompt_index=1)]
 
     def generate(task: str, verifier: MathVerifier | None) -> GenerateResult:
-        context = TaskContext(
-            run=RUN,
-            config=config("math_verify"),
-            prompts=PROMPTS,
-            bucket=bucket,
-            client=RecordingProxy(manifest_sha256=manifest_sha),
-            backend=backend,
-            adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
-            worker_id="gen-1",
-            math_verifier=verifier,
-        )
+        proxy = RecordingProxy(manifest_sha256=manifest_sha)
+        context = job_context(config("math_verify"), bucket, proxy, backend, tmp_path / "cache", math_verifier=verifier)
         return GenerateTask(context, task, groups).run()
 
     with pytest.raises(RewardError, match="'math_verify' needs a MathVerifier"):
@@ -221,17 +227,7 @@ def test_an_interrupted_task_saves_its_sequences_and_the_next_one_continues_them
     groups = [GroupRef(group_id=f"{TASK}.0", prompt_index=0), GroupRef(group_id=f"{TASK}.1", prompt_index=1)]
 
     def task(worker: str, version: int, proxy: RecordingProxy, stop: StopAtCall | None) -> GenerateTask:
-        context = TaskContext(
-            run=RUN,
-            config=run_config,
-            prompts=PROMPTS,
-            bucket=bucket,
-            client=proxy,
-            backend=backend,
-            adapter_cache=AdapterCache(bucket, RUN, tmp_path / f"cache-{worker}", capacity=2),
-            worker_id=worker,
-            stop=stop,
-        )
+        context = job_context(run_config, bucket, proxy, backend, tmp_path / f"cache-{worker}", worker, stop=stop)
         return GenerateTask(context, TASK, groups)
 
     first_proxy = RecordingProxy(manifest_sha256=shas[0])
@@ -321,17 +317,8 @@ def test_a_task_whose_rollout_leaves_the_window_stops_and_goes_back_unsaved(
     groups = [GroupRef(group_id=f"{TASK}.0", prompt_index=0)]
     offers = PublishedAtRead(published, at=3)
     proxy = RecordingProxy(manifest_sha256=sha)
-    context = TaskContext(
-        run=RUN,
-        config=run_config,
-        prompts=PROMPTS,
-        bucket=bucket,
-        client=proxy,
-        backend=TransformersBackend(str(tiny_model_dir)),
-        adapter_cache=AdapterCache(bucket, RUN, tmp_path / "cache", capacity=2),
-        worker_id="gen-1",
-        version_offers=offers,
-    )
+    backend = TransformersBackend(str(tiny_model_dir))
+    context = job_context(run_config, bucket, proxy, backend, tmp_path / "cache", version_offers=offers)
     task = GenerateTask(context, TASK, groups)
     if not stops:
         assert task.run().status == "admitted"
